@@ -1,0 +1,29 @@
+# `make demo` and `make test` work on a fresh machine: they create .venv and install everything.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is pinned for dev/CI (a CPU build lies on this machine's disk); pyproject admits a range.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test venv bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e ".[test,bench]"
+	touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/msdata-server demo
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+bench: venv
+	$(BIN)/python bench/transport.py --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,328 @@
+"""DataClient: what a trainer rank imports. Attaches to its node server, registers the job and its rank,
+and yields micro-batches as torch tensors mapped straight from shared memory (no copy).
+
+A batch's slot returns to the ring when the batch's last tensor is garbage-collected (a finalizer on the
+mapping sends the release) or at once with ``release(batch)``; never because the next batch was asked for.
+Views are private copy-on-write mappings: writable, and writes never reach other readers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from collections import deque
+
+import torch
+
+from ._paths import ENDPOINT_ENV, default_endpoint
+from .errors import (
+    CheckpointError,
+    ClosedError,
+    ConfigError,
+    ConnectError,
+    PeerLostError,
+    ProtocolError,
+    RemoteError,
+)
+from .graph import DGraph, JobSpec
+from .ring import FieldLayout, MappedBatch
+from .wire import PROTOCOL_VERSION, FrameReader, encode, recv_into_reader
+
+__all__ = ["Batch", "DataClient"]
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+_ERRORS = {"ConfigError": ConfigError, "CheckpointError": CheckpointError, "ProtocolError": ProtocolError}
+
+
+class Batch(dict):
+    """A micro-batch: dict[str, torch.Tensor] whose tensors view one ring slot."""
+
+    __slots__ = ("_finalizer", "__weakref__")
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={v!r} must be an integer") from None
+
+
+class DataClient:
+    """Iterate a job's micro-batches for one rank (see DESIGN.md 4.2)."""
+
+    def __init__(self, job: DGraph | JobSpec, endpoint: str | None = None, rank: int | None = None,
+                 world_size: int | None = None, *, connect_timeout: float = 60.0):
+        if isinstance(job, DGraph):
+            spec = job.spec
+        elif isinstance(job, JobSpec):
+            spec = job
+        else:
+            raise ConfigError(f"job must be a DGraph or JobSpec, not {type(job).__name__}; "
+                              "use msd.DGraph.from_toml('job.toml')")
+        self.spec = spec
+        self._job_dict = spec.to_dict()
+        self._digest = spec.digest()
+        self.endpoint = endpoint or os.environ.get(ENDPOINT_ENV) or default_endpoint()
+        ws = spec.mesh.world_size
+        if world_size is None:
+            world_size = _env_int("WORLD_SIZE")
+        if rank is None:
+            rank = _env_int("RANK")
+        if rank is None and world_size is None and ws == 1:
+            rank, world_size = 0, 1
+        if rank is None or world_size is None:
+            raise ConfigError("rank and world_size are unknown: pass rank=/world_size= or set RANK and WORLD_SIZE "
+                              "(torchrun sets them)")
+        if world_size != ws:
+            raise ConfigError(f"{world_size=} does not match the job's mesh {spec.mesh.to_dict()} "
+                              f"(world size {ws}); fix [mesh] or WORLD_SIZE")
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"{rank=} is outside 0..{world_size - 1}")
+        if connect_timeout <= 0:
+            raise ConfigError(f"{connect_timeout=} must be > 0 seconds")
+        self.rank = rank
+        self.world_size = world_size
+        self.connect_timeout = float(connect_timeout)
+        self._step = 0
+        self._micro = 0
+        self._sock: socket.socket | None = None
+        self._reader = FrameReader()
+        self._rings: dict[int, int] = {}  # ring id -> descriptor
+        self._gen = 0  # connection generation: releases from an older connection are void
+        self._releases: deque[tuple[int, int, int]] = deque()
+        self._send_lock = threading.Lock()
+        self._iterating = False
+        self._closed = False
+        self.node: str | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def __enter__(self) -> "DataClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            try:
+                self._drop_connection()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        """Disconnect; the server frees every slot this rank still held. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None:
+            try:
+                with self._send_lock:
+                    self._sock.sendall(encode({"t": "bye"}))
+            except OSError:
+                pass
+        self._drop_connection()
+
+    def _drop_connection(self) -> None:
+        self._gen += 1
+        self._releases.clear()
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+        for fd in self._rings.values():
+            os.close(fd)
+        self._rings.clear()
+        self._reader.close_fds()
+        self._reader = FrameReader()
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's position: small and JSON-serialisable; store it in the trainer checkpoint."""
+        return {
+            "version": STATE_VERSION,
+            "job": self.spec.name,
+            "data_digest": self.spec.data_digest(),
+            "position": {"step": self._step, "micro": self._micro},
+            "micro_batches": self.spec.micro_batches,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position; call before iterating."""
+        if self._iterating:
+            raise CheckpointError("load_state_dict after iteration started; call it before the first next()")
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise CheckpointError(f"state version {state.get('version') if isinstance(state, dict) else None!r} is not "
+                                  f"{STATE_VERSION}; it was saved by another msdata version")
+        if state.get("data_digest") != self.spec.data_digest():
+            raise CheckpointError(f"state belongs to job {state.get('job')!r} with another data identity (name, seed, "
+                                  "sources, transforms, mixture or cost differ); load it into the job that saved it")
+        try:
+            pos = state["position"]
+            step, micro = int(pos["step"]), int(pos["micro"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError("state has no valid 'position' {step, micro}; it is truncated or malformed") from None
+        if step < 0 or micro < 0:
+            raise CheckpointError(f"state position {pos} is negative")
+        if micro >= self.spec.micro_batches:
+            step, micro = step + micro // self.spec.micro_batches, micro % self.spec.micro_batches
+        self._step, self._micro = step, micro
+
+    # ---- iteration -----------------------------------------------------------------------------------------
+    def __iter__(self) -> "DataClient":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._closed:
+            raise ClosedError("DataClient is closed; create a new one to read more")
+        self._iterating = True
+        if self._sock is None:
+            self._connect()
+        while True:
+            frame = self._recv_frame()
+            t = frame["t"]
+            if t == "batch":
+                return self._make_batch(frame)
+            self._control(frame)
+
+    def release(self, batch: Batch) -> None:
+        """Return the batch's slot now (its tensors must not be used afterwards)."""
+        fin = getattr(batch, "_finalizer", None)
+        if fin is None:
+            raise ValueError("release() takes a batch that this DataClient yielded")
+        fin()
+
+    def _make_batch(self, frame: dict) -> Batch:
+        ring, slot = int(frame["ring"]), int(frame["slot"])
+        fd = self._rings.get(ring)
+        if fd is None:
+            raise ProtocolError(f"batch in unknown ring {ring}")
+        fields = [FieldLayout.from_wire(f) for f in frame["fields"]]
+        mb = MappedBatch(fd, int(frame["base"]), fields)
+        batch = Batch()
+        for name, arr in mb.arrays.items():
+            batch[name] = torch.from_numpy(arr)
+        step, micro = int(frame["step"]), int(frame["micro"])
+        batch["step"] = torch.tensor(step, dtype=torch.int64)
+        batch["micro"] = torch.tensor(micro, dtype=torch.int64)
+        batch._finalizer = weakref.finalize(mb.mm, _release_cb, weakref.ref(self), ring, slot, self._gen)
+        del mb
+        micro += 1
+        if micro >= self.spec.micro_batches:
+            step, micro = step + 1, 0
+        self._step, self._micro = step, micro
+        return batch
+
+    def _queue_release(self, ring: int, slot: int, gen: int) -> None:
+        if gen != self._gen or self._closed:
+            return  # that connection is gone: the server already took the slot back
+        self._releases.append((ring, slot, gen))
+        self._flush_releases()
+
+    def _flush_releases(self) -> None:
+        # A finalizer may run inside another send on this thread: never block on the lock, the holder flushes.
+        while self._releases:
+            if not self._send_lock.acquire(blocking=False):
+                return
+            try:
+                items = []
+                while self._releases:
+                    r, s, g = self._releases.popleft()
+                    if g == self._gen:
+                        items.append([r, s])
+                if items and self._sock is not None:
+                    try:
+                        self._sock.sendall(encode({"t": "release", "s": items}))
+                    except OSError:
+                        pass  # the reconnect path re-registers; the server freed our slots
+            finally:
+                self._send_lock.release()
+
+    def _control(self, frame: dict) -> None:
+        t = frame["t"]
+        if t == "welcome":
+            self._add_rings(frame["rings"], frame.get("fds", 0))
+            self.node = frame.get("node")
+        elif t == "ring":
+            self._add_rings([frame["ring"]], frame.get("fds", 0))
+        elif t == "unring":
+            fd = self._rings.pop(int(frame["ring"]), None)
+            if fd is not None:
+                os.close(fd)  # live mappings stay valid: mmap holds its own reference
+        elif t == "error":
+            kind, msg = frame.get("kind", "error"), frame.get("message", "")
+            self._drop_connection()
+            self._closed = True
+            raise _ERRORS.get(kind, RemoteError)(msg) if kind in _ERRORS else RemoteError(msg, kind)
+        elif t == "shutdown":
+            log.info("msdata server at %s is shutting down; will reconnect", self.endpoint)
+        elif t in ("pong", "status"):
+            pass
+        else:
+            raise ProtocolError(f"unexpected frame {t!r} from the server")
+
+    def _add_rings(self, rings: list, nfds: int) -> None:
+        fds = self._reader.take_fds(nfds)
+        if len(fds) != len(rings):
+            raise ProtocolError(f"{len(rings)} rings announced with {len(fds)} descriptors")
+        for r, fd in zip(rings, fds):
+            old = self._rings.pop(int(r["id"]), None)
+            if old is not None:
+                os.close(old)
+            self._rings[int(r["id"])] = fd
+
+    # ---- connection ----------------------------------------------------------------------------------------
+    def _recv_frame(self) -> dict:
+        while True:
+            frame = self._reader.next_frame()
+            if frame is not None:
+                return frame
+            try:
+                recv_into_reader(self._sock, self._reader)
+            except (PeerLostError, OSError) as e:
+                log.warning("lost the msdata server at %s (%s); reconnecting at step %d micro %d",
+                            self.endpoint, e, self._step, self._micro)
+                self._drop_connection()
+                self._connect()
+
+    def _connect(self) -> None:
+        deadline = time.monotonic() + self.connect_timeout
+        delay = 0.02
+        last: Exception | None = None
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(self.endpoint)
+                break
+            except (FileNotFoundError, ConnectionRefusedError, OSError) as e:
+                s.close()
+                last = e
+                if time.monotonic() + delay > deadline:
+                    raise ConnectError(f"no msdata server answered at {self.endpoint!r} within {self.connect_timeout:.0f}s "
+                                       f"({type(last).__name__}: {last}); start one with `msdata-server serve` or point "
+                                       f"{ENDPOINT_ENV} at its socket") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+        self._sock = s
+        self._reader = FrameReader()
+        hello = {"t": "hello", "v": PROTOCOL_VERSION, "job": self._job_dict, "digest": self._digest,
+                 "rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
+                 "position": {"step": self._step, "micro": self._micro}}
+        with self._send_lock:
+            s.sendall(encode(hello))
+
+
+def _release_cb(client_ref, ring: int, slot: int, gen: int) -> None:
+    client = client_ref()
+    if client is not None:
+        client._queue_release(ring, slot, gen)

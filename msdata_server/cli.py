@@ -1,0 +1,177 @@
+"""`msdata-server`: serve | demo | status | validate | cleanup (DESIGN.md 4.1)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+
+import orjson
+
+from msdata_client._paths import ENDPOINT_ENV, default_endpoint
+
+from .config import load_config
+from .errors import MsdataError
+
+__all__ = ["main"]
+
+log = logging.getLogger("msdata_server")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _cmd_serve(args) -> int:
+    import uvloop
+
+    from .node import NodeServer
+
+    cfg = load_config(args.config)
+    _setup_logging(args.log_level or cfg.node.log_level)
+
+    async def run() -> None:
+        server = NodeServer(cfg)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, server.request_stop)
+        try:
+            await server.start()
+            # the readiness signal: one JSON line on stdout (tests and supervisors wait for it)
+            print(orjson.dumps({"event": "ready", "socket": cfg.node.socket, "pid": os.getpid(),
+                                "node": cfg.node.id, "role": server.role}).decode(), flush=True)
+            await server.serve_forever()
+            log.info("stop requested; draining")
+        finally:
+            await server.aclose()
+
+    uvloop.run(run())
+    return 0
+
+
+def _cmd_status(args) -> int:
+    from msdata_client.wire import FrameReader, encode, recv_into_reader
+
+    endpoint = args.endpoint or os.environ.get(ENDPOINT_ENV) or default_endpoint()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    try:
+        s.connect(endpoint)
+    except OSError as e:
+        print(f"msdata-server status: no server at {endpoint!r} ({e}); is `msdata-server serve` running?", file=sys.stderr)
+        return 2
+    with s:
+        s.sendall(encode({"t": "status"}))
+        r = FrameReader()
+        while (f := r.next_frame()) is None:
+            recv_into_reader(s, r)
+    st = f.get("status", {})
+    if args.json:
+        print(orjson.dumps(st).decode())
+        return 0
+    print(_format_status(st))
+    return 0
+
+
+def _format_status(st: dict) -> str:
+    mem = st.get("memory", {})
+    lines = [f"node {st.get('node')}  role {st.get('role')}  pid {st.get('pid')}  up {st.get('uptime_s', 0):.0f}s  "
+             f"workers {st.get('workers')}  memory PSS {mem.get('total_pss', 0) / 2**20:.1f} MiB",
+             f"socket {st.get('socket')}"]
+    jobs = st.get("jobs", [])
+    if not jobs:
+        lines.append("no jobs")
+    for j in jobs:
+        imb = j.get("imbalance")
+        lines.append(f"job {j['name']} [{j['state']}] ranks {len(j['ranks'])}/{j['world_size']}  steps {j['steps_planned']}  "
+                     f"{j['micro_batches_per_s']:.1f} micro-batches/s  {j['bytes_per_s'] / 1e9:.2f} GB/s  "
+                     f"imbalance {imb if imb is None else f'{imb:.3f}'}")
+        for r in j.get("rings", []):
+            lines.append(f"  ring {r['ring']} group {r['group']}: {r['in_use']}/{r['slots']} slots of {r['slot_size'] >> 10} KiB in use")
+        for name, s in j.get("sources", {}).items():
+            lines.append(f"  source {name}: " + ", ".join(f"{k}={v}" for k, v in s.items() if not isinstance(v, dict)))
+        if j.get("error"):
+            lines.append(f"  error: {j['error']}")
+    return "\n".join(lines)
+
+
+def _cmd_validate(args) -> int:
+    cfg = load_config(args.config)
+    print(f"node config OK: id={cfg.node.id} socket={cfg.node.socket} role={cfg.role}")
+    d = os.path.dirname(cfg.node.socket)
+    if os.path.exists(d) and not os.access(d, os.W_OK):
+        raise MsdataError(f"socket directory {d!r} is not writable by this user; choose another [node] socket")
+    if cfg.cluster is not None and not os.path.exists(cfg.cluster.token_file):
+        raise MsdataError(f"[cluster] token_file {cfg.cluster.token_file!r} does not exist; create it with a shared secret")
+    if args.job:
+        from msdata_client.graph import DGraph
+
+        from .sources import open_source
+
+        spec = DGraph.from_toml(args.job).spec
+        print(f"job config OK: {spec.name} mesh {spec.mesh.to_dict()} seq_len {spec.seq_len}")
+        for s in spec.sources:
+            src = open_source(s, seed=spec.seed)
+            try:
+                print(f"  source {s.name} ({s.format}): {src.num_samples} samples")
+            finally:
+                src.close()
+    return 0
+
+
+def _cmd_cleanup(args) -> int:
+    from .shm import cleanup
+
+    removed, kept = cleanup()
+    for n in removed:
+        print(f"removed {n}")
+    print(f"removed {len(removed)} stale segment(s); kept {len(kept)} of live servers")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    _setup_logging(args.log_level or "WARNING")
+    return run_demo(steps=args.steps, ranks=args.ranks)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="msdata-server", description="msdata node data server")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the node daemon in the foreground")
+    s.add_argument("--config", help="node.toml (default: built-in defaults)")
+    s.add_argument("--log-level", help="override [node] log_level")
+    s.set_defaults(fn=_cmd_serve)
+    d = sub.add_parser("demo", help="run the embedded default job end to end and print a summary")
+    d.add_argument("--steps", type=int, default=40, help="training steps to run")
+    d.add_argument("--ranks", type=int, default=4, help="simulated trainer ranks")
+    d.add_argument("--log-level", help="log level (default WARNING)")
+    d.set_defaults(fn=_cmd_demo)
+    st = sub.add_parser("status", help="show a running server's jobs, ranks, rates and memory")
+    st.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
+    st.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    st.set_defaults(fn=_cmd_status)
+    v = sub.add_parser("validate", help="check configs and data paths without serving")
+    v.add_argument("--config", help="node.toml")
+    v.add_argument("--job", help="job.toml to check too (sources are opened)")
+    v.set_defaults(fn=_cmd_validate)
+    c = sub.add_parser("cleanup", help="remove shared-memory segments whose server is gone")
+    c.set_defaults(fn=_cmd_cleanup)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except MsdataError as e:
+        print(f"msdata-server {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,159 @@
+"""The node configuration (node.toml): frozen, validated at the boundary with messages that say the fix."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field, fields
+
+from msdata_client._paths import default_endpoint
+
+from .errors import ConfigError
+
+__all__ = ["ClusterConfig", "NodeConfig", "ServerConfig", "load_config", "parse_config"]
+
+
+def _check_keys(table: dict, cls, where: str) -> None:
+    allowed = sorted(f.name for f in fields(cls))
+    unknown = sorted(set(table) - set(allowed))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in [{where}]; allowed keys: {allowed}")
+
+
+def _int(where: str, key: str, v, lo: int, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(f"[{where}] {key} = {v!r} must be an integer {rng}")
+    return v
+
+
+def _parse_listen(v: str) -> tuple[str, int]:
+    host, sep, port = str(v).rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f'[node] listen = {v!r} must be "HOST:PORT", e.g. "127.0.0.1:7460" (port 0: any)')
+    return host, int(port)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeConfig:
+    """[node]: this server's identity, endpoints and resources."""
+
+    id: str = field(default_factory=socket.gethostname)
+    socket: str = field(default_factory=default_endpoint)
+    listen: str = "127.0.0.1:0"
+    shm_prefix: str = "msd"
+    workers: int = 2
+    state_dir: str = ""  # default: beside the socket
+    ring_slots: int = 8  # slots per ring; 8-16 lets notices overlap with work (DESIGN.md 8)
+    max_slot_mib: int = 1024  # a batch larger than this is refused with a clear error
+    drain_timeout: float = 10.0  # graceful-shutdown budget before tasks are cancelled
+    log_level: str = "INFO"
+
+    def __post_init__(self):
+        if not self.id or not all(c.isalnum() or c in "-_." for c in self.id):
+            raise ConfigError(f"[node] id = {self.id!r} must be non-empty letters, digits, '-', '_' or '.'")
+        if not self.socket:
+            raise ConfigError("[node] socket must be a path")
+        if len(self.socket.encode()) > 107:
+            raise ConfigError(f"[node] socket = {self.socket!r} is longer than a Unix socket path may be (107 bytes)")
+        host, _ = _parse_listen(self.listen)
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if host != "localhost":
+                raise ConfigError(f"[node] listen host {host!r} must be an IP address or localhost") from None
+        if not self.shm_prefix or not all(c.isalnum() or c in "_" for c in self.shm_prefix) or len(self.shm_prefix) > 16:
+            raise ConfigError(f"[node] shm_prefix = {self.shm_prefix!r} must be 1-16 letters, digits or '_'")
+        _int("node", "workers", self.workers, 0, 1024)
+        _int("node", "ring_slots", self.ring_slots, 2, 1024)
+        _int("node", "max_slot_mib", self.max_slot_mib, 1)
+        if not isinstance(self.drain_timeout, (int, float)) or self.drain_timeout < 0:
+            raise ConfigError(f"[node] drain_timeout = {self.drain_timeout!r} must be a number >= 0 (seconds)")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ConfigError(f"[node] log_level = {self.log_level!r} must be DEBUG, INFO, WARNING or ERROR")
+
+    @property
+    def listen_addr(self) -> tuple[str, int]:
+        return _parse_listen(self.listen)
+
+    @property
+    def state_path(self) -> str:
+        return self.state_dir or os.path.join(os.path.dirname(self.socket), "state")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterConfig:
+    """[cluster]: present only for multi-node operation (etcd membership and election)."""
+
+    etcd: tuple[str, ...] = ()
+    token_file: str = ""
+    lease_ttl: float = 3.0
+    prefix: str = "/msdata"
+
+    def __post_init__(self):
+        if not self.etcd or not all(isinstance(e, str) and e.startswith(("http://", "https://")) for e in self.etcd):
+            raise ConfigError(f'[cluster] etcd = {list(self.etcd)!r} must list endpoints like "http://127.0.0.1:2379"')
+        if not self.token_file:
+            raise ConfigError("[cluster] token_file is required: peers authenticate with the shared secret in it")
+        if not isinstance(self.lease_ttl, (int, float)) or not 1 <= self.lease_ttl <= 60:
+            raise ConfigError(f"[cluster] lease_ttl = {self.lease_ttl!r} must be seconds in [1, 60]")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    node: NodeConfig
+    cluster: ClusterConfig | None = None
+
+    @property
+    def role(self) -> str:
+        return "single" if self.cluster is None else "follower"
+
+
+def parse_config(doc: dict, *, base_dir: str | None = None) -> ServerConfig:
+    """Validate a parsed node.toml; relative paths resolve against base_dir."""
+    _check_keys(doc, ServerConfig, "top level")
+    node_t = doc.get("node", {})
+    if not isinstance(node_t, dict):
+        raise ConfigError("[node] must be a table")
+    _check_keys(node_t, NodeConfig, "node")
+    node_t = dict(node_t)
+    for key in ("socket", "state_dir"):
+        v = node_t.get(key)
+        if isinstance(v, str) and v and base_dir and not os.path.isabs(v):
+            node_t[key] = os.path.join(base_dir, v)
+    for key, typ in (("id", str), ("socket", str), ("listen", str), ("shm_prefix", str), ("state_dir", str), ("log_level", str)):
+        if key in node_t and not isinstance(node_t[key], typ):
+            raise ConfigError(f"[node] {key} = {node_t[key]!r} must be a string")
+    node = NodeConfig(**node_t)
+    cluster = None
+    if "cluster" in doc:
+        ct = doc["cluster"]
+        if not isinstance(ct, dict):
+            raise ConfigError("[cluster] must be a table")
+        _check_keys(ct, ClusterConfig, "cluster")
+        ct = dict(ct)
+        if "etcd" in ct:
+            e = ct["etcd"]
+            ct["etcd"] = (e,) if isinstance(e, str) else tuple(e)
+        tf = ct.get("token_file")
+        if isinstance(tf, str) and tf and base_dir and not os.path.isabs(tf):
+            ct["token_file"] = os.path.join(base_dir, tf)
+        cluster = ClusterConfig(**ct)
+    return ServerConfig(node=node, cluster=cluster)
+
+
+def load_config(path: str | None) -> ServerConfig:
+    """Read node.toml (None: all defaults)."""
+    if path is None:
+        return ServerConfig(node=NodeConfig())
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"node config {path!r} does not exist; pass --config PATH to an existing node.toml") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"node config {path!r} is not valid TOML: {e}") from None
+    return parse_config(doc, base_dir=os.path.dirname(os.path.abspath(path)))

@@ -1,0 +1,193 @@
+"""The local client endpoint: a Unix socket speaking length-prefixed orjson frames (msdata_client.wire).
+
+Sends are non-blocking and ordered through a bounded outbox (a client that stops reading is dropped, it
+never stalls the loop); frames may carry descriptors (SCM_RIGHTS), which is how rings reach clients.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import os
+import socket
+import stat
+import struct
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from msdata_client.wire import FrameReader, encode
+
+from .errors import ProtocolError
+
+__all__ = ["ClientConn", "UnixEndpoint"]
+
+log = logging.getLogger(__name__)
+
+MAX_OUTBOX = 64 << 20  # bytes queued for one client before it is considered stuck and dropped
+
+
+class ClientConn:
+    """One connected local client: frame reader, ordered outbox, and whatever the job attaches."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, cid: int):
+        self.sock = sock
+        self.loop = loop
+        self.id = cid
+        self.reader = FrameReader()
+        self._out: deque[list] = deque()  # [memoryview, fds]
+        self._out_bytes = 0
+        self._writing = False
+        self.closed = False
+        self.job = None  # set by the node when the client registers
+        self.rank: int | None = None
+        self.pid = _peer_pid(sock)
+
+    def __repr__(self) -> str:
+        return f"<client {self.id} pid={self.pid} rank={self.rank}>"
+
+    def send(self, obj: dict, fds: tuple[int, ...] | list[int] = ()) -> None:
+        """Queue one frame (and descriptors) and write as much as the socket takes now."""
+        if self.closed:
+            return
+        data = encode(obj)
+        self._out.append([memoryview(data), list(fds)])
+        self._out_bytes += len(data)
+        if self._out_bytes > MAX_OUTBOX:
+            log.warning("%r does not read its socket (%d bytes queued): dropping it", self, self._out_bytes)
+            self.close()
+            return
+        if not self._writing:
+            self._flush()
+
+    def _flush(self) -> None:
+        try:
+            while self._out:
+                buf, fds = self._out[0]
+                if fds:
+                    n = self.sock.sendmsg([buf], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+                    self._out[0][1] = []  # descriptors travel with the first byte
+                else:
+                    n = self.sock.send(buf)
+                self._out_bytes -= n
+                if n == len(buf):
+                    self._out.popleft()
+                else:
+                    self._out[0][0] = buf[n:]
+        except (BlockingIOError, InterruptedError):
+            if not self._writing:
+                self._writing = True
+                self.loop.add_writer(self.sock.fileno(), self._on_writable)
+            return
+        except OSError:
+            self.close()
+            return
+        if self._writing:
+            self._writing = False
+            self.loop.remove_writer(self.sock.fileno())
+
+    def _on_writable(self) -> None:
+        self._flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._writing:
+            self._writing = False
+            try:
+                self.loop.remove_writer(self.sock.fileno())
+            except (ValueError, OSError):
+                pass
+        self._out.clear()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    async def frames(self):
+        """Yield incoming frames until EOF; ProtocolError for a malformed stream."""
+        while not self.closed:
+            try:
+                data = await self.loop.sock_recv(self.sock, 1 << 16)
+            except (ConnectionError, OSError):
+                return
+            if not data:
+                return
+            self.reader.feed(data)
+            while (frame := self.reader.next_frame()) is not None:
+                yield frame
+
+
+def _peer_pid(sock: socket.socket) -> int | None:
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", creds)[0]
+    except OSError:
+        return None
+
+
+class UnixEndpoint:
+    """Listening Unix socket for local clients; removes a stale socket file on start, its own on close."""
+
+    def __init__(self, path: str, handler: Callable[[ClientConn], Awaitable[None]]):
+        self.path = path
+        self.handler = handler
+        self.sock: socket.socket | None = None
+        self._next_id = 0
+        self.conns: set[ClientConn] = set()
+
+    def bind(self) -> None:
+        d = os.path.dirname(self.path) or "."
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        if os.path.exists(self.path):
+            mode = os.lstat(self.path).st_mode
+            if not stat.S_ISSOCK(mode):
+                raise ProtocolError(f"{self.path!r} exists and is not a socket; remove it or choose another [node] socket")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(self.path)
+            except (ConnectionRefusedError, FileNotFoundError):
+                os.unlink(self.path)  # stale: its server is gone
+                log.info("removed stale socket %s", self.path)
+            else:
+                raise ProtocolError(f"another msdata server is already listening on {self.path!r}; stop it or use another [node] socket")
+            finally:
+                probe.close()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o077)  # the socket file: this user only (group access: chmod it after start)
+        try:
+            s.bind(self.path)
+        finally:
+            os.umask(old)
+        s.listen(256)
+        s.setblocking(False)
+        self.sock = s
+
+    async def serve(self, tasks) -> None:
+        """Accept clients until cancelled; each connection's handler is a task owned by ``tasks``."""
+        loop = asyncio.get_running_loop()
+        while True:
+            conn_sock, _ = await loop.sock_accept(self.sock)
+            conn_sock.setblocking(False)
+            self._next_id += 1
+            conn = ClientConn(conn_sock, loop, self._next_id)
+            self.conns.add(conn)
+            tasks.spawn(self._run(conn), name=f"client-{conn.id}")
+
+    async def _run(self, conn: ClientConn) -> None:
+        try:
+            await self.handler(conn)
+        finally:
+            conn.close()
+            self.conns.discard(conn)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

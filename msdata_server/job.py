@@ -1,0 +1,485 @@
+"""One training job on a node server: its ranks, source loaders, planner loop and data constructors.
+
+Data path per step: the planner (in a thread) turns loader metadata into a StepPlan; each receiving group's
+constructor builds its micro-batches once, in place, in a slot of its ring, and sends a small notice to every
+reader of that group (TP ranks share the slot; CP ranks read their own zig-zag slice; PP stages see their
+fields). Buffers are bounded: group queues hold at most ``prefetch_steps`` steps, rings ``ring_slots`` slots,
+loaders their read-ahead; a full ring makes the constructor wait for releases, never drop or overwrite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from msdata_client.graph import JobSpec
+from msdata_client.ring import HEADER_SIZE, FieldLayout, SlotTable, layout_fields
+
+from .constructor import MicroBatchPieces, build_micro_batch, count_segments, field_specs
+from .errors import ClosedError, ConfigError, RingFullError
+from .loader import SourceLoader
+from .planner import Mixture, Planner, PlannerConfig
+from .shm import Segment, create_segment
+from .sources import open_source
+from .tasks import TaskSet
+
+__all__ = ["Job", "RankPosition"]
+
+log = logging.getLogger(__name__)
+
+_THREAD_BUILD_BYTES = 4 << 20  # build larger micro-batches in a thread so the loop keeps serving
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class RankPosition:
+    """The next micro-batch a rank expects: (step, micro)."""
+
+    step: int = 0
+    micro: int = 0
+
+
+class ServerRing:
+    """One segment of fixed-size slots and the bookkeeping of who still reads which slot."""
+
+    def __init__(self, rid: int, seg: Segment, slots: int, slot_size: int):
+        self.id = rid
+        self.seg = seg
+        self.slot_size = slot_size
+        self.table = SlotTable(slots)
+        self.freed = asyncio.Event()
+        self.buf = np.frombuffer(seg.mm, dtype=np.uint8)
+
+    def describe(self) -> dict:
+        return {"id": self.id, "slots": self.table.slots, "slot_size": self.slot_size, "base": HEADER_SIZE}
+
+    def offset(self, slot: int) -> int:
+        return HEADER_SIZE + slot * self.slot_size
+
+    def views(self, slot: int, layouts: list[FieldLayout]) -> dict[str, np.ndarray]:
+        base = self.offset(slot)
+        out = {}
+        for f in layouts:
+            a = self.buf[base + f.offset : base + f.offset + f.nbytes].view(np.dtype(f.dtype))
+            out[f.name] = a.reshape(f.shape)
+        return out
+
+    def close(self) -> None:
+        self.buf = None
+        self.seg.close()
+
+
+def _round_slot(nbytes: int) -> int:
+    """Slot sizes are powers of two of at least 64 KiB (page multiples, few distinct sizes)."""
+    return max(1 << 16, 1 << (max(nbytes, 1) - 1).bit_length())
+
+
+@dataclass
+class Group:
+    """A receiving rank group: one distinct data stream, its ring(s) and its bounded queue of steps."""
+
+    index: int
+    readers: tuple[int, ...]
+    queue: asyncio.Queue
+    rings: dict[int, ServerRing] = field(default_factory=dict)
+    current: ServerRing | None = None
+    published: int = 0
+    bytes_published: int = 0
+
+
+class Job:
+    """A registered job. Starts when every rank of its mesh has registered (the start barrier)."""
+
+    def __init__(self, node, spec: JobSpec, digest: str):
+        self.node = node
+        self.spec = spec
+        self.digest = digest
+        self.mesh = spec.mesh
+        self.name = spec.name
+        self.conns: dict[int, object] = {}  # rank -> ClientConn
+        self.positions: dict[int, RankPosition] = {}
+        self.state = "waiting"  # waiting -> running -> closed
+        self.error: str | None = None
+        self.tasks = TaskSet(f"job {spec.name}", on_error=self._task_failed)
+        self.groups: list[Group] = []
+        self.loaders: list[SourceLoader] = []
+        self.planner: Planner | None = None
+        self._ring_ids = 0
+        self._pieces_left: dict[tuple[int, int], int] = {}
+        self.started_at: float | None = None
+        self.plan_stats: list = []  # recent per-step statistics (bounded)
+        self.steps_planned = 0
+        self._start_lock = asyncio.Lock()
+        self._view: _LoaderView | None = None
+        self._cp = 1
+
+    # ---- ranks --------------------------------------------------------------------------------------
+    @property
+    def connected(self) -> int:
+        return sum(1 for c in self.conns.values() if not c.closed)
+
+    def check_rank(self, rank: int, world_size: int) -> None:
+        ws = self.mesh.world_size
+        if world_size != ws:
+            raise ConfigError(f"rank {rank} says world_size={world_size} but job {self.name!r} has a mesh of {ws} ranks "
+                              f"({self.mesh.to_dict()}); make WORLD_SIZE and the [mesh] agree")
+        if not 0 <= rank < ws:
+            raise ConfigError(f"rank {rank} is outside the world of job {self.name!r} (world_size={ws}); ranks are 0..{ws - 1}")
+        old = self.conns.get(rank)
+        if old is not None and not old.closed:
+            raise ConfigError(f"rank {rank} of job {self.name!r} is already connected (pid {old.pid}); "
+                              "two trainer processes claim the same RANK")
+
+    async def attach(self, conn, rank: int, position: RankPosition) -> None:
+        """Register a rank; when the mesh is complete, start (or resume) the job."""
+        self.conns[rank] = conn
+        self.positions[rank] = position
+        conn.job, conn.rank = self, rank
+        if self.state == "running":
+            self._welcome(rank)
+            return
+        if len(self.conns) == self.mesh.world_size and all(not c.closed for c in self.conns.values()):
+            async with self._start_lock:
+                if self.state == "waiting":
+                    await self._start()
+
+    def detach(self, conn) -> None:
+        """A rank's socket closed: free every slot it held so the other readers never stall."""
+        rank = conn.rank
+        if rank is None or self.conns.get(rank) is not conn:
+            return
+        for g in self.groups:
+            for ring in list(g.rings.values()):
+                if ring.table.drop_reader(rank):
+                    ring.freed.set()
+        log.info("job %s: rank %d disconnected (%d of %d still connected)", self.name, rank, self.connected, self.mesh.world_size)
+
+    # ---- start ---------------------------------------------------------------------------------------
+    async def _start(self) -> None:
+        spec = self.spec
+        start = min(self.positions.values())
+        cfg = self.node.config.node
+        # sources open in a thread: opening many files must not stall the loop
+        sources = await asyncio.to_thread(lambda: [open_source(s, seed=spec.seed) for s in spec.sources])
+        self.loaders = [
+            SourceLoader(src, self.node.pool, transform=s.transform, seed=spec.seed)
+            for src, s in zip(sources, spec.sources)
+        ]
+        for ld in self.loaders:
+            await ld.start()
+        ngroups = self.mesh.data_groups(spec.distribute)
+        if spec.mix.schedule:
+            mixture = Mixture.schedule([(st, dict(w)) for st, w in spec.mix.schedule], interpolate=spec.mix.interpolate)
+        else:
+            mixture = Mixture.constant(dict(spec.mix.weights))
+        self.planner = Planner(PlannerConfig(
+            sources=spec.source_names(), seq_len=spec.seq_len, dp=ngroups, micro_batches=spec.micro_batches,
+            rows=spec.rows, method=spec.balance.method, alpha=spec.balance.alpha, beta=spec.balance.beta,
+            cost_fn=None if spec.balance.cost == "attention" else spec.balance.cost,
+            long_docs=spec.long_docs, mixture=mixture))
+        cp = self.mesh.cp if spec.distribute != "world" else 1
+        self._cp = cp
+        est = _estimate_slot(spec, cp)
+        for g in range(ngroups):
+            grp = Group(index=g, readers=self.mesh.readers(g, spec.distribute),
+                        queue=asyncio.Queue(maxsize=spec.prefetch_steps))
+            ring = await self._new_ring(grp, est)
+            grp.current = ring
+            self.groups.append(grp)
+        self.state = "running"
+        self.started_at = time.monotonic()
+        log.info("job %s started: %d ranks, %d groups, ring %d x %.1f MiB, from step %d micro %d", self.name,
+                 self.mesh.world_size, ngroups, cfg.ring_slots, est / 2**20, start.step, start.micro)
+        for rank in sorted(self.conns):
+            self._welcome(rank)
+        self.tasks.spawn(self._plan_loop(start.step), name=f"{self.name}-planner")
+        for grp in self.groups:
+            self.tasks.spawn(self._construct_loop(grp), name=f"{self.name}-constructor-{grp.index}")
+
+    async def _new_ring(self, grp: Group, slot_size: int) -> ServerRing:
+        cfg = self.node.config.node
+        if slot_size > cfg.max_slot_mib << 20:
+            raise RingFullError(f"a micro-batch of job {self.name!r} needs {slot_size / 2**20:.1f} MiB, more than "
+                                f"max_slot_mib={cfg.max_slot_mib}; lower rows/seq_len or raise [node] max_slot_mib")
+        self._ring_ids += 1
+        seg = await asyncio.to_thread(create_segment, cfg.shm_prefix, "ring", cfg.ring_slots * slot_size,
+                                      info={"job": self.name, "group": grp.index})
+        ring = ServerRing(self._ring_ids, seg, cfg.ring_slots, slot_size)
+        grp.rings[ring.id] = ring
+        return ring
+
+    def _welcome(self, rank: int) -> None:
+        conn = self.conns[rank]
+        grp = self.groups[self.mesh.group_of(rank, self.spec.distribute)]
+        rings = [r for r in grp.rings.values()]
+        conn.send({"t": "welcome", "node": self.node.config.node.id, "job": self.name, "rank": rank,
+                   "group": grp.index, "rings": [r.describe() for r in rings], "fds": len(rings)},
+                  fds=[r.seg.fd for r in rings])
+
+    # ---- planning -------------------------------------------------------------------------------------
+    async def _plan_loop(self, start_step: int) -> None:
+        view = self._view = _LoaderView(self.loaders, asyncio.get_running_loop())
+        while True:
+            plan = await asyncio.to_thread(self.planner.plan_step, view)
+            self.steps_planned += 1
+            self._record_stats(plan)
+            self._count_pieces(plan)
+            if plan.step < start_step:  # fast-forward to the ranks' position (deterministic replay)
+                self._consume_all(plan)
+                continue
+            for grp in self.groups:
+                await grp.queue.put(plan)
+
+    def _record_stats(self, plan) -> None:
+        st = getattr(plan, "stats", None)
+        if st is not None:
+            self.plan_stats.append(st)
+            del self.plan_stats[:-64]
+
+    def _count_pieces(self, plan) -> None:
+        key = list(zip(plan.source.tolist(), plan.ordinal.tolist()))
+        for k in key:
+            self._pieces_left[k] = self._pieces_left.get(k, 0) + 1
+
+    def _done_pieces(self, sources: np.ndarray, ordinals: np.ndarray) -> None:
+        by_src: dict[int, list[int]] = {}
+        for s, o in zip(sources.tolist(), ordinals.tolist()):
+            n = self._pieces_left[(s, o)] - 1
+            if n:
+                self._pieces_left[(s, o)] = n
+            else:
+                del self._pieces_left[(s, o)]
+                by_src.setdefault(s, []).append(o)
+        for s, ords in by_src.items():
+            self.loaders[s].release(np.asarray(ords, dtype=np.int64))
+
+    def _consume_all(self, plan) -> None:
+        self._done_pieces(plan.source, plan.ordinal)
+
+    # ---- constructing ---------------------------------------------------------------------------------
+    async def _construct_loop(self, grp: Group) -> None:
+        spec = self.spec
+        mb = spec.micro_batches
+        scratch: dict = {}
+        while True:
+            plan = await grp.queue.get()
+            key = plan.dp.astype(np.int64) * mb + plan.micro
+            for m in range(mb):
+                lo, hi = np.searchsorted(key, [grp.index * mb + m, grp.index * mb + m + 1])
+                await self._build_one(grp, plan, m, slice(int(lo), int(hi)), scratch)
+
+    async def _build_one(self, grp: Group, plan, m: int, sl: slice, scratch: dict) -> None:
+        spec = self.spec
+        pos = RankPosition(plan.step, m)
+        src, ords = plan.source[sl], plan.ordinal[sl]
+        offs, lens = plan.offset[sl], plan.length[sl]
+        readers = [r for r in grp.readers if (c := self.conns.get(r)) is not None and not c.closed and self.positions[r] <= pos]
+        if not readers:
+            self._done_pieces(src, ords)
+            return
+        toks = []
+        sids = np.empty(len(src), dtype=np.int64)
+        for i, (s, o, a, n) in enumerate(zip(src.tolist(), ords.tolist(), offs.tolist(), lens.tolist())):
+            doc = await self.loaders[s].tokens(o)
+            toks.append(doc[a : a + n])
+            sids[i] = self.loaders[s].sample_ids(np.asarray([o], dtype=np.int64))[0]
+        pieces = MicroBatchPieces(row=plan.row[sl], tokens=toks, sample_ids=sids, source_ids=src.astype(np.int64))
+        nseg = count_segments(pieces, spec.rows, spec.seq_len)
+        layouts, nbytes = layout_fields(field_specs(rows=spec.rows, seq_len=spec.seq_len, n_pieces=len(toks),
+                                                    n_segments=nseg, cp=self._cp))
+        ring, slot = await self._acquire(grp, nbytes)
+        try:
+            out = ring.views(slot, layouts)
+            kw = dict(rows=spec.rows, seq_len=spec.seq_len, pad_id=spec.pad_id, cp=self._cp, scratch=scratch)
+            if nbytes >= _THREAD_BUILD_BYTES:
+                await asyncio.to_thread(build_micro_batch, out, pieces, **kw)
+            else:
+                build_micro_batch(out, pieces, **kw)
+            del out
+        except BaseException:
+            ring.table.abandon(slot)
+            raise
+        self._done_pieces(src, ords)
+        self._publish(grp, ring, slot, pos, layouts, readers, nbytes)
+
+    async def _acquire(self, grp: Group, nbytes: int) -> tuple[ServerRing, int]:
+        """A free slot big enough for nbytes; a larger ring replaces the current one when needed."""
+        if nbytes > grp.current.slot_size:
+            old = grp.current
+            grp.current = await self._new_ring(grp, _round_slot(nbytes))
+            log.info("job %s group %d: ring grown to %d KiB slots", self.name, grp.index, grp.current.slot_size >> 10)
+            self._announce_ring(grp, grp.current)
+            self._retire(grp, old)
+        ring = grp.current
+        while (slot := ring.table.acquire()) is None:
+            ring.freed.clear()
+            await ring.freed.wait()
+        return ring, slot
+
+    def _announce_ring(self, grp: Group, ring: ServerRing) -> None:
+        for r in grp.readers:
+            c = self.conns.get(r)
+            if c is not None and not c.closed:
+                c.send({"t": "ring", "ring": ring.describe(), "fds": 1}, fds=[ring.seg.fd])
+
+    def _retire(self, grp: Group, ring: ServerRing) -> None:
+        if ring is not grp.current and ring.table.in_use == 0:
+            grp.rings.pop(ring.id, None)
+            ring.close()
+            for r in grp.readers:
+                c = self.conns.get(r)
+                if c is not None and not c.closed:
+                    c.send({"t": "unring", "ring": ring.id})
+
+    def _publish(self, grp: Group, ring: ServerRing, slot: int, pos: RankPosition, layouts, readers, nbytes) -> None:
+        live = [r for r in readers if not self.conns[r].closed]
+        ring.table.publish(slot, live)
+        if not live:
+            ring.freed.set()
+        base = ring.offset(slot)
+        for r in live:
+            fields = self._reader_fields(r, layouts)
+            self.conns[r].send({"t": "batch", "ring": ring.id, "slot": slot, "base": base, "step": pos.step,
+                                "micro": pos.micro, "fields": fields})
+        grp.published += 1
+        grp.bytes_published += nbytes
+
+    def _reader_fields(self, rank: int, layouts: list[FieldLayout]) -> list:
+        coord = self.mesh.coord(rank)
+        wanted = set(self.mesh.fields(rank, ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens",
+                                             "sample_ids", "source_ids", "step", "micro")))
+        out = []
+        for f in layouts:
+            name, _, part = f.name.partition("@")
+            if part and int(part) != coord.cp:
+                continue
+            if name in wanted:
+                out.append([name, f.dtype, list(f.shape), f.offset])
+        return out
+
+    def release(self, conn, ring_id: int, slot: int) -> None:
+        for grp in self.groups:
+            ring = grp.rings.get(ring_id)
+            if ring is None:
+                continue
+            if ring.table.release(slot, conn.rank):
+                ring.freed.set()
+                if ring is not grp.current:
+                    self._retire(grp, ring)
+            return
+
+    # ---- failure and shutdown ---------------------------------------------------------------------------
+    def _task_failed(self, task, exc) -> None:
+        log.error("job %s: %s failed: %s", self.name, task.get_name(), exc, exc_info=exc)
+        self.fail(f"{type(exc).__name__}: {exc}", kind=type(exc).__name__)
+
+    def fail(self, message: str, kind: str = "MsdataError") -> None:
+        """Tell every rank why the job stopped, then close it; other jobs are unaffected."""
+        if self.state == "closed":
+            return
+        self.error = message
+        for c in self.conns.values():
+            c.send({"t": "error", "kind": kind, "message": f"job {self.name!r} stopped: {message}"})
+        self.node.forget(self)
+        asyncio.get_running_loop().create_task(self.aclose())
+
+    async def aclose(self) -> None:
+        """Cancel the job's tasks, close its rings and loaders. Idempotent."""
+        if self.state == "closed":
+            return
+        self.state = "closed"
+        if self._view is not None:
+            self._view.close()  # wakes a planner thread blocked on metadata
+        await self.tasks.cancel_all(f"job {self.name} closing")
+        for ld in self.loaders:
+            try:
+                await ld.aclose()
+            except Exception:
+                log.exception("job %s: closing a loader failed", self.name)
+        for grp in self.groups:
+            for ring in grp.rings.values():
+                ring.close()
+            grp.rings.clear()
+
+    # ---- status -----------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        elapsed = (time.monotonic() - self.started_at) if self.started_at else 0.0
+        published = sum(g.published for g in self.groups)
+        nbytes = sum(g.bytes_published for g in self.groups)
+        st = self.plan_stats[-16:]
+        imb = [float(getattr(s, "imbalance", float("nan"))) for s in st]
+        pad = [float(getattr(s, "padding_fraction", float("nan"))) for s in st]
+        return {
+            "name": self.name,
+            "digest": self.digest[:16],
+            "state": self.state,
+            "error": self.error,
+            "world_size": self.mesh.world_size,
+            "mesh": self.mesh.to_dict(),
+            "ranks": sorted(r for r, c in self.conns.items() if not c.closed),
+            "steps_planned": self.steps_planned,
+            "micro_batches_published": published,
+            "micro_batches_per_s": published / elapsed if elapsed else 0.0,
+            "bytes_per_s": nbytes / elapsed if elapsed else 0.0,
+            "imbalance": float(np.mean(imb)) if imb else None,
+            "padding_fraction": float(np.mean(pad)) if pad else None,
+            "rings": [{"group": g.index, "ring": r.id, "slots": r.table.slots, "in_use": r.table.in_use,
+                       "slot_size": r.slot_size} for g in self.groups for r in g.rings.values()],
+            "sources": {ld.source.name: _stats_dict(ld.statistics()) for ld in self.loaders},
+        }
+
+
+def _stats_dict(st) -> dict:
+    from dataclasses import asdict, is_dataclass
+
+    if is_dataclass(st):
+        return {k: v for k, v in asdict(st).items() if isinstance(v, (int, float, str, dict, type(None)))}
+    return dict(st) if isinstance(st, dict) else {}
+
+
+def _estimate_slot(spec: JobSpec, cp: int) -> int:
+    """Slot size for a typical micro-batch: row fields exactly, per-document ids for docs of >= 64 tokens."""
+    tokens = spec.rows * spec.seq_len
+    docs = tokens // 64 + spec.rows + 1
+    _, nbytes = layout_fields(field_specs(rows=spec.rows, seq_len=spec.seq_len, n_pieces=docs, n_segments=docs + spec.rows, cp=cp))
+    return _round_slot(nbytes)
+
+
+class _LoaderView:
+    """The planner's MetadataView: blocking length look-ups from the planner thread into the loop's loaders.
+
+    ``close()`` cancels the look-ups in flight, so a planner thread never outlives its job.
+    """
+
+    def __init__(self, loaders: list[SourceLoader], loop: asyncio.AbstractEventLoop):
+        self.loaders = loaders
+        self.loop = loop
+        self._pending: set = set()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def lengths(self, source: int, start: int, count: int) -> np.ndarray:
+        with self._lock:
+            if self._closed:
+                raise ClosedError("job closed while planning")
+            fut = asyncio.run_coroutine_threadsafe(self.loaders[source].lengths(start, count), self.loop)
+            self._pending.add(fut)
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:
+            raise ClosedError("job closed while planning") from None
+        finally:
+            with self._lock:
+                self._pending.discard(fut)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pending = list(self._pending)
+        for fut in pending:
+            fut.cancel()

@@ -1,0 +1,187 @@
+"""The NodeServer: one per node. Owns the event loop's tasks, the local client endpoint, the transform
+worker pool and every job; shuts down in stages (stop accepting, tell clients, close jobs and rings, stop
+the pool) within a bounded time, and ``aclose()`` always releases shared memory even when that fails."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from msdata_client.graph import JobSpec
+from msdata_client.wire import PROTOCOL_VERSION
+
+from .config import ServerConfig
+from .control import ClientConn, UnixEndpoint
+from .errors import ConfigError, MsdataError, ProtocolError
+from .job import Job, RankPosition
+from .metrics import proc_memory, tree_memory
+from .shm import cleanup
+from .tasks import TaskSet
+
+__all__ = ["NodeServer"]
+
+log = logging.getLogger(__name__)
+
+
+class NodeServer:
+    """Hosts source loaders, constructors and (single node: always) the planner for several jobs at once."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.jobs: dict[str, Job] = {}
+        self.tasks = TaskSet("node")
+        self.endpoint = UnixEndpoint(config.node.socket, self._handle)
+        self.pool = None
+        self.started = time.monotonic()
+        self.ready = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._closed = False
+
+    @property
+    def role(self) -> str:
+        return self.config.role
+
+    async def start(self) -> None:
+        """Clean up after a previous instance, bind the socket, start the pool and the accept loop."""
+        cfg = self.config.node
+        removed, _ = cleanup(prefix=cfg.shm_prefix)
+        if removed:
+            log.warning("removed %d stale shared-memory segment(s) of a previous server: %s", len(removed), removed)
+        self.endpoint.bind()
+        if cfg.workers > 0:
+            from .pool import WorkerPool
+
+            self.pool = WorkerPool(cfg.workers, shm_prefix=cfg.shm_prefix)
+            await self.pool.start()
+        self.tasks.spawn(self.endpoint.serve(self.tasks), name="accept")
+        self.ready.set()
+        log.info("node %s serving on %s (role %s, %d workers)", cfg.id, cfg.socket, self.role, cfg.workers)
+
+    async def serve_forever(self) -> None:
+        await self._stopping.wait()
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    # ---- clients ---------------------------------------------------------------------------------------
+    async def _handle(self, conn: ClientConn) -> None:
+        try:
+            async for frame in conn.frames():
+                await self._dispatch(conn, frame)
+        except ProtocolError as e:
+            log.warning("%r sent a malformed frame: %s", conn, e)
+            conn.send({"t": "error", "kind": "ProtocolError", "message": str(e)})
+        except MsdataError as e:
+            conn.send({"t": "error", "kind": type(e).__name__, "message": str(e)})
+        finally:
+            job = conn.job
+            if job is not None:
+                job.detach(conn)
+                if job.connected == 0 and self.jobs.get(job.name) is job:
+                    log.info("job %s: every rank left; closing it", job.name)
+                    self.forget(job)
+                    await job.aclose()
+
+    async def _dispatch(self, conn: ClientConn, frame: dict) -> None:
+        t = frame["t"]
+        if t == "release":
+            job = conn.job
+            if job is None:
+                raise ProtocolError("release before hello")
+            for ring, slot in frame.get("s", ()):
+                job.release(conn, int(ring), int(slot))
+        elif t == "hello":
+            await self._hello(conn, frame)
+        elif t == "status":
+            conn.send({"t": "status", "status": self.status()})
+        elif t == "ping":
+            conn.send({"t": "pong"})
+        elif t == "bye":
+            conn.close()
+        else:
+            raise ProtocolError(f"unknown frame type {t!r}")
+
+    async def _hello(self, conn: ClientConn, frame: dict) -> None:
+        if conn.job is not None:
+            raise ProtocolError("hello sent twice on one connection")
+        v = frame.get("v")
+        if v != PROTOCOL_VERSION:
+            raise ProtocolError(f"client speaks protocol {v!r}, this server {PROTOCOL_VERSION}; upgrade msdata on one side")
+        try:
+            spec = JobSpec.from_dict(frame["job"])
+            rank, world = int(frame["rank"]), int(frame["world_size"])
+            pos = frame.get("position") or {}
+            position = RankPosition(int(pos.get("step", 0)), int(pos.get("micro", 0)))
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ProtocolError(f"malformed hello: {e!r}") from None
+        digest = spec.digest()
+        if frame.get("digest") != digest:
+            raise ConfigError(f"job digest mismatch: client {frame.get('digest')!r}, server {digest!r} "
+                              "(client and server msdata versions differ?)")
+        job = self.jobs.get(spec.name)
+        if job is not None and job.digest != digest:
+            if job.connected:
+                raise ConfigError(f"job {spec.name!r} is running here with another definition (digest {job.digest[:12]}, "
+                                  f"yours {digest[:12]}) and {job.connected} rank(s) connected; every rank must register the "
+                                  "same job: stop the old run or give the new job another name")
+            self.forget(job)
+            await job.aclose()
+            job = None
+        if job is None:
+            job = self.jobs[spec.name] = Job(self, spec, digest)
+            log.info("job %s registered (digest %s, %d ranks)", spec.name, digest[:12], spec.mesh.world_size)
+        job.check_rank(rank, world)
+        await job.attach(conn, rank, position)
+
+    def forget(self, job: Job) -> None:
+        if self.jobs.get(job.name) is job:
+            del self.jobs[job.name]
+
+    # ---- status ----------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        cfg = self.config.node
+        pids = [os.getpid()] + (list(self.pool.pids()) if self.pool is not None and hasattr(self.pool, "pids") else [])
+        mem = tree_memory(pids)
+        return {
+            "node": cfg.id,
+            "role": self.role,
+            "pid": os.getpid(),
+            "socket": cfg.socket,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "workers": self.pool.size if self.pool is not None else 0,
+            "memory": {"server_pss": proc_memory()["pss"], "total_pss": mem["pss"], "total_uss": mem["uss"]},
+            "jobs": [j.status() for j in self.jobs.values()],
+        }
+
+    # ---- shutdown --------------------------------------------------------------------------------------
+    async def aclose(self) -> None:
+        """Stop accepting, tell clients, close jobs (rings unlinked), stop the pool. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        timeout = self.config.node.drain_timeout
+        self.endpoint.close()
+        for conn in list(self.endpoint.conns):
+            conn.send({"t": "shutdown", "message": "the node server is shutting down"})
+        try:
+            async with asyncio.timeout(timeout):
+                for job in list(self.jobs.values()):
+                    await job.aclose()
+        except TimeoutError:
+            log.warning("jobs did not close within %.1fs", timeout)
+        finally:
+            for job in list(self.jobs.values()):
+                for grp in job.groups:  # whatever happened above, never leave shared memory behind
+                    for ring in grp.rings.values():
+                        ring.close()
+            self.jobs.clear()
+            for conn in list(self.endpoint.conns):
+                conn.close()
+            await self.tasks.cancel_all("node shutting down", timeout=timeout)
+            if self.pool is not None:
+                await self.pool.aclose()
+        log.info("node %s stopped", self.config.node.id)

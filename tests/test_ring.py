@@ -1,0 +1,81 @@
+"""Ring slots, headers, private mappings, and segment creation/cleanup in /dev/shm."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from msdata_client.ring import HEADER_SIZE, MappedBatch, SlotTable, layout_fields, read_header
+from msdata_server import shm
+
+
+def test_slot_table_frees_after_last_reader():
+    t = SlotTable(2)
+    a = t.acquire()
+    b = t.acquire()
+    assert t.acquire() is None  # bounded: a full ring gives nothing, it never overwrites
+    t.publish(a, {0, 1})
+    assert not t.release(a, 0)
+    assert not t.release(a, 0)  # idempotent
+    assert t.release(a, 1)
+    assert t.acquire() == a
+    t.publish(b, {0, 1})
+    assert t.drop_reader(1) == []
+    assert t.drop_reader(0) == [b]
+
+
+def test_layout_aligns_fields():
+    lay, end = layout_fields([("a", "<i8", (3,)), ("b", "<i4", (5,)), ("c", "<f4", (2, 2))])
+    assert [f.offset % 64 for f in lay] == [0, 0, 0]
+    assert end == lay[-1].offset + 16
+
+
+def test_segment_is_private_unlinked_and_views_are_copy_on_write():
+    seg = shm.create_segment("tring", "ring", 1 << 20)
+    try:
+        assert not seg.linked  # rings are unlinked at once: nothing to leak even on SIGKILL
+        assert read_header(seg.mm)["kind"] == "ring"
+        lay, _ = layout_fields([("x", "<i8", (16,))])
+        view = np.frombuffer(seg.mm, dtype=np.uint8)[HEADER_SIZE:HEADER_SIZE + 128].view("<i8")
+        view[:] = np.arange(16)
+        mb1 = MappedBatch(seg.fd, HEADER_SIZE, lay)
+        mb2 = MappedBatch(seg.fd, HEADER_SIZE, lay)
+        assert mb1.arrays["x"].tolist() == list(range(16))
+        mb1.arrays["x"][0] = 999  # a reader's write stays private
+        assert mb2.arrays["x"][0] == 0 and view[0] == 0
+        del view, mb1, mb2
+    finally:
+        seg.close()
+
+
+def test_named_segment_mode_and_cleanup():
+    seg = shm.create_segment("tring", "pool", 4096, unlink=False)
+    try:
+        path = "/dev/shm" + seg.name
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        names = {n for n, _ in shm.list_segments()}
+        assert seg.name[1:] in names
+        removed, kept = shm.cleanup()
+        assert seg.name[1:] in kept  # its owner (us) is alive
+    finally:
+        seg.close()
+
+
+def test_cleanup_removes_segments_of_dead_owners():
+    code = "from msdata_server import shm; s = shm.create_segment('tdead', 'pool', 4096, unlink=False); print(s.name)"
+    name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert os.path.exists("/dev/shm" + name)  # the child exited without unlinking
+    out = subprocess.run([sys.executable, "-m", "msdata_server", "cleanup"], capture_output=True, text=True, check=True)
+    assert name[1:] in out.stdout
+    assert not os.path.exists("/dev/shm" + name)
+
+
+def test_too_small_shm_fails_clearly(monkeypatch):
+    def nospace(fd, off, n):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", nospace)
+    with pytest.raises(shm.ShmError, match="shm-size"):
+        shm.create_segment("tring", "ring", 1 << 20)

@@ -29,7 +29,7 @@ from .errors import (
     RemoteError,
 )
 from .graph import DGraph, JobSpec
-from .ring import FieldLayout, MappedBatch
+from .ring import FieldLayout, RingMap
 from .wire import PROTOCOL_VERSION, FrameReader, encode, recv_into_reader
 
 __all__ = ["Batch", "DataClient"]
@@ -96,7 +96,7 @@ class DataClient:
         self._micro = 0
         self._sock: socket.socket | None = None
         self._reader = FrameReader()
-        self._rings: dict[int, int] = {}  # ring id -> descriptor
+        self._rings: dict[int, RingMap] = {}  # ring id -> this rank's private mapping of it
         self._gen = 0  # connection generation: releases from an older connection are void
         self._releases: deque[tuple[int, int, int]] = deque()
         self._send_lock = threading.Lock()
@@ -140,9 +140,7 @@ class DataClient:
             except OSError:
                 pass
             self._sock = None
-        for fd in self._rings.values():
-            os.close(fd)
-        self._rings.clear()
+        self._rings.clear()  # mappings live on while batches view them
         self._reader.close_fds()
         self._reader = FrameReader()
 
@@ -204,19 +202,20 @@ class DataClient:
 
     def _make_batch(self, frame: dict) -> Batch:
         ring, slot = int(frame["ring"]), int(frame["slot"])
-        fd = self._rings.get(ring)
-        if fd is None:
+        rm = self._rings.get(ring)
+        if rm is None:
             raise ProtocolError(f"batch in unknown ring {ring}")
         fields = [FieldLayout.from_wire(f) for f in frame["fields"]]
-        mb = MappedBatch(fd, int(frame["base"]), fields)
+        owner, arrays, start, end = rm.batch(int(frame["base"]), fields)
         batch = Batch()
-        for name, arr in mb.arrays.items():
+        for name, arr in arrays.items():
             batch[name] = torch.from_numpy(arr)
         step, micro = int(frame["step"]), int(frame["micro"])
-        batch["step"] = torch.tensor(step, dtype=torch.int64)
-        batch["micro"] = torch.tensor(micro, dtype=torch.int64)
-        batch._finalizer = weakref.finalize(mb.mm, _release_cb, weakref.ref(self), ring, slot, self._gen)
-        del mb
+        if "step" not in batch:  # the server writes them into the slot; a producer that does not, gets them here
+            batch["step"] = torch.tensor(step, dtype=torch.int64)
+            batch["micro"] = torch.tensor(micro, dtype=torch.int64)
+        batch._finalizer = weakref.finalize(owner, _release_cb, weakref.ref(self), rm, ring, slot, start, end, self._gen)
+        del owner, arrays
         micro += 1
         if micro >= self.spec.micro_batches:
             step, micro = step + 1, 0
@@ -256,9 +255,7 @@ class DataClient:
         elif t == "ring":
             self._add_rings([frame["ring"]], frame.get("fds", 0))
         elif t == "unring":
-            fd = self._rings.pop(int(frame["ring"]), None)
-            if fd is not None:
-                os.close(fd)  # live mappings stay valid: mmap holds its own reference
+            self._rings.pop(int(frame["ring"]), None)  # batches still viewing it keep the mapping alive
         elif t == "error":
             kind, msg = frame.get("kind", "error"), frame.get("message", "")
             self._drop_connection()
@@ -276,10 +273,11 @@ class DataClient:
         if len(fds) != len(rings):
             raise ProtocolError(f"{len(rings)} rings announced with {len(fds)} descriptors")
         for r, fd in zip(rings, fds):
-            old = self._rings.pop(int(r["id"]), None)
-            if old is not None:
-                os.close(old)
-            self._rings[int(r["id"])] = fd
+            try:
+                size = int(r["base"]) + int(r["slots"]) * int(r["slot_size"])
+                self._rings[int(r["id"])] = RingMap(fd, size)
+            finally:
+                os.close(fd)  # the mapping holds the segment; the descriptor is no longer needed
 
     # ---- connection ----------------------------------------------------------------------------------------
     def _recv_frame(self) -> dict:
@@ -322,7 +320,8 @@ class DataClient:
             s.sendall(encode(hello))
 
 
-def _release_cb(client_ref, ring: int, slot: int, gen: int) -> None:
+def _release_cb(client_ref, rm: RingMap, ring: int, slot: int, start: int, end: int, gen: int) -> None:
+    rm.scrub(start, end)  # pages this rank wrote must not hide the next batch in this slot
     client = client_ref()
     if client is not None:
         client._queue_release(ring, slot, gen)

@@ -6,15 +6,18 @@ server creates the segment with mode 0600, reserves and touches every page once 
 here, clearly, not with a SIGBUS later), and unlinks the name as soon as it holds the descriptor: clients
 receive the descriptor over their Unix socket, so even a SIGKILL leaves nothing in /dev/shm.
 
-Readers map a slot per batch with MAP_PRIVATE: views are writable copy-on-write, and a reader's writes
-never reach the producer or other readers. Slot accounting (who still reads which slot) is the server's
+Readers map the whole ring once with MAP_PRIVATE (``RingMap``): views are writable copy-on-write, a
+reader's writes never reach the producer or other readers, and pages it wrote are dropped when it releases
+the slot. Slot accounting (who still reads which slot) is the server's
 ``SlotTable``; this module imports numpy only, never torch.
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import mmap
+import os
 import struct
 from collections import deque
 from dataclasses import dataclass
@@ -27,10 +30,9 @@ __all__ = [
     "HEADER_SIZE",
     "MAGIC",
     "FieldLayout",
-    "MappedBatch",
+    "RingMap",
     "SlotTable",
     "layout_fields",
-    "map_batch",
     "read_header",
     "write_header",
 ]
@@ -80,7 +82,7 @@ class FieldLayout:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
     def to_wire(self) -> list:
         return [self.name, self.dtype, list(self.shape), self.offset]
@@ -155,39 +157,79 @@ class SlotTable:
         return self.slots - len(self.free)
 
 
-class MappedBatch:
-    """A private (copy-on-write) mapping of the part of one slot a reader uses, and numpy views into it.
+_pagemap_fd: int | None = None
+_PRIVATE_PAGE = bytes(1 if (b & 0xA0) == 0x80 else 0 for b in range(256))
 
-    The views keep ``mm`` (the mmap object) alive; when the last view is gone, the mapping is collected
-    and a finalizer on it (the client's) releases the slot.
+
+def _pagemap() -> int:
+    """This process's /proc/self/pagemap (-1 if unreadable), opened once."""
+    global _pagemap_fd
+    if _pagemap_fd is None:
+        try:
+            _pagemap_fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            _pagemap_fd = -1
+    return _pagemap_fd
+
+
+class RingMap:
+    """A reader's mapping of a whole ring: one private (copy-on-write) mapping, populated once at attach.
+
+    Batches are numpy views into it, so taking a batch costs no system call and no page fault. Pages a
+    reader never writes stay the server's shared pages and show every later batch of their slot; a page it
+    wrote became private, so ``scrub`` (called when the slot is released) drops such pages with
+    MADV_DONTNEED and the next batch in that slot reads the shared page again.
     """
 
-    __slots__ = ("arrays", "mm", "nbytes")
+    __slots__ = ("addr", "fd", "mm", "mv", "size", "_anchor")
 
-    def __init__(self, fd: int, slot_offset: int, fields: list[FieldLayout], populate: bool = True):
-        lo = min(f.offset for f in fields) if fields else 0
-        hi = max(f.offset + f.nbytes for f in fields) if fields else 1
-        start = (slot_offset + lo) // PAGE * PAGE
-        length = max(slot_offset + hi - start, 1)
-        mm = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-        if populate and length >= (256 << 10):
-            try:  # map the pages now (one call) instead of a fault per 64 KiB later; keeps COW intact
-                mm.madvise(_MADV_POPULATE_READ)
-            except OSError as e:  # older kernel: EINVAL; fall back to lazy faults
-                if e.errno not in (errno.EINVAL, errno.ENOSYS):
-                    raise
-        base = np.frombuffer(mm, dtype=np.uint8)
-        self.mm = mm  # the object the views keep alive: put a finalizer on it to learn when they are gone
-        self.nbytes = length
-        shift = slot_offset - start
+    def __init__(self, fd: int, size: int):
+        self.fd = fd
+        self.size = size
+        self.mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            self.mm.madvise(_MADV_POPULATE_READ)  # page tables now, without breaking copy-on-write
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOSYS):
+                raise
+        self._anchor = np.frombuffer(self.mm, dtype=np.uint8)
+        self.addr = int(self._anchor.ctypes.data)
+        self.mv = memoryview(self.mm)
+
+    def batch(self, slot_offset: int, fields: list[FieldLayout]) -> tuple[np.ndarray, dict[str, np.ndarray], int, int]:
+        """Views of one batch: (owner, arrays, start, end). The arrays keep ``owner`` alive and nothing else
+        does, so a finalizer on the owner learns when the batch's last view is gone."""
+        lo = min((f.offset for f in fields), default=0)
+        hi = max((f.offset + f.nbytes for f in fields), default=0)
+        start, end = slot_offset + lo, slot_offset + max(hi, lo)
+        if end > self.size:
+            raise ValueError(f"batch [{start}, {end}) lies outside the ring of {self.size} bytes")
+        owner = np.frombuffer(self.mv[start:end], dtype=np.uint8) if end > start else np.empty(0, np.uint8)
         arrays = {}
         for f in fields:
-            n = f.nbytes
-            a = base[shift + f.offset : shift + f.offset + n].view(np.dtype(f.dtype))
+            a = owner[f.offset - lo : f.offset - lo + f.nbytes].view(np.dtype(f.dtype))
             arrays[f.name] = a.reshape(f.shape)
-        self.arrays = arrays
+        return owner, arrays, start, end
 
-
-def map_batch(fd: int, slot_offset: int, fields: list[FieldLayout]) -> MappedBatch:
-    return MappedBatch(fd, slot_offset, fields)
-
+    def scrub(self, start: int, end: int) -> bool:
+        """Drop pages of [start, end) that this reader wrote (now private copies); True if any were."""
+        first = start // PAGE * PAGE
+        last = (end + PAGE - 1) // PAGE * PAGE
+        if last <= first:
+            return False
+        npages = (last - first) // PAGE
+        fd = _pagemap()
+        if fd >= 0:
+            try:
+                raw = os.pread(fd, npages * 8, (self.addr + first) // PAGE * 8)
+                # top byte of each entry: bit 63 present, bit 61 file page or shared; present and not
+                # shared = a private copy this rank wrote
+                if 1 not in raw[7::8].translate(_PRIVATE_PAGE):
+                    return False
+            except OSError:
+                pass
+        try:
+            self.mm.madvise(mmap.MADV_DONTNEED, first, last - first)
+        except (OSError, ValueError):
+            return False
+        return True

@@ -71,6 +71,8 @@ def field_specs(*, rows: int, seq_len: int, n_pieces: int, n_segments: int, cp: 
     specs.append(("cu_seqlens", np.dtype(np.int32).str, (n_segments + 1,)))
     specs.append(("sample_ids", np.dtype(np.int64).str, (n_pieces,)))
     specs.append(("source_ids", np.dtype(np.int64).str, (n_pieces,)))
+    specs.append(("step", np.dtype(np.int64).str, ()))
+    specs.append(("micro", np.dtype(np.int64).str, ()))
     return specs
 
 
@@ -83,7 +85,7 @@ def count_segments(pieces: MicroBatchPieces, rows: int, seq_len: int) -> int:
 
 
 def build_micro_batch(out: dict[str, np.ndarray], pieces: MicroBatchPieces, *, rows: int, seq_len: int,
-                      pad_id: int, cp: int = 1, scratch: dict | None = None) -> None:
+                      pad_id: int, cp: int = 1, step: int = 0, micro: int = 0, scratch: dict | None = None) -> None:
     """Fill ``out`` (arrays laid out by field_specs) from the pieces, in place.
 
     labels[i] = tokens[i+1] within the packed row (pad_id after the last); loss_mask is 1 where that label is
@@ -127,6 +129,8 @@ def build_micro_batch(out: dict[str, np.ndarray], pieces: MicroBatchPieces, *, r
     cus[1:] = cu
     out["sample_ids"][:] = pieces.sample_ids
     out["source_ids"][:] = pieces.source_ids
+    out["step"][...] = step
+    out["micro"][...] = micro
     if cp > 1:
         idx = zigzag_index(seq_len, cp)
         for name, full in (("tokens", tok), ("labels", lab), ("loss_mask", msk), ("position_ids", pos)):

@@ -295,7 +295,8 @@ class Job:
         ring, slot = await self._acquire(grp, nbytes)
         try:
             out = ring.views(slot, layouts)
-            kw = dict(rows=spec.rows, seq_len=spec.seq_len, pad_id=spec.pad_id, cp=self._cp, scratch=scratch)
+            kw = dict(rows=spec.rows, seq_len=spec.seq_len, pad_id=spec.pad_id, cp=self._cp, step=pos.step,
+                      micro=pos.micro, scratch=scratch)
             if nbytes >= _THREAD_BUILD_BYTES:
                 await asyncio.to_thread(build_micro_batch, out, pieces, **kw)
             else:
@@ -352,7 +353,7 @@ class Job:
     def _reader_fields(self, rank: int, layouts: list[FieldLayout]) -> list:
         coord = self.mesh.coord(rank)
         wanted = set(self.mesh.fields(rank, ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens",
-                                             "sample_ids", "source_ids", "step", "micro")))
+                                             "sample_ids", "source_ids", "step", "micro"), self.spec.pp_fields))
         out = []
         for f in layouts:
             name, _, part = f.name.partition("@")
@@ -401,6 +402,8 @@ class Job:
                 await ld.aclose()
             except Exception:
                 log.exception("job %s: closing a loader failed", self.name)
+            finally:
+                ld.source.close()
         for grp in self.groups:
             for ring in grp.rings.values():
                 ring.close()

@@ -6,27 +6,34 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import selectors
 import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import orjson
 import pytest
 
-from msdata_server.shm import list_segments
+from msdata_server.shm import list_segments, owner_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
 def no_shm_leaks():
-    """Fail a test that leaves msdata segments in /dev/shm (the creator must unlink)."""
+    """Fail a test that leaves msdata segments in /dev/shm (the creator must unlink).
+
+    Counts only segments of this process or of processes that are gone (this test's servers and workers);
+    a live process's segments belong to someone else running at the same time.
+    """
     before = {n for n, _ in list_segments()}
     yield
-    left = [n for n, _ in list_segments() if n not in before]
+    left = [n for n, info in list_segments()
+            if n not in before and (info.get("pid") == os.getpid() or not owner_alive(info))]
     if left:
         for n in left:  # do not poison the next test
             try:
@@ -87,9 +94,11 @@ class ServerProc:
 
     def start(self, timeout: float = 60.0) -> "ServerProc":
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "msdata_server", "serve", "--config", self.config],
-                                     stdout=subprocess.PIPE, stderr=open(os.path.join(self.dir, "server.log"), "ab"),
-                                     env=env, cwd=str(ROOT))
+        if self.proc is not None and self.proc.stdout:
+            self.proc.stdout.close()
+        with open(os.path.join(self.dir, "server.log"), "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "msdata_server", "serve", "--config", self.config],
+                                         stdout=subprocess.PIPE, stderr=log, env=env, cwd=str(ROOT))
         line = _readline(self.proc, timeout)
         if not line:
             raise RuntimeError(f"server did not become ready; log:\n{self.log()}")
@@ -121,13 +130,9 @@ class ServerProc:
 
 
 def _readline(proc: subprocess.Popen, timeout: float) -> bytes:
-    import selectors
-
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     buf = b""
-    import time
-
     deadline = time.monotonic() + timeout
     while b"\n" not in buf:
         left = deadline - time.monotonic()

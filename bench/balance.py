@@ -1,0 +1,190 @@
+# .venv/bin/python bench/balance.py --quick
+"""Balance benchmark: the planner against per-rank arrival-order packing (what users do today).
+
+Workload text4 (bench/workloads.py). Baseline, Megatron-style: every DP rank draws documents from the
+mixture with its own RNG and packs them in arrival order into its rows (a document that does not fit
+the current row starts the next one; long documents split; what does not fit waits for its next
+step). msdata: one Planner for all ranks. A step takes as long as its costliest rank (cost
+alpha*len^2 + beta*len per document), so throughput = useful tokens / max rank cost. Reported per
+config: imbalance (max/mean), gap to the lower bound max(total/dp, costliest piece), padding,
+throughput gain over the baseline, and the planner's compute per step (metadata ingest apart), as
+steady-state medians after a warm-up step. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from workloads import COST, TEXT4, SyntheticLengths, lengths  # noqa: E402
+
+from msdata_server.planner import Mixture, Planner, PlannerConfig, attention_cost, next_fit, pieces  # noqa: E402
+from msdata_server.planner.pack import LongDocs  # noqa: E402
+
+MICRO, ROWS = 4, 1
+
+
+def baseline(seq_len: int, dp: int, steps: int, seed: int) -> list[dict]:
+    """Per-rank loaders: own RNG, source drawn per document so token shares match the mixture."""
+    names = list(TEXT4.sources)
+    w = np.array([TEXT4.weights[n] for n in names])
+    probe = np.random.default_rng(seed)
+    mean_len = np.array([lengths(TEXT4.sources[n], 20000, seq_len, probe).mean() for n in names])
+    p = w / mean_len
+    p /= p.sum()
+    k = MICRO * ROWS
+    rngs = [np.random.default_rng([seed, 1, r]) for r in range(dp)]
+    pending = [np.zeros(0, np.int64) for _ in range(dp)]
+    out = []
+    for _ in range(steps):
+        cost = np.zeros(dp)
+        tokens = 0
+        for r in range(dp):
+            rng = rngs[r]
+            need = k * seq_len
+            docs = [pending[r]]
+            have = int(pending[r].sum())
+            while have < need + seq_len:  # enough to fill every row
+                src = rng.choice(len(names), size=64, p=p)
+                lens = np.concatenate(
+                    [lengths(TEXT4.sources[names[s]], int((src == s).sum()), seq_len, rng) for s in range(len(names))]
+                )
+                lens = lens[np.argsort(rng.permutation(lens.size))]  # arrival order interleaves sources
+                docs.append(lens)
+                have += int(lens.sum())
+            docs = np.concatenate(docs)
+            _, _, piece_len = pieces(docs, seq_len, LongDocs.SPLIT)
+            row = next_fit(piece_len, k, seq_len)
+            placed = row >= 0
+            pending[r] = piece_len[~placed]
+            cost[r] = attention_cost(piece_len[placed], **COST).sum()
+            tokens += int(piece_len[placed].sum())
+        out.append(
+            {
+                "imbalance": float(cost.max() / cost.mean()),
+                "padding": 1.0 - tokens / (dp * k * seq_len),
+                "tokens": tokens,
+                "max_cost": float(cost.max()),
+            }
+        )
+    return out
+
+
+def msdata(seq_len: int, dp: int, steps: int, seed: int, method: str, tolerance: float | None) -> list[dict]:
+    cfg = PlannerConfig(
+        sources=tuple(TEXT4.sources),
+        seq_len=seq_len,
+        dp=dp,
+        micro_batches=MICRO,
+        rows=ROWS,
+        method=method,
+        balance_tolerance=tolerance,
+        mixture=Mixture.constant(TEXT4.weights),
+        **COST,
+    )
+    view = SyntheticLengths(TEXT4, seq_len, seed=seed)
+    planner = Planner(cfg)
+    out = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        plan = planner.plan_step(view)
+        wall = (time.perf_counter() - t) * 1e3
+        s = plan.stats
+        out.append(
+            {
+                "imbalance": s.imbalance,
+                "gap": s.gap,
+                "padding": s.padding_fraction,
+                "tokens": int(plan.length.sum()),
+                "max_cost": float(s.cost.max()),
+                "plan_ms": s.plan_ms,
+                "ingest_ms": s.ingest_ms,
+                "wall_ms": wall,
+                "docs": s.docs,
+                "state_bytes": len(json.dumps(planner.state_dict())),
+            }
+        )
+    return out
+
+
+def throughput(rows: list[dict]) -> float:
+    """Useful tokens per unit of simulated time (sum over steps of the costliest rank)."""
+    return sum(r["tokens"] for r in rows) / sum(r["max_cost"] for r in rows)
+
+
+def med(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps and configs (under a minute)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps per config (after one warm-up)")
+    ap.add_argument("--methods", default=None, help="comma list of karmarkar_karp,greedy,none")
+    ap.add_argument("--dp", default=None, help="comma list of DP sizes (default 8,64,512; full adds 4096)")
+    ap.add_argument("--seq-lens", default=None, help="comma list (default 4096,8192,16384)")
+    ap.add_argument("--tolerance", default="0.01", help="balance_tolerance, or 'none'")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    steps = args.steps or (4 if args.quick else 12)
+    methods = (args.methods or ("karmarkar_karp" if args.quick else "karmarkar_karp,greedy,none")).split(",")
+    dps = [int(x) for x in (args.dp or ("8,64,512" if args.quick else "8,64,512,4096")).split(",")]
+    seq_lens = [int(x) for x in (args.seq_lens or ",".join(map(str, TEXT4.seq_lens))).split(",")]
+    tolerance = None if args.tolerance == "none" else float(args.tolerance)
+
+    head = (
+        f"{'seq_len':>7} {'dp':>5} {'method':>14} | {'imbal':>6} {'gap':>6} {'pad':>6} {'gain':>5} "
+        f"{'plan ms':>8} {'warm ms':>8} {'ingest':>7} {'docs':>7} {'state kB':>8} | "
+        f"{'base imb':>8} {'base pad':>8}"
+    )
+    print(f"text4, micro_batches={MICRO}, rows={ROWS}, cost {COST}, balance_tolerance={tolerance}, "
+          f"{steps} measured steps after 1 warm-up; medians; gain = throughput / baseline's")
+    print(head)
+    print("-" * len(head))
+    results: dict[str, float] = {}
+    for seq_len in seq_lens:
+        for dp in dps:
+            base_steps = steps if dp <= 512 else 2  # the per-rank baseline is slow to simulate at 4096
+            base = baseline(seq_len, dp, base_steps + 1, args.seed)[1:]
+            for method in methods:
+                if dp > 512 and method == "none":
+                    continue
+                rows = msdata(seq_len, dp, steps + 1, args.seed, method, tolerance)
+                warm, rows = rows[0], rows[1:]
+                gain = throughput(rows) / throughput(base)
+                print(
+                    f"{seq_len:>7} {dp:>5} {method:>14} | {med(rows, 'imbalance'):6.4f} {med(rows, 'gap'):6.4f} "
+                    f"{med(rows, 'padding'):6.4f} {gain:5.2f} {med(rows, 'plan_ms'):8.1f} {warm['plan_ms']:8.1f} "
+                    f"{med(rows, 'ingest_ms'):7.1f} {int(med(rows, 'docs')):>7} {max(r['state_bytes'] for r in rows) / 1e3:8.1f} | "
+                    f"{med(base, 'imbalance'):8.4f} {med(base, 'padding'):8.4f}",
+                    flush=True,
+                )
+                if method == "karmarkar_karp":
+                    tag = f"{seq_len // 1024}k_dp{dp}"
+                    results[f"imbalance_{tag}"] = round(statistics.mean(r["imbalance"] for r in rows), 4)
+                    results[f"gap_to_bound_{tag}"] = round(statistics.mean(r["gap"] for r in rows), 4)
+                    results[f"padding_{tag}"] = round(statistics.mean(r["padding"] for r in rows), 4)
+                    results[f"gain_{tag}"] = round(gain, 3)
+                    results[f"plan_ms_{tag}"] = round(med(rows, "plan_ms"), 1)
+                    results[f"baseline_imbalance_{tag}"] = round(statistics.mean(r["imbalance"] for r in base), 4)
+                    results[f"baseline_padding_{tag}"] = round(statistics.mean(r["padding"] for r in base), 4)
+    largest = max(seq_lens)
+    for dp in dps:
+        key = f"plan_ms_{largest // 1024}k_dp{dp}"
+        if key in results:
+            results[f"plan_ms_dp{dp}"] = results[key]
+    print(json.dumps(results, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""The planner: pure functions of metadata that decide which documents make each step and where they go.
+
+numpy only: no I/O, no asyncio, no torch. The node server runs `Planner.plan_step` in a thread.
+"""
+
+from .balance import Layout, Method, Placement, greedy_partition, kk_partition, place
+from .cost import attention_cost, load_cost_fn, make_cost
+from .mixture import Interpolate, Mixture
+from .pack import LongDocs, next_fit, pieces
+from .planner import MetadataView, PlanStats, Planner, PlannerConfig, StepPlan
+
+__all__ = [
+    "Interpolate",
+    "Layout",
+    "LongDocs",
+    "MetadataView",
+    "Method",
+    "Mixture",
+    "Placement",
+    "PlanStats",
+    "Planner",
+    "PlannerConfig",
+    "StepPlan",
+    "attention_cost",
+    "greedy_partition",
+    "kk_partition",
+    "load_cost_fn",
+    "make_cost",
+    "next_fit",
+    "pieces",
+    "place",
+]

@@ -1,0 +1,61 @@
+"""Per-document cost models: what a document costs a DP rank, so the balancer can equalise ranks.
+
+The default is attention plus the linear layers, `alpha * len**2 + beta * len`; a job may name its
+own function as "module:function", called with an int64 length array and returning float64 costs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from functools import partial
+
+import numpy as np
+
+from msdata_server.errors import ConfigError
+
+__all__ = ["CostFn", "attention_cost", "load_cost_fn", "make_cost"]
+
+CostFn = Callable[[np.ndarray], np.ndarray]
+
+
+def attention_cost(lengths: np.ndarray, *, alpha: float = 1.0, beta: float = 4096.0) -> np.ndarray:
+    """alpha*len^2 + beta*len per document, float64 (exact for lengths below 2**26)."""
+    x = np.asarray(lengths, dtype=np.float64)
+    return alpha * (x * x) + beta * x
+
+
+def load_cost_fn(path: str) -> CostFn:
+    """Import "module:function"; ConfigError naming the path and the fix when it cannot be loaded."""
+    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+        raise ConfigError(f"cost_fn={path!r} must look like 'package.module:function'")
+    module_name, attr = path.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cost_fn={path!r}: cannot import {module_name!r} ({exc}); is it on sys.path?") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"cost_fn={path!r}: {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def _checked(fn: CostFn, name: str, lengths: np.ndarray) -> np.ndarray:
+    """Call a user cost function and insist on one finite, non-negative float64 per length."""
+    out = np.asarray(fn(lengths), dtype=np.float64)
+    if out.shape != lengths.shape:
+        raise ConfigError(f"cost_fn {name!r} returned shape {out.shape} for {lengths.shape} lengths; return one cost per length")
+    if out.size and not (np.isfinite(out).all() and (out >= 0).all()):
+        raise ConfigError(f"cost_fn {name!r} returned a negative or non-finite cost; costs must be finite and >= 0")
+    return out
+
+
+def make_cost(*, alpha: float = 1.0, beta: float = 4096.0, cost_fn: str | None = None) -> CostFn:
+    """The cost model of a planner config: a user function when named, else attention_cost."""
+    for name, v in (("alpha", alpha), ("beta", beta)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ConfigError(f"{name}={v!r} must be a finite number >= 0")
+    if cost_fn is None:
+        return partial(attention_cost, alpha=float(alpha), beta=float(beta))
+    return partial(_checked, load_cost_fn(cost_fn), cost_fn)

@@ -1,0 +1,360 @@
+"""The Source interface, bad-sample records, and the machinery every file format shares.
+
+A Source addresses samples by ordinal (epoch * num_samples + pos) in its deterministic order (order.py) and
+reads raw records. Bad data never raises: a bad sample comes back as a ``BadSample`` and is counted.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping
+
+import numpy as np
+
+from ..errors import ConfigError
+from .order import DEFAULT_WINDOW, Order
+from .paths import expand_paths
+
+__all__ = [
+    "BAD_REASONS",
+    "BadDataLog",
+    "BadSample",
+    "FileSource",
+    "ReadResult",
+    "Source",
+    "SourceStats",
+]
+
+log = logging.getLogger(__name__)
+
+# Every kind of bad sample, as counted in statistics.
+BAD_REASONS = (
+    "bad_json",  # a JSON Lines line that is not a JSON object
+    "corrupt",  # a record or row group that cannot be decoded
+    "corrupt_file",  # a file skipped at open (counted once per file; its rows are not in the order)
+    "invalid_utf8",  # text that is not valid UTF-8
+    "missing_field",  # a record without the configured column, or a null value
+    "oversize",  # larger than max_sample_bytes
+    "read_error",  # an I/O error that persisted through the retries
+    "transform_error",  # the transform raised on this sample
+    "worker_crash",  # the sample killed transform workers repeatedly
+)
+TRANSIENT_ERRNOS = frozenset(
+    {errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.EBUSY, errno.ESTALE, errno.ECONNRESET}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BadSample:
+    """A sample that could not be read or transformed; ``reason`` is one of BAD_REASONS.
+
+    ``scope`` (default: the location) keys the log-once: a corrupt row group logs once, not once per row.
+    """
+
+    reason: str
+    location: str
+    detail: str = ""
+    scope: str = ""
+
+
+class BadDataLog:
+    """Counts bad samples by reason and logs each (reason, scope) once, up to ``limit`` lines per source."""
+
+    def __init__(self, source: str, *, limit: int = 200):
+        self.source = source
+        self.limit = limit
+        self.counts: Counter[str] = Counter()
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def record(self, bad: BadSample) -> None:
+        key = (bad.reason, bad.scope or bad.location)
+        with self._lock:
+            self.counts[bad.reason] += 1
+            if key in self._seen:
+                return
+            if len(self._seen) >= self.limit:
+                if len(self._seen) == self.limit:
+                    self._seen.add(("", ""))
+                    log.warning("source %s: more than %d bad-data places; logging no more", self.source, self.limit)
+                return
+            self._seen.add(key)
+        log.warning("source %s: skipping bad sample (%s) at %s: %s", self.source, bad.reason, bad.location, bad.detail)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SourceStats:
+    """What a source has read so far and what its index costs."""
+
+    name: str
+    format: str
+    files: int
+    files_skipped: int
+    num_samples: int
+    rows_read: int
+    bytes_read: int
+    bad_samples: Mapping[str, int]
+    index_bytes: int
+    open_files: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    """Records of one read, in ordinal order, and the raw bytes they took."""
+
+    records: list
+    nbytes: int
+
+
+class Source:
+    """A source of samples in a deterministic order; subclasses implement ``_read_file`` (or ``read_batch``)."""
+
+    format: ClassVar[str] = ""
+
+    def __init__(self, spec: Any, *, seed: int):
+        self.spec = spec
+        self.name: str = spec.name
+        self.seed = int(seed)
+        self.order: Order | None = None
+        self.bad = BadDataLog(self.name)
+        self._rows_read = 0
+        self._bytes_read = 0
+        self._lock = threading.RLock()  # reads run in threads; one read at a time per source
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per epoch."""
+        return self.order.num_samples
+
+    def locate_many(self, ordinals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(epoch, file_index, row) arrays for ordinals."""
+        return self.order.locate(np.asarray(ordinals, dtype=np.int64))
+
+    def locate(self, ordinal: int) -> tuple[int, int, int]:
+        """(epoch, file_index, row) of one ordinal: a pure function of (seed, name, ordinal)."""
+        e, f, r = self.locate_many(np.array([ordinal], dtype=np.int64))
+        return int(e[0]), int(f[0]), int(r[0])
+
+    def sample_ids(self, ordinals) -> np.ndarray:
+        """Stable global ids, file_index << 32 | row (the same sample has the same id in every epoch)."""
+        _, f, r = self.locate_many(ordinals)
+        return (f << 32) | r
+
+    def location(self, ordinal: int) -> str:
+        """A human-readable place of an ordinal, for logs."""
+        _, f, r = self.locate(ordinal)
+        return f"{self.name} row {r}" if f == 0 else f"{self.name} file {f} row {r}"
+
+    def read(self, ordinals) -> list[object]:
+        """Raw records in ordinal order; a BadSample for each bad one."""
+        return self.read_batch(ordinals).records
+
+    def read_batch(self, ordinals) -> ReadResult:
+        raise NotImplementedError
+
+    def _account(self, rows: int, nbytes: int) -> None:
+        self._rows_read += rows
+        self._bytes_read += nbytes
+
+    def _files_info(self) -> tuple[int, int, int]:
+        """(files, files_skipped, open_files)."""
+        return 0, 0, 0
+
+    def statistics(self) -> SourceStats:
+        files, skipped, open_files = self._files_info()
+        return SourceStats(
+            name=self.name,
+            format=self.format,
+            files=files,
+            files_skipped=skipped,
+            num_samples=self.num_samples,
+            rows_read=self._rows_read,
+            bytes_read=self._bytes_read,
+            bad_samples=self.bad.snapshot(),
+            index_bytes=self._index_bytes(),
+            open_files=open_files,
+        )
+
+    def _index_bytes(self) -> int:
+        return self.order.nbytes if self.order is not None else 0
+
+    def close(self) -> None:
+        """Release file handles and caches. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(slots=True)
+class _Lru:
+    """A small LRU keyed by anything, bounded by entry count and by total size."""
+
+    max_items: int
+    max_bytes: int
+    items: OrderedDict = field(default_factory=OrderedDict)
+    sizes: dict = field(default_factory=dict)
+    total: int = 0
+
+    def get(self, key):
+        v = self.items.get(key)
+        if v is not None:
+            self.items.move_to_end(key)
+        return v
+
+    def put(self, key, value, size: int, on_evict: Callable | None = None) -> None:
+        self.items[key] = value
+        self.sizes[key] = size
+        self.total += size
+        while len(self.items) > 1 and (len(self.items) > self.max_items or self.total > self.max_bytes):
+            k, v = self.items.popitem(last=False)
+            self.total -= self.sizes.pop(k)
+            if on_evict is not None:
+                on_evict(v)
+
+    def clear(self, on_evict: Callable | None = None) -> None:
+        if on_evict is not None:
+            for v in self.items.values():
+                on_evict(v)
+        self.items.clear()
+        self.sizes.clear()
+        self.total = 0
+
+
+class FileSource(Source):
+    """A source over files: path expansion, skipping unreadable files, the order, grouping reads by file,
+    retries of transient I/O errors, and a bounded cache of open handles.
+
+    Subclasses implement ``_scan(i, path) -> unit row counts`` (raise ConfigError for a configuration mistake,
+    anything else marks the file unreadable), ``_open(path)``/``_close(handle)``, and
+    ``_read_file(f, rows) -> (records, nbytes)``.
+    """
+
+    extensions: ClassVar[tuple[str, ...]] = ()
+    max_open: ClassVar[int] = 64  # open handles kept per source; the index itself stays in numpy
+    retries: ClassVar[int] = 3
+    backoff: ClassVar[float] = 0.01  # seconds, doubled at every retry
+    window: ClassVar[int] = DEFAULT_WINDOW
+
+    def __init__(self, spec: Any, *, seed: int):
+        super().__init__(spec, seed=seed)
+        self.column: str = spec.column
+        self.max_bytes: int = int(spec.max_sample_bytes)
+        self.paths: tuple[str, ...] = tuple(expand_paths(spec.name, spec.format, spec.paths, self.extensions))
+        self._handles: _Lru = _Lru(max_items=self.max_open, max_bytes=1 << 62)
+        self.skipped: dict[int, str] = {}
+        units: list[np.ndarray] = []
+        for i, p in enumerate(self.paths):
+            try:
+                u = np.asarray(self._scan(i, p), dtype=np.int64)
+            except ConfigError:
+                self.close()
+                raise
+            except Exception as e:  # a truncated or corrupt file: skip it, never fatal
+                self.skipped[i] = f"{type(e).__name__}: {e}"
+                self.bad.counts["corrupt_file"] += 1
+                log.error("source %s: skipping unreadable file %s: %s", self.name, p, self.skipped[i])
+                u = np.zeros(0, dtype=np.int64)
+            units.append(u)
+        if len(self.skipped) == len(self.paths):
+            self.close()
+            raise ConfigError(
+                f"source {self.name!r}: none of its {len(self.paths)} {spec.format} file(s) could be read "
+                f"(first: {self.paths[0]}: {self.skipped[0]}); check that the files are valid {spec.format}"
+            )
+        self.unit_cum = [np.concatenate(([0], np.cumsum(u))) for u in units]
+        self.order = Order.from_units(seed=self.seed, name=self.name, units=units, window=self.window)
+        if self.order.num_samples == 0:
+            self.close()
+            raise ConfigError(f"source {self.name!r}: its files {list(self.paths)[:3]}... hold no rows")
+
+    # ---- subclass hooks ----
+    def _scan(self, i: int, path: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def _open(self, path: str) -> Any:
+        raise NotImplementedError
+
+    def _close(self, handle: Any) -> None:
+        close = getattr(handle, "close", None)
+        if close is not None:
+            close()
+
+    def _read_file(self, f: int, rows: np.ndarray) -> tuple[list, int]:
+        raise NotImplementedError
+
+    # ---- shared machinery ----
+    def keep_open(self, f: int, handle: Any) -> None:
+        """Put a handle opened while scanning into the cache."""
+        self._handles.put(f, handle, 1, on_evict=self._close)
+
+    def handle(self, f: int) -> Any:
+        """The open handle of file f (opened on demand, least recently used closed beyond max_open)."""
+        h = self._handles.get(f)
+        if h is None:
+            h = self._retry(lambda: self._open(self.paths[f]))
+            self._handles.put(f, h, 1, on_evict=self._close)
+        return h
+
+    def _retry(self, fn: Callable[[], Any]) -> Any:
+        """Call fn, retrying transient OSErrors (EIO, EAGAIN, ...) with exponential backoff."""
+        delay = self.backoff
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except OSError as e:
+                if e.errno not in TRANSIENT_ERRNOS or attempt == self.retries:
+                    raise
+                log.info("source %s: transient read error (%s), retry %d in %.3fs", self.name, e, attempt + 1, delay)
+            time.sleep(delay)  # a backoff between retries, not synchronisation
+            delay *= 2
+
+    def bad_sample(self, f: int, row: int, reason: str, detail: str = "", scope: str = "") -> BadSample:
+        b = BadSample(reason, f"{self.paths[f]} row {row}", detail, scope)
+        self.bad.record(b)
+        return b
+
+    def error_reason(self, e: BaseException) -> str:
+        if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
+            return "read_error"
+        return "corrupt"
+
+    def location(self, ordinal: int) -> str:
+        _, f, r = self.locate(ordinal)
+        return f"{self.paths[f]} row {r}"
+
+    def read_batch(self, ordinals) -> ReadResult:
+        ords = np.asarray(ordinals, dtype=np.int64).reshape(-1)
+        _, files, rows = self.locate_many(ords)
+        out: list = [None] * len(ords)
+        nbytes = 0
+        with self._lock:
+            for f in np.unique(files).tolist():
+                idx = np.flatnonzero(files == f)
+                recs, nb = self._read_file(f, rows[idx])
+                nbytes += nb
+                for i, r in zip(idx.tolist(), recs):
+                    out[i] = r
+            self._account(len(ords), nbytes)
+        return ReadResult(out, nbytes)
+
+    def _files_info(self) -> tuple[int, int, int]:
+        return len(self.paths), len(self.skipped), len(self._handles.items)
+
+    def _index_bytes(self) -> int:
+        return super()._index_bytes() + sum(u.nbytes for u in self.unit_cum)
+
+    def close(self) -> None:
+        with self._lock:
+            self._handles.clear(on_evict=self._close)

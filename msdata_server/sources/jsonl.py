@@ -1,0 +1,144 @@
+"""JSON Lines reader: a numpy index of line offsets built once per file by a chunked newline scan (the file
+is never loaded whole), lines read by offset (pread), parsed with orjson."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+import numpy as np
+import orjson
+
+from ..errors import ConfigError
+from .base import FileSource
+
+__all__ = ["JsonlSource"]
+
+_SCAN_CHUNK = 8 << 20
+
+
+class _Fd:
+    """An open file descriptor read with pread (thread-safe, no shared seek position)."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def line_index(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) byte offsets of the non-empty lines of a file, ends exclusive of the newline."""
+    newlines = []
+    size = 0
+    buf = bytearray(_SCAN_CHUNK)
+    with open(path, "rb", buffering=0) as fh:
+        while True:
+            n = fh.readinto(buf)
+            if not n:
+                break
+            chunk = np.frombuffer(buf, dtype=np.uint8, count=n)
+            newlines.append(np.flatnonzero(chunk == 10).astype(np.int64) + size)
+            size += n
+    nl = np.concatenate(newlines) if newlines else np.zeros(0, np.int64)
+    if size and (len(nl) == 0 or nl[-1] != size - 1):
+        nl = np.append(nl, size)  # a last line without a newline
+    starts = np.concatenate(([0], nl[:-1] + 1)) if len(nl) else np.zeros(0, np.int64)
+    keep = nl > starts  # drop empty lines
+    return starts[keep].astype(np.int64), nl[keep].astype(np.int64)
+
+
+class JsonlSource(FileSource):
+    """Values of one field of the JSON objects, one object per line."""
+
+    format = "jsonl"
+    extensions = (".jsonl", ".ndjson", ".json")
+    coalesce: ClassVar[int] = 1 << 20  # rows whose span is at most this many bytes are read in one pread
+
+    def __init__(self, spec: Any, *, seed: int):
+        self.starts: list[np.ndarray] = []
+        self.ends: list[np.ndarray] = []
+        super().__init__(spec, seed=seed)
+
+    def _open(self, path: str) -> _Fd:
+        return _Fd(path)
+
+    def _scan(self, i: int, path: str) -> np.ndarray:
+        try:
+            starts, ends = line_index(path)
+        except BaseException:
+            self.starts.append(np.zeros(0, np.int64))
+            self.ends.append(np.zeros(0, np.int64))
+            raise
+        self.starts.append(starts)
+        self.ends.append(ends)
+        if i == 0 and len(starts):
+            self._check_column(path, starts[0], ends[0])
+        return np.array([len(starts)], dtype=np.int64)
+
+    def _check_column(self, path: str, start: int, end: int) -> None:
+        """The first object of the first file must have the column (a config mistake, not bad data)."""
+        with open(path, "rb") as fh:
+            fh.seek(int(start))
+            line = fh.read(int(min(end - start, self.max_bytes)))
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            return  # bad data, counted when read
+        if isinstance(obj, dict) and self.column not in obj:
+            raise ConfigError(
+                f"source {self.name!r}: the first object of {path} has no field {self.column!r}; its fields are "
+                f"{sorted(obj)}. Set column = one of them in the source"
+            )
+
+    def _index_bytes(self) -> int:
+        return super()._index_bytes() + sum(a.nbytes for a in self.starts) + sum(a.nbytes for a in self.ends)
+
+    def _read_file(self, f: int, rows: np.ndarray) -> tuple[list, int]:
+        starts, ends = self.starts[f][rows], self.ends[f][rows]
+        sizes = ends - starts
+        out: list = [None] * len(rows)
+        ok = np.flatnonzero(sizes <= self.max_bytes)
+        for k in np.flatnonzero(sizes > self.max_bytes).tolist():
+            out[k] = self.bad_sample(f, int(rows[k]), "oversize", f"{int(sizes[k])} bytes > max_sample_bytes {self.max_bytes}")
+        if len(ok) == 0:
+            return out, 0
+        lo, hi = int(starts[ok].min()), int(ends[ok].max())
+        try:
+            fd = self.handle(f).fd
+            if hi - lo <= self.coalesce:
+                block = self._retry(lambda: os.pread(fd, hi - lo, lo))
+                lines = [block[s - lo : e - lo] for s, e in zip(starts[ok].tolist(), ends[ok].tolist())]
+            else:
+                spans = zip(starts[ok].tolist(), ends[ok].tolist())
+                lines = [self._retry(lambda s=s, e=e: os.pread(fd, e - s, s)) for s, e in spans]
+        except OSError as e:
+            reason = self.error_reason(e)
+            for k in ok.tolist():
+                out[k] = self.bad_sample(f, int(rows[k]), reason, str(e), f"{self.paths[f]}: {e}")
+            return out, 0
+        nbytes = 0
+        for k, line in zip(ok.tolist(), lines):
+            out[k] = self._parse(f, int(rows[k]), line, int(sizes[k]))
+            nbytes += len(line)
+        return out, nbytes
+
+    def _parse(self, f: int, row: int, line: bytes, size: int) -> object:
+        if len(line) != size:
+            return self.bad_sample(f, row, "read_error", f"short read: {len(line)} of {size} bytes (file changed?)")
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as u:
+                return self.bad_sample(f, row, "invalid_utf8", str(u))
+            return self.bad_sample(f, row, "bad_json", str(e))
+        if not isinstance(obj, dict):
+            return self.bad_sample(f, row, "bad_json", f"a line holds a JSON {type(obj).__name__}, not an object")
+        value = obj.get(self.column)
+        if value is None:
+            return self.bad_sample(f, row, "missing_field", f"no field {self.column!r} (fields: {sorted(obj)[:10]})")
+        return value

@@ -1,0 +1,171 @@
+"""A source's deterministic read order: a pure function of (seed, source name, epoch), O(files) memory.
+
+Per epoch the files are permuted; inside a file the windows (runs of consecutive rows, aligned with row
+groups or record batches where the format has them) are permuted, and the rows of each window are permuted.
+Every permutation is seeded by a blake2b hash of its coordinates, so any ordinal is located directly
+(seek) and partitions split the work without changing the order. No full permutation of all rows exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+__all__ = ["DEFAULT_WINDOW", "Order", "make_rng", "stable_seed", "window_starts"]
+
+DEFAULT_WINDOW = 4096  # rows shuffled together: big enough to mix, small enough to keep reads local
+_EPOCH_CACHE = 4
+_FILE_CACHE = 64
+_WINDOW_CACHE = 32
+
+
+def stable_seed(*parts: object) -> int:
+    """A 128-bit seed from a tuple of ints/strings, stable across processes (never Python's hash())."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        if isinstance(p, (int, np.integer)):
+            h.update(b"i%d\x1f" % int(p))
+        else:
+            h.update(b"s" + str(p).encode("utf-8", "surrogatepass") + b"\x1f")
+    return int.from_bytes(h.digest(), "little")
+
+
+def make_rng(*parts: object) -> np.random.Generator:
+    """A PCG64 generator seeded by stable_seed(*parts)."""
+    return np.random.Generator(np.random.PCG64(stable_seed(*parts)))
+
+
+def window_starts(unit_rows: np.ndarray, target: int = DEFAULT_WINDOW) -> np.ndarray:
+    """Window start rows of one file from its unit sizes (row groups, record batches).
+
+    Consecutive small units merge until a window holds >= target rows; a unit larger than target is cut into
+    pieces of target rows. A window never straddles a unit boundary, so reading it touches few units.
+    """
+    unit_rows = np.asarray(unit_rows, dtype=np.int64)
+    unit_starts = np.concatenate(([0], np.cumsum(unit_rows)[:-1])) if len(unit_rows) else np.zeros(0, np.int64)
+    starts: list[np.ndarray] = []
+    acc = 0  # rows in the window being merged
+    for s, n in zip(unit_starts.tolist(), unit_rows.tolist()):
+        if n == 0:
+            continue
+        if n >= target:
+            starts.append(np.arange(s, s + n, target, dtype=np.int64))
+            acc = 0
+            continue
+        if acc == 0 or acc >= target:
+            starts.append(np.array([s], dtype=np.int64))
+            acc = 0
+        acc += n
+    return np.concatenate(starts) if starts else np.zeros(0, np.int64)
+
+
+class Order:
+    """Maps ordinals (epoch * num_samples + pos) to (epoch, file, row) for files of known row counts.
+
+    ``counts[f]`` rows in file f (0 for a skipped file); ``starts[f]`` the window start rows of file f,
+    flattened into one array with ``offsets`` (CSR layout, no per-file Python objects on the hot path).
+    """
+
+    def __init__(self, *, seed: int, name: str, counts: np.ndarray, starts: np.ndarray, offsets: np.ndarray):
+        self.seed = int(seed)
+        self.name = name
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.num_samples = int(self.counts.sum())
+        self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._files: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
+        self._windows: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()  # the caches are shared by the loop thread and reader threads
+
+    @classmethod
+    def from_units(cls, *, seed: int, name: str, units: list[np.ndarray], window: int = DEFAULT_WINDOW) -> Order:
+        """Build from each file's unit sizes (an empty array for a skipped file)."""
+        counts = np.array([int(np.sum(u)) for u in units], dtype=np.int64)
+        per_file = [window_starts(u, window) for u in units]
+        offsets = np.zeros(len(units) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(s) for s in per_file])
+        starts = np.concatenate(per_file) if per_file else np.zeros(0, np.int64)
+        return cls(seed=seed, name=name, counts=counts, starts=starts, offsets=offsets)
+
+    @property
+    def nbytes(self) -> int:
+        return self.counts.nbytes + self.starts.nbytes + self.offsets.nbytes
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        got = self._epochs.get(epoch)
+        if got is None:
+            perm = make_rng(self.seed, self.name, epoch, "files").permutation(len(self.counts))
+            got = (perm, np.cumsum(self.counts[perm]))
+            self._epochs[epoch] = got
+            if len(self._epochs) > _EPOCH_CACHE:
+                self._epochs.popitem(last=False)
+        else:
+            self._epochs.move_to_end(epoch)
+        return got
+
+    def _file(self, epoch: int, f: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(window order, cumulative sizes in that order, window sizes) of file f in an epoch."""
+        key = (epoch, f)
+        got = self._files.get(key)
+        if got is None:
+            lo, hi = int(self.offsets[f]), int(self.offsets[f + 1])
+            ws = self.starts[lo:hi]
+            sizes = np.diff(np.append(ws, self.counts[f]))
+            perm = make_rng(self.seed, self.name, epoch, f, "windows").permutation(hi - lo)
+            got = (perm, np.cumsum(sizes[perm]), sizes)
+            self._files[key] = got
+            if len(self._files) > _FILE_CACHE:
+                self._files.popitem(last=False)
+        else:
+            self._files.move_to_end(key)
+        return got
+
+    def _rows(self, epoch: int, f: int, w: int, size: int) -> np.ndarray:
+        key = (epoch, f, w)
+        got = self._windows.get(key)
+        if got is None:
+            got = make_rng(self.seed, self.name, epoch, f, w).permutation(size)
+            self._windows[key] = got
+            if len(self._windows) > _WINDOW_CACHE:
+                self._windows.popitem(last=False)
+        else:
+            self._windows.move_to_end(key)
+        return got
+
+    def locate(self, ordinals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(epoch, file, row) int64 arrays for an array of ordinals; vectorised per (epoch, file, window)."""
+        o = np.asarray(ordinals, dtype=np.int64).reshape(-1)
+        if self.num_samples == 0:
+            raise ValueError(f"source {self.name!r} has no samples to locate")
+        if len(o) and int(o.min()) < 0:
+            raise ValueError(f"ordinals must be >= 0, got {int(o.min())}")
+        with self._lock:
+            return self._locate(o)
+
+    def _locate(self, o: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        epoch, pos = np.divmod(o, self.num_samples)
+        files = np.empty_like(o)
+        rows = np.empty_like(o)
+        for e in np.unique(epoch).tolist():
+            sel = np.flatnonzero(epoch == e)
+            perm, cum = self._epoch(e)
+            k = np.searchsorted(cum, pos[sel], side="right")
+            f = perm[k]
+            off = pos[sel] - (cum[k] - self.counts[f])
+            files[sel] = f
+            for fi in np.unique(f).tolist():
+                fs = sel[f == fi]
+                foff = off[f == fi]
+                wperm, wcum, sizes = self._file(e, fi)
+                kw = np.searchsorted(wcum, foff, side="right")
+                win = wperm[kw]
+                j = foff - (wcum[kw] - sizes[win])
+                base = self.starts[self.offsets[fi] + win]
+                for wi in np.unique(win).tolist():
+                    m = win == wi
+                    rows[fs[m]] = base[m] + self._rows(e, fi, wi, int(sizes[wi]))[j[m]]
+        return epoch, files, rows

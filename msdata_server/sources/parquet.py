@@ -1,0 +1,87 @@
+"""Parquet reader: files kept open, a numpy row-group index, only the needed row groups and column read,
+a small LRU of decoded row groups (windows follow row groups, so a window's reads hit the cache)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from ._arrow import arrow_records, check_column
+from .base import FileSource, _Lru
+
+__all__ = ["ParquetSource"]
+
+
+class ParquetSource(FileSource):
+    """Rows of one column of Parquet files."""
+
+    format = "parquet"
+    extensions = (".parquet", ".parq", ".pq")
+    cache_groups: ClassVar[int] = 8  # decoded row groups kept
+    cache_bytes: ClassVar[int] = 256 << 20
+
+    def __init__(self, spec: Any, *, seed: int):
+        self._groups = _Lru(max_items=self.cache_groups, max_bytes=self.cache_bytes)
+        super().__init__(spec, seed=seed)
+
+    def _open(self, path: str) -> pq.ParquetFile:
+        return pq.ParquetFile(path, page_checksum_verification=True)
+
+    def _scan(self, i: int, path: str) -> np.ndarray:
+        pf = self._open(path)
+        try:
+            check_column(self.name, path, pf.schema_arrow, self.column)
+            md = pf.metadata
+            units = np.array([md.row_group(g).num_rows for g in range(md.num_row_groups)], dtype=np.int64)
+        except BaseException:
+            pf.close()
+            raise
+        self.keep_open(i, pf)
+        return units
+
+    def _group(self, f: int, g: int):
+        """The decoded column of row group g of file f, or the exception that reading it raised."""
+        key = (f, g)
+        got = self._groups.get(key)
+        if got is None:
+            try:
+                got = self._retry(lambda: self.handle(f).read_row_group(g, columns=[self.column]).column(0).combine_chunks())
+                size = got.nbytes
+            except Exception as e:
+                if self.error_reason(e) == "read_error":
+                    return e  # persistent I/O trouble: try again next time
+                got, size = e, 0  # cached too: a corrupt row group is not decoded again for every batch
+            self._groups.put(key, got, size)
+        return got
+
+    def _read_file(self, f: int, rows: np.ndarray) -> tuple[list, int]:
+        cum = self.unit_cum[f]
+        groups = np.searchsorted(cum, rows, side="right") - 1
+        out: list = [None] * len(rows)
+        nbytes = 0
+        for g in np.unique(groups).tolist():
+            sel = np.flatnonzero(groups == g)
+            col = self._group(f, g)
+            frows = rows[sel]
+            if isinstance(col, Exception):
+                reason = self.error_reason(col)
+                scope = f"{self.paths[f]} row group {g}"
+                for k, r in zip(sel.tolist(), frows.tolist()):
+                    out[k] = self.bad_sample(f, r, reason, f"row group {g}: {col}", scope)
+                continue
+
+            def bad(k: int, reason: str, detail: str, _rows=frows) -> object:
+                return self.bad_sample(f, int(_rows[k]), reason, detail)
+
+            recs, nb = arrow_records(col, frows - cum[g], max_bytes=self.max_bytes, bad=bad)
+            nbytes += nb
+            for k, rec in zip(sel.tolist(), recs):
+                out[k] = rec
+        return out, nbytes
+
+    def close(self) -> None:
+        with self._lock:
+            self._groups.clear()
+        super().close()

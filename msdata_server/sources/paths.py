@@ -1,0 +1,65 @@
+"""Expanding a source's ``paths`` (files, directories, globs) into a sorted, de-duplicated file list."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterable
+
+from ..errors import ConfigError
+
+__all__ = ["expand_paths"]
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+def _hidden(name: str) -> bool:
+    # Spark/Hadoop markers (_SUCCESS, _metadata) and dot files are never data
+    return name.startswith((".", "_"))
+
+
+def _walk(directory: str, extensions: tuple[str, ...]) -> list[str]:
+    found = []
+    for root, dirs, files in os.walk(directory, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not _hidden(d))
+        found.extend(os.path.join(root, f) for f in files if not _hidden(f) and f.lower().endswith(extensions))
+    return sorted(found)
+
+
+def expand_paths(source: str, fmt: str, paths: Iterable[str], extensions: tuple[str, ...]) -> list[str]:
+    """Files of a source in a stable order: each entry expanded in turn (directories recursively and
+    sorted, keeping files whose name ends with one of ``extensions``; globs sorted), duplicates dropped.
+
+    ConfigError names the source, the entry and the fix when an entry matches nothing.
+    """
+    if isinstance(paths, str):
+        paths = (paths,)
+    paths = tuple(paths)
+    if not paths:
+        raise ConfigError(f"source {source!r} ({fmt}) has no paths; give files, directories or globs in paths = [...]")
+    out: list[str] = []
+    seen: set[str] = set()
+    for entry in paths:
+        entry = os.path.expanduser(str(entry))
+        if os.path.isdir(entry):
+            matched = _walk(entry, extensions)
+            hint = f"a directory with no {'/'.join(extensions)} files"
+        elif _GLOB_CHARS & set(entry):
+            matched = sorted(p for p in glob.glob(entry, recursive=True) if os.path.isfile(p))
+            hint = "a glob that matched no files"
+        elif os.path.isfile(entry):
+            matched = [entry]
+            hint = ""
+        else:
+            raise ConfigError(
+                f"source {source!r}: path {entry!r} does not exist; fix the path (relative paths resolve "
+                f"against the job file's directory)"
+            )
+        if not matched:
+            raise ConfigError(f"source {source!r}: no files matched {entry!r} ({hint}); fix the path or the format")
+        for p in matched:
+            p = os.path.abspath(p)
+            if p not in seen:
+                seen.add(p)
+                out.append(p)
+    return out

@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", help="override [node] log_level")
     s.set_defaults(fn=_cmd_serve)
     d = sub.add_parser("demo", help="run the embedded default job end to end and print a summary")
-    d.add_argument("--steps", type=int, default=40, help="training steps to run")
+    d.add_argument("--steps", type=int, default=200, help="training steps to run")
     d.add_argument("--ranks", type=int, default=4, help="simulated trainer ranks")
     d.add_argument("--log-level", help="log level (default WARNING)")
     d.set_defaults(fn=_cmd_demo)

@@ -194,13 +194,22 @@ def _run(root: str, steps: int) -> int:
             _stop(server, loop, thread)
             return 1
         now = time.perf_counter()
-        if now - last > 1.0 or len(done) == world:
+        if now - last > 2.0 or len(done) == world:
             last = now
-            status = asyncio.run_coroutine_threadsafe(_status(server), loop).result()
+            st = asyncio.run_coroutine_threadsafe(_status(server), loop).result()
+            if st.get("jobs"):
+                status = st
             pids = [os.getpid()] + list(server.pool.pids() if server.pool is not None else [])
             peak_pss = max(peak_pss, tree_memory(pids)["pss"])
             lo = min(progress.values())
-            print(f"  step {lo:4d}/{steps}  " + "  ".join(f"rank{r}:{s}" for r, s in sorted(progress.items())), flush=True)
+            if not status:
+                print(f"  waiting for the ranks to start ({sum(p.is_alive() for p in procs)} processes up)", flush=True)
+            else:
+                j = status["jobs"][0]
+                imb = j.get("imbalance")
+                print(f"  step {lo:4d}/{steps}  {j['micro_batches_per_s']:7.1f} micro-batches/s  "
+                      f"imbalance {imb if imb is None else round(imb, 3)}  " +
+                      " ".join(f"r{r}:{s}" for r, s in sorted(progress.items())), flush=True)
     for p in procs:
         p.join(30)
     _stop(server, loop, thread)
@@ -247,7 +256,7 @@ def _summary(spec, steps, done, status, peak_pss, data) -> None:
 
 def baseline_imbalance(data, spec, steps: int) -> float:
     """Imbalance (max/mean attention cost over DP ranks) of per-rank loaders packing in arrival order."""
-    from .planner.baseline import per_rank_imbalance
+    from .planner.baseline import per_rank_steps
 
     lengths = {}
     for name, (fmt, d) in data.items():
@@ -264,6 +273,12 @@ def baseline_imbalance(data, spec, steps: int) -> float:
             else:
                 ls += [len(t) + 1 for t in feather.read_table(p).column("text").to_pylist()]
         lengths[name] = np.asarray(ls, dtype=np.int64)
-    return per_rank_imbalance(lengths, DEMO_WEIGHTS, seq_len=spec.seq_len, dp=spec.mesh.dp,
-                              micro_batches=spec.micro_batches, rows=spec.rows, steps=steps,
-                              alpha=spec.balance.alpha, beta=spec.balance.beta, seed=spec.seed)
+    names = list(DEMO_WEIGHTS)
+
+    def draw(s: int, n: int, rng: np.random.Generator) -> np.ndarray:
+        return rng.choice(lengths[names[s]], size=n)
+
+    res = per_rank_steps(draw, DEMO_WEIGHTS, {n: float(lengths[n].mean()) for n in names}, seq_len=spec.seq_len,
+                         dp=spec.mesh.dp, micro_batches=spec.micro_batches, rows=spec.rows, steps=max(steps, 50),
+                         seed=spec.seed, alpha=spec.balance.alpha, beta=spec.balance.beta)
+    return float(np.mean([r["imbalance"] for r in res]))

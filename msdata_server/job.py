@@ -114,6 +114,8 @@ class Job:
         self.started_at: float | None = None
         self.plan_stats: list = []  # recent per-step statistics (bounded)
         self.steps_planned = 0
+        self._totals = {"imbalance": 0.0, "padding": 0.0, "plan_ms": 0.0}
+        self._tokens: dict[str, int] = {}
         self._start_lock = asyncio.Lock()
         self._view: _LoaderView | None = None
         self._cp = 1
@@ -236,10 +238,14 @@ class Job:
                 await grp.queue.put(plan)
 
     def _record_stats(self, plan) -> None:
-        st = getattr(plan, "stats", None)
-        if st is not None:
-            self.plan_stats.append(st)
-            del self.plan_stats[:-64]
+        st = plan.stats
+        self.plan_stats.append(st)
+        del self.plan_stats[:-64]
+        self._totals["imbalance"] += st.imbalance
+        self._totals["padding"] += st.padding_fraction
+        self._totals["plan_ms"] += st.plan_ms
+        for name, n in st.tokens.items():
+            self._tokens[name] = self._tokens.get(name, 0) + int(n)
 
     def _count_pieces(self, plan) -> None:
         key = list(zip(plan.source.tolist(), plan.ordinal.tolist()))
@@ -283,11 +289,13 @@ class Job:
             self._done_pieces(src, ords)
             return
         toks = []
-        sids = np.empty(len(src), dtype=np.int64)
-        for i, (s, o, a, n) in enumerate(zip(src.tolist(), ords.tolist(), offs.tolist(), lens.tolist())):
+        for s, o, a, n in zip(src.tolist(), ords.tolist(), offs.tolist(), lens.tolist()):
             doc = await self.loaders[s].tokens(o)
             toks.append(doc[a : a + n])
-            sids[i] = self.loaders[s].sample_ids(np.asarray([o], dtype=np.int64))[0]
+        sids = np.empty(len(src), dtype=np.int64)
+        for s in np.unique(src).tolist():
+            sel = src == s
+            sids[sel] = self.loaders[s].sample_ids(ords[sel])
         pieces = MicroBatchPieces(row=plan.row[sl], tokens=toks, sample_ids=sids, source_ids=src.astype(np.int64))
         nseg = count_segments(pieces, spec.rows, spec.seq_len)
         layouts, nbytes = layout_fields(field_specs(rows=spec.rows, seq_len=spec.seq_len, n_pieces=len(toks),
@@ -414,9 +422,8 @@ class Job:
         elapsed = (time.monotonic() - self.started_at) if self.started_at else 0.0
         published = sum(g.published for g in self.groups)
         nbytes = sum(g.bytes_published for g in self.groups)
-        st = self.plan_stats[-16:]
-        imb = [float(getattr(s, "imbalance", float("nan"))) for s in st]
-        pad = [float(getattr(s, "padding_fraction", float("nan"))) for s in st]
+        n = max(self.steps_planned, 1)
+        last = self.plan_stats[-1] if self.plan_stats else None
         return {
             "name": self.name,
             "digest": self.digest[:16],
@@ -429,8 +436,11 @@ class Job:
             "micro_batches_published": published,
             "micro_batches_per_s": published / elapsed if elapsed else 0.0,
             "bytes_per_s": nbytes / elapsed if elapsed else 0.0,
-            "imbalance": float(np.mean(imb)) if imb else None,
-            "padding_fraction": float(np.mean(pad)) if pad else None,
+            "imbalance": self._totals["imbalance"] / n if self.steps_planned else None,
+            "padding_fraction": self._totals["padding"] / n if self.steps_planned else None,
+            "plan_ms": self._totals["plan_ms"] / n if self.steps_planned else None,
+            "last_step": last.to_dict() if last is not None else None,
+            "tokens_per_source": dict(self._tokens),
             "rings": [{"group": g.index, "ring": r.id, "slots": r.table.slots, "in_use": r.table.in_use,
                        "slot_size": r.slot_size} for g in self.groups for r in g.rings.values()],
             "sources": {ld.source.name: _stats_dict(ld.statistics()) for ld in self.loaders},

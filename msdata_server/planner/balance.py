@@ -30,14 +30,14 @@ __all__ = ["Layout", "Method", "PARTITIONERS", "Placement", "greedy_partition", 
 # it uses the greedy rounds, to keep dp=512 under 100 ms (see `place`).
 KK_BUDGET = 1 << 17
 ROUND_DIV = 4  # a greedy round places at least dp / ROUND_DIV pieces
-import os
-SHRINK_FLOOR = lambda dp: max(1, dp // int(os.environ.get('SDIV', '4')))
 REFINE_ITERS = 32  # bounded refinement: move/swap passes that lower the costliest rank
 REFINE_PARTNERS = 4  # cheapest ranks tried as partners in each pass
 CARRY_KEEP = 1024  # left-over pieces kept as they are; beyond, `consolidate` trades them (state size)
 CONSOLIDATE_RATIO = 8  # a traded placed piece is at least this many times the mean left-over
 
 _BIG = np.iinfo(np.int64).max
+import os
+TINY = int(os.environ.get('TINY', '1000000000'))
 
 
 class Method(str, Enum):
@@ -302,7 +302,7 @@ class _Rows:
                 near = int(np.count_nonzero(proj <= proj.min() + delta[0]))
             else:
                 near = int(np.count_nonzero(proj >= proj.max() + delta[:run].min()))
-            take = min(run, max(near, floor if grow else SHRINK_FLOOR(self.lay.dp)))
+            take = min(run, max(near, floor if L[head] * TINY >= self.lay.seq_len else elig.size))
             idx = cand[:take]
             by_proj = elig[np.argsort(proj, kind="stable")]
             if grow:  # the largest raise to the lowest projection

@@ -27,9 +27,9 @@ import orjson
 
 __all__ = [
     "ALIGN",
+    "FieldLayout",
     "HEADER_SIZE",
     "MAGIC",
-    "FieldLayout",
     "RingMap",
     "SlotTable",
     "layout_fields",

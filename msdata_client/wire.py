@@ -17,10 +17,10 @@ import orjson
 from .errors import PeerLostError, ProtocolError
 
 __all__ = [
+    "FrameReader",
     "MAX_FDS_PER_MSG",
     "MAX_FRAME",
     "PROTOCOL_VERSION",
-    "FrameReader",
     "decode",
     "encode",
     "recv_into_reader",

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
-    "ROW_FIELDS",
     "MicroBatchPieces",
+    "ROW_FIELDS",
     "build_micro_batch",
+    "count_segments",
     "field_specs",
     "zigzag_index",
 ]

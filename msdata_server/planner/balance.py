@@ -29,15 +29,14 @@ __all__ = ["Layout", "Method", "PARTITIONERS", "Placement", "greedy_partition", 
 # pieces (O(n * dp log dp)); above it, where every rank holds many pieces and greedy balances as well,
 # it uses the greedy rounds, to keep dp=512 under 100 ms (see `place`).
 KK_BUDGET = 1 << 17
-ROUND_DIV = 4  # a greedy round places at least dp / ROUND_DIV pieces
+ROUND_DIV = 4  # a greedy round places at least dp / ROUND_DIV pieces...
+TINY = 64  # ...and pieces shorter than seq_len / TINY go to every eligible rank at once
 REFINE_ITERS = 32  # bounded refinement: move/swap passes that lower the costliest rank
 REFINE_PARTNERS = 4  # cheapest ranks tried as partners in each pass
 CARRY_KEEP = 1024  # left-over pieces kept as they are; beyond, `consolidate` trades them (state size)
 CONSOLIDATE_RATIO = 8  # a traded placed piece is at least this many times the mean left-over
 
 _BIG = np.iinfo(np.int64).max
-import os
-TINY = int(os.environ.get('TINY', '1000000000'))
 
 
 class Method(str, Enum):
@@ -204,6 +203,7 @@ class _Rows:
         self.capped = False
         self.spread = True
         self.monotone = True  # cost never decreases with length (set by `place`)
+        self.long = costs * float(lengths.sum()) > lengths * float(costs.sum())  # cost per token above average
 
     def set_cap(self, desc: np.ndarray, tolerance: float | None) -> None:
         """Cap rank costs at (1 + tolerance) x the mean expected if the longest pieces fill the step.
@@ -224,45 +224,49 @@ class _Rows:
         self.pool_cost -= float(self.c[idx].sum())
         self.pool_tok -= int(self.L[idx].sum())
 
-    def put(self, idx: np.ndarray, ranks: np.ndarray, rate: float, grow: bool, check: bool = True) -> np.ndarray:
+    def put(self, idx: np.ndarray, ranks: np.ndarray, rate: float, check: bool = True) -> np.ndarray:
         """Put pieces idx on distinct ranks; returns a mask of the pieces that did not fit (or pass the cap).
 
-        Row: a piece that raises projections (`grow`) goes to the least projected micro-batch with a
-        row it fits, spreading long pieces over micro-batches; others, and ties, to the tightest row
-        it fits (best fit keeps whole rows free for later long pieces).
+        Row: a long piece (above the step's average) goes to the least projected micro-batch with a
+        row it fits, spreading long pieces over micro-batches; a short one, and ties, to the
+        tightest row it fits (best fit keeps whole rows free for later long pieces).
         """
         l = self.L[idx]
         c = self.c[idx]
+        bad = np.zeros(idx.size, bool)
         if check:
-            ok = self.maxrem[ranks] >= l
+            bad = self.maxrem[ranks] < l
             if self.capped:
-                ok &= self.rcost[ranks] + c <= self.cap
-            bad = ~ok
+                bad |= self.rcost[ranks] + c > self.cap
             if bad.any():
+                ok = ~bad
                 idx, ranks, l, c = idx[ok], ranks[ok], l[ok], c[ok]
-        else:
-            bad = np.zeros(idx.size, bool)
-        rr = self.rem[ranks]
-        if self.lay.slots == 1:
+        k = self.lay.slots
+        if k == 1:
             w = np.zeros(idx.size, np.int64)
         else:
+            rr = self.rem[ranks]
             fit = rr >= l[:, None]
-            if grow and self.spread and self.lay.micro > 1:
-                score = self.mcost[ranks] + self.mtok[ranks] * rate
-                if self.lay.rows > 1:
-                    score = score[:, self.micro_of]
-                score = np.where(fit, score, np.inf)
-                fit = score == score.min(axis=1, keepdims=True)
+            if self.spread and self.lay.micro > 1:
+                long = self.long[idx]
+                if long.any():
+                    score = self.mcost[ranks] + self.mtok[ranks] * rate
+                    if self.lay.rows > 1:
+                        score = score[:, self.micro_of]
+                    score = np.where(fit, score, np.inf)
+                    fit = np.where(long[:, None], score == score.min(axis=1, keepdims=True), fit)
             w = np.argmin(np.where(fit, rr, _BIG), axis=1)
-        rows = np.arange(idx.size)
-        rr[rows, w] -= l
-        self.rem[ranks] = rr
-        self.maxrem[ranks] = rr.max(axis=1)
+        self.rem.reshape(-1)[ranks * k + w] -= l
+        self.maxrem[ranks] = self.rem[ranks].max(axis=1) if k > 1 else self.rem[ranks, 0]
         self.rtok[ranks] -= l
         self.rcost[ranks] += c
-        m = self.micro_of[w]
-        self.mcost[ranks, m] += c
-        self.mtok[ranks, m] -= l
+        if self.lay.micro > 1:
+            mi = ranks * self.lay.micro + self.micro_of[w]
+            self.mcost.reshape(-1)[mi] += c
+            self.mtok.reshape(-1)[mi] -= l
+        else:
+            self.mcost[ranks, 0] += c
+            self.mtok[ranks, 0] -= l
         self.rank[idx] = ranks
         self.slot[idx] = w
         self.pool_cost -= float(c.sum())
@@ -273,12 +277,14 @@ class _Rows:
         """Place queue (longest first) in rounds; each round pairs pieces with ranks by projection.
 
         A round takes the next pieces that all raise (or all lower) a projection and gives them to as
-        many distinct ranks: the lowest (highest) projected ones, at least dp/4 of them and more while
-        their projections are within the head piece's effect of the extreme, where LPT's choice among
-        them would not matter. The rank order is recomputed every round.
+        many distinct ranks: the lowest (highest) projected ones, at least dp/4 of them (all eligible
+        ones for tiny pieces) and more while their projections are within the head piece's effect of
+        the extreme, where LPT's choice among them would not matter. Since the queue is longest first
+        and `rate` is the average of what is left, nearly every round raises.
         """
         L, c = self.L, self.c
         floor = max(1, self.lay.dp // ROUND_DIV)
+        tiny = self.lay.seq_len / TINY
         retry: list[np.ndarray] = []
         i, n = 0, queue.size
         while i < n:
@@ -298,11 +304,13 @@ class _Rows:
             same = delta >= 0 if grow else delta < 0
             run = cand.size if same[-1] and same.all() else int(np.argmin(same))
             proj = self.rcost[elig] + self.rtok[elig] * rate
-            if grow:
+            if L[head] < tiny:
+                near = elig.size
+            elif grow:
                 near = int(np.count_nonzero(proj <= proj.min() + delta[0]))
             else:
                 near = int(np.count_nonzero(proj >= proj.max() + delta[:run].min()))
-            take = min(run, max(near, floor if L[head] * TINY >= self.lay.seq_len else elig.size))
+            take = min(run, max(near, floor))
             idx = cand[:take]
             by_proj = elig[np.argsort(proj, kind="stable")]
             if grow:  # the largest raise to the lowest projection
@@ -312,7 +320,7 @@ class _Rows:
                 ranks[np.argsort(delta[:take], kind="stable")] = by_proj[::-1][:take]
             # ranks were chosen to fit the head; pieces after it are shorter and, when cost grows
             # with length, no costlier, so they fit too
-            failed = self.put(idx, ranks, rate, grow, check=not self.monotone)
+            failed = self.put(idx, ranks, rate, check=not self.monotone)
             if failed.any():
                 retry.append(idx[failed])
             i += take
@@ -349,7 +357,7 @@ class _Rows:
         proj = self.rcost[elig] + self.rtok[elig] * rate
         grow = self.c[piece] - self.L[piece] * rate >= 0
         r = elig[np.argmin(proj)] if grow else elig[np.argmax(proj)]
-        self.put(np.array([piece]), np.array([r]), rate, bool(grow))
+        self.put(np.array([piece]), np.array([r]), rate)
 
     def fixed(self, idx: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """Place pieces on given ranks, each rank's longest first; returns the pieces that did not fit."""
@@ -363,7 +371,7 @@ class _Rows:
         for j in range(int(nth.max()) + 1):
             sel = np.flatnonzero(nth == j)
             rate = self.rate()
-            bad = self.put(idx[sel], ranks[sel], rate, True)
+            bad = self.put(idx[sel], ranks[sel], rate)
             failed.append(idx[sel][bad])
         return np.concatenate(failed)
 

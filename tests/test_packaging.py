@@ -1,0 +1,38 @@
+"""Package hygiene: public names, no torch in the server, the console script, the README's commands."""
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODULES = ["msdata_client", "msdata_client.graph", "msdata_client.mesh", "msdata_client.ring", "msdata_client.wire",
+           "msdata_client.errors", "msdata_client.client", "msdata_server.shm", "msdata_server.constructor",
+           "msdata_server.node", "msdata_server.job", "msdata_server.control", "msdata_server.config",
+           "msdata_server.planner", "msdata_server.sources", "msdata_server.loader", "msdata_server.pool"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_all_is_sorted_and_importable(name):
+    mod = importlib.import_module(name)
+    names = list(mod.__all__)
+    assert names == sorted(names), f"{name}.__all__ is not sorted"
+    for n in names:
+        assert hasattr(mod, n), f"{name}.__all__ names {n!r}, which is missing"
+
+
+def test_server_never_imports_torch():
+    code = ("import sys; import msdata_server.cli, msdata_server.node, msdata_server.job, msdata_server.pool, "
+            "msdata_server.demo, msdata_client; assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_help_and_readme_commands():
+    out = subprocess.run([sys.executable, "-m", "msdata_server", "--help"], capture_output=True, text=True, check=True)
+    for cmd in ("serve", "demo", "status", "validate", "cleanup"):
+        assert cmd in out.stdout
+    head = (ROOT / "README.md").read_text().splitlines()[:10]
+    assert any("make demo" in line for line in head) and any("make test" in line for line in head)

@@ -29,14 +29,14 @@ from .errors import (
     RemoteError,
 )
 from .graph import DGraph, JobSpec
-from .ring import FieldLayout, RingMap
+from .ring import RingMap
 from .wire import PROTOCOL_VERSION, FrameReader, encode, recv_into_reader
 
 __all__ = ["Batch", "DataClient"]
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 _ERRORS = {"ConfigError": ConfigError, "CheckpointError": CheckpointError, "ProtocolError": ProtocolError}
 
 
@@ -102,6 +102,10 @@ class DataClient:
         self._send_lock = threading.Lock()
         self._iterating = False
         self._closed = False
+        self._loaded: dict | None = None  # the state given to load_state_dict, until the first batch
+        self._received = False  # a batch arrived: reconnects continue from our position (resume)
+        self._pending: deque[dict] = deque()  # batch notices that arrived while waiting for a reply
+        self._req_id = 0
         self.node: str | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -134,6 +138,7 @@ class DataClient:
     def _drop_connection(self) -> None:
         self._gen += 1
         self._releases.clear()
+        self._pending.clear()  # their slots went with the connection; the server re-sends from our position
         if self._sock is not None:
             try:
                 self._sock.close()
@@ -145,36 +150,106 @@ class DataClient:
         self._reader = FrameReader()
 
     # ---- state ---------------------------------------------------------------------------------------------
+    def _layout(self) -> dict:
+        return {"mesh": self.spec.mesh.to_dict(), "micro_batches": self.spec.micro_batches, "rows": self.spec.rows}
+
     def state_dict(self) -> dict:
-        """This rank's position: small and JSON-serialisable; store it in the trainer checkpoint."""
+        """This rank's position in the job's global order: small, JSON-serialisable; put it in the checkpoint.
+
+        Holds the planner state at the start of the rank's current step (per-source cursors, carried pieces,
+        mixture history), so any rank's state restores the whole job, on any layout.
+        """
+        if not self._iterating:
+            if self._loaded is not None:
+                return dict(self._loaded)
+            return self._state(None)
+        reply = self._request({"t": "state", "step": self._step}, "state")
+        return self._state(reply["planner"])
+
+    def _state(self, planner: dict | None) -> dict:
         return {
             "version": STATE_VERSION,
             "job": self.spec.name,
             "data_digest": self.spec.data_digest(),
             "position": {"step": self._step, "micro": self._micro},
-            "micro_batches": self.spec.micro_batches,
+            "layout": self._layout(),
+            "planner": planner,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from a saved position; call before iterating."""
+        """Continue from a saved state (any layout: a different mesh is a reshard); call before iterating."""
         if self._iterating:
             raise CheckpointError("load_state_dict after iteration started; call it before the first next()")
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise CheckpointError(f"state version {state.get('version') if isinstance(state, dict) else None!r} is not "
-                                  f"{STATE_VERSION}; it was saved by another msdata version")
+        if not isinstance(state, dict):
+            raise CheckpointError(f"a state must be a dict (from state_dict()), not {type(state).__name__}")
+        if state.get("version") != STATE_VERSION:
+            raise CheckpointError(f"state version {state.get('version')!r} is not {STATE_VERSION}; it was saved by "
+                                  "another msdata version")
         if state.get("data_digest") != self.spec.data_digest():
             raise CheckpointError(f"state belongs to job {state.get('job')!r} with another data identity (name, seed, "
                                   "sources, transforms, mixture or cost differ); load it into the job that saved it")
         try:
             pos = state["position"]
             step, micro = int(pos["step"]), int(pos["micro"])
+            planner = state["planner"]
+            layout = state["layout"]
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError("state has no valid 'position' {step, micro}; it is truncated or malformed") from None
+            raise CheckpointError("state lacks 'position', 'layout' or 'planner'; it is truncated or malformed") from None
         if step < 0 or micro < 0:
             raise CheckpointError(f"state position {pos} is negative")
-        if micro >= self.spec.micro_batches:
-            step, micro = step + micro // self.spec.micro_batches, micro % self.spec.micro_batches
+        if planner is None:  # saved before the job started: the beginning
+            if step or micro:
+                raise CheckpointError("state has a position but no planner state; it is truncated")
+            self._loaded = None
+            return
+        if not isinstance(planner, dict) or planner.get("step") != step or not isinstance(layout, dict):
+            raise CheckpointError("state's planner position does not match its step; it is truncated or edited")
+        if layout != self._layout():
+            micro = 0  # another layout: the step restarts under the new partition (see README: resharding)
+        self._loaded = dict(state)
         self._step, self._micro = step, micro
+
+    def set_mixture(self, weights: dict) -> int:
+        """Change the whole job's mixture from the first step not yet published to any rank; returns that step.
+
+        Recorded by the server (and in the state) before this returns, so a resume reproduces it.
+        """
+        names = set(self.spec.source_names())
+        if not isinstance(weights, dict) or not weights:
+            raise ConfigError(f"weights must be a non-empty dict of source -> weight, got {weights!r}")
+        unknown = sorted(set(weights) - names)
+        if unknown:
+            raise ConfigError(f"set_mixture names unknown source(s) {unknown}; this job has {sorted(names)}")
+        if any((not isinstance(v, (int, float))) or isinstance(v, bool) or v < 0 for v in weights.values()):
+            raise ConfigError(f"set_mixture weights must be numbers >= 0, got {weights!r}")
+        if not self._iterating:
+            self._iterating = True  # registering now is what makes the rank part of the job
+        if self._sock is None:
+            self._connect()
+        return int(self._request({"t": "mixture", "weights": dict(weights)}, "mixture")["step"])
+
+    def _request(self, frame: dict, reply: str) -> dict:
+        """Send a request and wait for its reply; batch notices that arrive meanwhile wait for next()."""
+        if self._closed:
+            raise ClosedError("DataClient is closed")
+        if self._sock is None:
+            self._connect()
+        self._req_id += 1
+        rid = self._req_id
+        frame = dict(frame, id=rid)
+        with self._send_lock:
+            self._sock.sendall(encode(frame))
+        while True:
+            f = self._recv_frame(on_reconnect=lambda: self._sock.sendall(encode(frame)))
+            t = f["t"]
+            if t == "batch":
+                self._pending.append(f)
+            elif t == reply and f.get("id") == rid:
+                return f
+            elif t == "refused" and f.get("id") == rid:
+                raise _ERRORS.get(f.get("kind"), RemoteError)(f.get("message", "refused"))
+            else:
+                self._control(f)
 
     # ---- iteration -----------------------------------------------------------------------------------------
     def __iter__(self) -> "DataClient":
@@ -186,6 +261,9 @@ class DataClient:
         self._iterating = True
         if self._sock is None:
             self._connect()
+        if self._pending:
+            return self._make_batch(self._pending.popleft())
+        self._flush_releases()
         while True:
             frame = self._recv_frame()
             t = frame["t"]
@@ -205,8 +283,10 @@ class DataClient:
         rm = self._rings.get(ring)
         if rm is None:
             raise ProtocolError(f"batch in unknown ring {ring}")
-        fields = [FieldLayout.from_wire(f) for f in frame["fields"]]
-        owner, arrays, start, end = rm.batch(int(frame["base"]), fields)
+        try:
+            owner, arrays, start, end = rm.batch(int(frame["base"]), frame["fields"])
+        except (TypeError, ValueError) as e:
+            raise ProtocolError(f"malformed batch notice from the server: {e}") from None
         batch = Batch()
         for name, arr in arrays.items():
             batch[name] = torch.from_numpy(arr)
@@ -220,6 +300,8 @@ class DataClient:
         if micro >= self.spec.micro_batches:
             step, micro = step + 1, 0
         self._step, self._micro = step, micro
+        self._received = True
+        self._loaded = None
         return batch
 
     def _queue_release(self, ring: int, slot: int, gen: int) -> None:
@@ -280,7 +362,7 @@ class DataClient:
                 os.close(fd)  # the mapping holds the segment; the descriptor is no longer needed
 
     # ---- connection ----------------------------------------------------------------------------------------
-    def _recv_frame(self) -> dict:
+    def _recv_frame(self, on_reconnect=None) -> dict:
         while True:
             frame = self._reader.next_frame()
             if frame is not None:
@@ -292,6 +374,8 @@ class DataClient:
                             self.endpoint, e, self._step, self._micro)
                 self._drop_connection()
                 self._connect()
+                if on_reconnect is not None:
+                    on_reconnect()
 
     def _connect(self) -> None:
         deadline = time.monotonic() + self.connect_timeout
@@ -315,7 +399,8 @@ class DataClient:
         self._reader = FrameReader()
         hello = {"t": "hello", "v": PROTOCOL_VERSION, "job": self._job_dict, "digest": self._digest,
                  "rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
-                 "position": {"step": self._step, "micro": self._micro}}
+                 "position": {"step": self._step, "micro": self._micro},
+                 "state": self._loaded, "resume": self._received}
         with self._send_lock:
             s.sendall(encode(hello))
 

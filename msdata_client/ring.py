@@ -15,6 +15,7 @@ the slot. Slot accounting (who still reads which slot) is the server's
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import mmap
 import os
@@ -158,6 +159,7 @@ class SlotTable:
 
 
 _pagemap_fd: int | None = None
+_dtype = functools.lru_cache(maxsize=64)(np.dtype)
 _PRIVATE_PAGE = bytes(1 if (b & 0xA0) == 0x80 else 0 for b in range(256))
 
 
@@ -196,19 +198,27 @@ class RingMap:
         self.addr = int(self._anchor.ctypes.data)
         self.mv = memoryview(self.mm)
 
-    def batch(self, slot_offset: int, fields: list[FieldLayout]) -> tuple[np.ndarray, dict[str, np.ndarray], int, int]:
-        """Views of one batch: (owner, arrays, start, end). The arrays keep ``owner`` alive and nothing else
-        does, so a finalizer on the owner learns when the batch's last view is gone."""
-        lo = min((f.offset for f in fields), default=0)
-        hi = max((f.offset + f.nbytes for f in fields), default=0)
+    def batch(self, slot_offset: int, fields: list) -> tuple[np.ndarray, dict[str, np.ndarray], int, int]:
+        """Views of one batch from its wire layout ``[[name, dtype, shape, offset], ...]``: (owner, arrays,
+        start, end). The arrays keep ``owner`` alive and nothing else does, so a finalizer on the owner learns
+        when the batch's last view is gone. Hot path: one ndarray constructor per field, nothing else."""
+        spans = []
+        lo, hi = None, 0
+        for name, dtype, shape, offset in fields:
+            dt = _dtype(dtype)
+            shape = tuple(shape)
+            n = math.prod(shape) * dt.itemsize
+            if offset < 0 or n < 0:
+                raise ValueError(f"field {name!r} has a negative offset or size")
+            spans.append((name, dt, shape, offset))
+            lo = offset if lo is None or offset < lo else lo
+            hi = offset + n if offset + n > hi else hi
+        lo = lo or 0
         start, end = slot_offset + lo, slot_offset + max(hi, lo)
-        if end > self.size:
+        if slot_offset < 0 or end > self.size:
             raise ValueError(f"batch [{start}, {end}) lies outside the ring of {self.size} bytes")
         owner = np.frombuffer(self.mv[start:end], dtype=np.uint8) if end > start else np.empty(0, np.uint8)
-        arrays = {}
-        for f in fields:
-            a = owner[f.offset - lo : f.offset - lo + f.nbytes].view(np.dtype(f.dtype))
-            arrays[f.name] = a.reshape(f.shape)
+        arrays = {name: np.ndarray(shape, dt, owner, off - lo) for name, dt, shape, off in spans}
         return owner, arrays, start, end
 
     def scrub(self, start: int, end: int) -> bool:

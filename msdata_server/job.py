@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +23,8 @@ from msdata_client.graph import JobSpec
 from msdata_client.ring import HEADER_SIZE, FieldLayout, SlotTable, layout_fields
 
 from .constructor import MicroBatchPieces, build_micro_batch, count_segments, field_specs
-from .errors import ClosedError, ConfigError, RingFullError
+from .errors import CheckpointError, ClosedError, ConfigError, MsdataError, RingFullError
+from .checkpoint import StateStore
 from .loader import SourceLoader
 from .planner import Mixture, Planner, PlannerConfig
 from .shm import Segment, create_segment
@@ -79,13 +81,50 @@ def _round_slot(nbytes: int) -> int:
     return max(1 << 16, 1 << (max(nbytes, 1) - 1).bit_length())
 
 
+class StepQueue:
+    """Bounded FIFO of step plans for one group: at most ``maxsize`` plans wait; a mixture change can drop
+    the plans of steps it re-plans. One producer (the plan loop) and one consumer (the constructor)."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self.items: deque = deque()
+        self._space = asyncio.Event()
+        self._data = asyncio.Event()
+
+    async def put(self, plan, wanted) -> bool:
+        """Append when there is room; False (nothing appended) once ``wanted()`` says the plan was dropped."""
+        while len(self.items) >= self.maxsize and wanted():
+            self._space.clear()
+            await self._space.wait()
+        if not wanted():
+            return False
+        self.items.append(plan)
+        self._data.set()
+        return True
+
+    async def get(self):
+        while not self.items:
+            self._data.clear()
+            await self._data.wait()
+        plan = self.items.popleft()
+        self._space.set()
+        return plan
+
+    def drop_from(self, step: int) -> list:
+        dropped = [p for p in self.items if p.step >= step]
+        self.items = deque(p for p in self.items if p.step < step)
+        self._space.set()  # also wakes a producer whose plan was dropped
+        return dropped
+
+
 @dataclass
 class Group:
     """A receiving rank group: one distinct data stream, its ring(s) and its bounded queue of steps."""
 
     index: int
     readers: tuple[int, ...]
-    queue: asyncio.Queue
+    queue: StepQueue
+    committed: int = -1  # the newest step this group's constructor has taken up (never re-planned)
     rings: dict[int, ServerRing] = field(default_factory=dict)
     current: ServerRing | None = None
     published: int = 0
@@ -119,6 +158,16 @@ class Job:
         self._start_lock = asyncio.Lock()
         self._view: _LoaderView | None = None
         self._cp = 1
+        self.states: dict[int, dict | None] = {}  # rank -> the state it brought (load_state_dict), if any
+        self.resuming: dict[int, bool] = {}  # rank -> it reconnects mid-run (continue where it was)
+        self.snapshots: dict[int, dict] = {}  # step -> planner state at the start of that step (recent steps)
+        self.store = StateStore(node.config.node.state_path, spec.name, digest)
+        self._plan_lock = asyncio.Lock()  # the planner is touched by one coroutine (or its thread) at a time
+        self._inflight = None  # the plan being handed to the groups
+        self._cut = None  # plans of steps >= cut were dropped by a mixture change
+        self._started = asyncio.Event()
+        self._pcfg: PlannerConfig | None = None
+        self.start_step = 0
 
     # ---- ranks --------------------------------------------------------------------------------------
     @property
@@ -137,10 +186,23 @@ class Job:
             raise ConfigError(f"rank {rank} of job {self.name!r} is already connected (pid {old.pid}); "
                               "two trainer processes claim the same RANK")
 
-    async def attach(self, conn, rank: int, position: RankPosition) -> None:
+    def check_state(self, state: dict | None) -> None:
+        """A state a rank brings must belong to this job's data identity (any layout)."""
+        if state is None:
+            return
+        if not isinstance(state, dict) or not isinstance(state.get("planner"), dict):
+            raise CheckpointError("the state has no planner position; it is truncated or not an msdata state")
+        if state.get("data_digest") != self.spec.data_digest():
+            raise CheckpointError(f"the state belongs to another data identity than job {self.name!r} (name, seed, "
+                                  "sources, transforms, mixture or cost differ); restore it into the job that saved it")
+
+    async def attach(self, conn, rank: int, position: RankPosition, state: dict | None = None,
+                     resume: bool = False) -> None:
         """Register a rank; when the mesh is complete, start (or resume) the job."""
         self.conns[rank] = conn
         self.positions[rank] = position
+        self.states[rank] = state
+        self.resuming[rank] = resume
         conn.job, conn.rank = self, rank
         if self.state == "running":
             self._welcome(rank)
@@ -148,7 +210,10 @@ class Job:
         if len(self.conns) == self.mesh.world_size and all(not c.closed for c in self.conns.values()):
             async with self._start_lock:
                 if self.state == "waiting":
-                    await self._start()
+                    try:
+                        await self._start()
+                    except MsdataError as e:  # e.g. ranks brought disagreeing states: tell every rank
+                        self.fail(str(e), kind=type(e).__name__)
 
     def detach(self, conn) -> None:
         """A rank's socket closed: free every slot it held so the other readers never stall."""
@@ -162,10 +227,51 @@ class Job:
         log.info("job %s: rank %d disconnected (%d of %d still connected)", self.name, rank, self.connected, self.mesh.world_size)
 
     # ---- start ---------------------------------------------------------------------------------------
+    def _layout(self) -> dict:
+        return {"mesh": self.mesh.to_dict(), "micro_batches": self.spec.micro_batches, "rows": self.spec.rows}
+
+    def _start_state(self) -> dict | None:
+        """Where the job starts: a state the ranks brought (all that bring one must agree), else the node's own
+        checkpoint when ranks reconnect after a restart, else the beginning. Sets every rank's position."""
+        given = {r: st for r, st in self.states.items() if st is not None}
+        if given:
+            first = next(iter(given.values()))
+            for r, st in given.items():
+                if st["planner"] != first["planner"]:
+                    raise CheckpointError(f"ranks brought states of different positions (rank {r} at step "
+                                          f"{st['planner'].get('step')}, others at {first['planner'].get('step')}); "
+                                          "load the same checkpoint on every rank")
+            step = int(first["planner"]["step"])
+            for r in self.positions:
+                st = self.states.get(r)
+                same = st is not None and st.get("layout") == self._layout()
+                micro = int(st["position"]["micro"]) if same else 0  # another layout restarts the step
+                self.positions[r] = RankPosition(step, micro)
+            self.store.clear()
+            return first["planner"]
+        if any(self.resuming.values()):
+            resumed = [p for r, p in self.positions.items() if self.resuming[r]]
+            low = min(resumed)
+            for r in self.positions:
+                if not self.resuming[r]:
+                    self.positions[r] = RankPosition(low.step, 0)
+            found = self.store.load_at_or_before(low.step)
+            if found is not None:
+                log.info("job %s: continuing from the node's checkpoint of step %d (ranks at step %d)", self.name,
+                         found[0], low.step)
+                return found[1]
+            log.warning("job %s: no checkpoint at or before step %d; replaying from the beginning", self.name, low.step)
+            return None
+        self.store.clear()  # a new run: whatever the node remembers of an old one does not apply
+        for r in self.positions:
+            self.positions[r] = RankPosition(0, 0)
+        return None
+
     async def _start(self) -> None:
         spec = self.spec
-        start = min(self.positions.values())
         cfg = self.node.config.node
+        state = self._start_state()
+        start = min(self.positions.values())
         # sources open in a thread: opening many files must not stall the loop
         sources = await asyncio.to_thread(lambda: [open_source(s, seed=spec.seed) for s in spec.sources])
         self.loaders = [
@@ -179,17 +285,19 @@ class Job:
             mixture = Mixture.schedule([(st, dict(w)) for st, w in spec.mix.schedule], interpolate=spec.mix.interpolate)
         else:
             mixture = Mixture.constant(dict(spec.mix.weights))
-        self.planner = Planner(PlannerConfig(
+        self._pcfg = PlannerConfig(
             sources=spec.source_names(), seq_len=spec.seq_len, dp=ngroups, micro_batches=spec.micro_batches,
             rows=spec.rows, method=spec.balance.method, alpha=spec.balance.alpha, beta=spec.balance.beta,
             cost_fn=None if spec.balance.cost == "attention" else spec.balance.cost,
-            long_docs=spec.long_docs, mixture=mixture))
+            long_docs=spec.long_docs, mixture=mixture)
+        self.planner = Planner(self._pcfg, state=state)
+        self.start_step = self.planner.step
         cp = self.mesh.cp if spec.distribute != "world" else 1
         self._cp = cp
         est = _estimate_slot(spec, cp)
         for g in range(ngroups):
             grp = Group(index=g, readers=self.mesh.readers(g, spec.distribute),
-                        queue=asyncio.Queue(maxsize=spec.prefetch_steps))
+                        queue=StepQueue(spec.prefetch_steps), committed=self.start_step - 1)
             ring = await self._new_ring(grp, est)
             grp.current = ring
             self.groups.append(grp)
@@ -199,7 +307,8 @@ class Job:
                  self.mesh.world_size, ngroups, cfg.ring_slots, est / 2**20, start.step, start.micro)
         for rank in sorted(self.conns):
             self._welcome(rank)
-        self.tasks.spawn(self._plan_loop(start.step), name=f"{self.name}-planner")
+        self._started.set()
+        self.tasks.spawn(self._plan_loop(), name=f"{self.name}-planner")
         for grp in self.groups:
             self.tasks.spawn(self._construct_loop(grp), name=f"{self.name}-constructor-{grp.index}")
 
@@ -224,18 +333,68 @@ class Job:
                   fds=[r.seg.fd for r in rings])
 
     # ---- planning -------------------------------------------------------------------------------------
-    async def _plan_loop(self, start_step: int) -> None:
+    async def _plan_loop(self) -> None:
         view = self._view = _LoaderView(self.loaders, asyncio.get_running_loop())
+        keep = max(64, self.spec.prefetch_steps + self.node.config.node.ring_slots + 4)
         while True:
-            plan = await asyncio.to_thread(self.planner.plan_step, view)
+            async with self._plan_lock:
+                planner = self.planner
+                step = planner.step
+                snap = planner.state_dict()
+                self.snapshots[step] = snap
+                for old in [s for s in self.snapshots if s <= step - keep]:
+                    del self.snapshots[old]
+                await asyncio.to_thread(self.store.save, step, snap)  # small; a SIGKILL loses nothing
+                plan = await asyncio.to_thread(planner.plan_step, view)
+                self._inflight = plan
             self.steps_planned += 1
             self._record_stats(plan)
             self._count_pieces(plan)
-            if plan.step < start_step:  # fast-forward to the ranks' position (deterministic replay)
-                self._consume_all(plan)
-                continue
             for grp in self.groups:
-                await grp.queue.put(plan)
+                if not await grp.queue.put(plan, lambda: self._inflight is plan):
+                    break  # a mixture change re-plans this step
+            self._inflight = None
+
+    async def set_mixture(self, weights: dict) -> int:
+        """Use these weights from the first step not yet published to any rank (returned); steps planned past
+        it are re-planned. Recorded in the planner state (and the node's checkpoint) before returning."""
+        await self._started.wait()
+        async with self._plan_lock:
+            cut = max(g.committed for g in self.groups) + 1
+            base = self.planner.state_dict() if cut == self.planner.step else self.snapshots.get(cut)
+            if base is None:
+                raise CheckpointError(f"no planner state for step {cut} (internal: snapshots {sorted(self.snapshots)})")
+            planner = Planner(self._pcfg, state=base)
+            planner.set_mixture(cut, weights)  # ConfigError for unknown sources or bad weights: nothing changed
+            dropped = {}
+            for grp in self.groups:
+                for p in grp.queue.drop_from(cut):
+                    dropped[id(p)] = p
+            if self._inflight is not None and self._inflight.step >= cut:
+                dropped[id(self._inflight)] = self._inflight
+                self._inflight = None
+            for p in dropped.values():
+                self._uncount_pieces(p)
+            self.planner = planner
+            for s in [s for s in self.snapshots if s > cut]:
+                del self.snapshots[s]
+            self.snapshots[cut] = planner.state_dict()
+            await asyncio.to_thread(self.store.save, cut, self.snapshots[cut])
+        log.info("job %s: mixture %s from step %d (%d planned steps re-planned)", self.name, weights, cut, len(dropped))
+        return cut
+
+    async def state_at(self, step: int) -> dict:
+        """The planner state at the start of ``step`` (for a rank's state_dict)."""
+        await self._started.wait()
+        async with self._plan_lock:
+            if step == self.planner.step:
+                return self.planner.state_dict()
+            snap = self.snapshots.get(step)
+        if snap is None:
+            raise CheckpointError(f"the server no longer holds the state of step {step} (it keeps recent steps "
+                                  f"{min(self.snapshots, default=0)}..{self.planner.step}); call state_dict() at the "
+                                  "position you checkpoint")
+        return snap
 
     def _record_stats(self, plan) -> None:
         st = plan.stats
@@ -255,17 +414,23 @@ class Job:
     def _done_pieces(self, sources: np.ndarray, ordinals: np.ndarray) -> None:
         by_src: dict[int, list[int]] = {}
         for s, o in zip(sources.tolist(), ordinals.tolist()):
-            n = self._pieces_left[(s, o)] - 1
-            if n:
+            n = self._pieces_left.get((s, o), 1) - 1
+            if n > 0:
                 self._pieces_left[(s, o)] = n
             else:
-                del self._pieces_left[(s, o)]
+                self._pieces_left.pop((s, o), None)
                 by_src.setdefault(s, []).append(o)
         for s, ords in by_src.items():
             self.loaders[s].release(np.asarray(ords, dtype=np.int64))
 
-    def _consume_all(self, plan) -> None:
-        self._done_pieces(plan.source, plan.ordinal)
+    def _uncount_pieces(self, plan) -> None:
+        """A dropped plan's pieces will be planned again: forget them without freeing their payloads."""
+        for k in zip(plan.source.tolist(), plan.ordinal.tolist()):
+            n = self._pieces_left.get(k, 0) - 1
+            if n > 0:
+                self._pieces_left[k] = n
+            else:
+                self._pieces_left.pop(k, None)
 
     # ---- constructing ---------------------------------------------------------------------------------
     async def _construct_loop(self, grp: Group) -> None:
@@ -274,6 +439,7 @@ class Job:
         scratch: dict = {}
         while True:
             plan = await grp.queue.get()
+            grp.committed = plan.step  # from here on this step is built as planned, whatever happens
             key = plan.dp.astype(np.int64) * mb + plan.micro
             for m in range(mb):
                 lo, hi = np.searchsorted(key, [grp.index * mb + m, grp.index * mb + m + 1])

@@ -94,6 +94,11 @@ class NodeServer:
                 job.release(conn, int(ring), int(slot))
         elif t == "hello":
             await self._hello(conn, frame)
+        elif t in ("state", "mixture"):
+            job = conn.job
+            if job is None:
+                raise ProtocolError(f"{t} request before hello")
+            job.tasks.spawn(self._request(conn, job, frame), name=f"{t}-request")
         elif t == "status":
             conn.send({"t": "status", "status": self.status()})
         elif t == "ping":
@@ -114,6 +119,8 @@ class NodeServer:
             rank, world = int(frame["rank"]), int(frame["world_size"])
             pos = frame.get("position") or {}
             position = RankPosition(int(pos.get("step", 0)), int(pos.get("micro", 0)))
+            state = frame.get("state")
+            resume = bool(frame.get("resume", False))
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise
@@ -135,7 +142,24 @@ class NodeServer:
             job = self.jobs[spec.name] = Job(self, spec, digest)
             log.info("job %s registered (digest %s, %d ranks)", spec.name, digest[:12], spec.mesh.world_size)
         job.check_rank(rank, world)
-        await job.attach(conn, rank, position)
+        job.check_state(state)
+        await job.attach(conn, rank, position, state=state, resume=resume)
+
+    async def _request(self, conn: ClientConn, job: Job, frame: dict) -> None:
+        """Answer a rank's state or mixture request; a refusal goes back to that rank only."""
+        t, rid = frame["t"], frame.get("id")
+        try:
+            if t == "state":
+                step = int(frame["step"])
+                conn.send({"t": "state", "id": rid, "step": step, "planner": await job.state_at(step),
+                           "layout": job._layout()})
+            else:
+                weights = frame.get("weights")
+                if not isinstance(weights, dict):
+                    raise ConfigError(f"set_mixture weights must be a mapping of source -> weight, got {weights!r}")
+                conn.send({"t": "mixture", "id": rid, "step": await job.set_mixture(weights)})
+        except (MsdataError, KeyError, TypeError, ValueError) as e:
+            conn.send({"t": "refused", "id": rid, "kind": type(e).__name__, "message": str(e)})
 
     def forget(self, job: Job) -> None:
         if self.jobs.get(job.name) is job:

@@ -185,6 +185,31 @@ def test_plans_are_deterministic():
     assert plan_arrays(c[0]) != plan_arrays(a[0])
 
 
+def test_a_failing_view_leaves_the_planner_unchanged():
+    cfg = config(dp=16, micro_batches=4)
+    view = View(MEDIANS)
+
+    class Flaky:
+        calls = 0
+
+        def lengths(self, source, start, count):
+            Flaky.calls += 1
+            if Flaky.calls == 2:  # after one source was read
+                raise ConnectionError("loader went away")
+            return view.lengths(source, start, count)
+
+    planner = Planner(cfg)
+    planner.plan_step(view)
+    before = planner.state_dict()
+    with pytest.raises(ConnectionError):
+        planner.plan_step(Flaky())
+    assert planner.step == 1 and planner.state_dict() == before
+    again = planner.plan_step(view)
+    reference = Planner(cfg)
+    reference.plan_step(view)
+    assert plan_arrays(again) == plan_arrays(reference.plan_step(view))
+
+
 def test_lengths_are_read_in_chunks():
     view = View(MEDIANS)
     planner = Planner(config(dp=16, seq_len=8192))
@@ -429,7 +454,7 @@ def test_micro_batch_outside_the_plan():
 
 
 def test_public_names_are_sorted_and_importable():
-    for name in ["", ".balance", ".cost", ".mixture", ".pack", ".planner"]:
+    for name in ["", ".balance", ".cost", ".mixture", ".pack", ".partition", ".planner"]:
         module = importlib.import_module("msdata_server.planner" + name)
         assert module.__all__ == sorted(module.__all__)
         assert all(hasattr(module, n) for n in module.__all__)

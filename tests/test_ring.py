@@ -41,17 +41,20 @@ def test_segment_is_private_unlinked_and_views_are_copy_on_write():
         view = np.frombuffer(seg.mm, dtype=np.uint8)[HEADER_SIZE:HEADER_SIZE + 128].view("<i8")
         view[:] = np.arange(16)
         r1, r2 = RingMap(seg.fd, seg.size), RingMap(seg.fd, seg.size)
-        o1, a1, s1, e1 = r1.batch(HEADER_SIZE, lay)
-        o2, a2, _, _ = r2.batch(HEADER_SIZE, lay)
+        wire = [f.to_wire() for f in lay]
+        o1, a1, s1, e1 = r1.batch(HEADER_SIZE, wire)
+        o2, a2, _, _ = r2.batch(HEADER_SIZE, wire)
         assert a1["x"].tolist() == list(range(16))
         a1["x"][0] = 999  # a reader's write stays private
         assert a2["x"][0] == 0 and view[0] == 0
         del o1, a1, o2, a2
         view[:] = 7  # the producer reuses the slot
         assert r1.scrub(s1, e1)  # the written page is dropped at release ...
-        o1, a1, _, _ = r1.batch(HEADER_SIZE, lay)
+        o1, a1, _, _ = r1.batch(HEADER_SIZE, wire)
         assert a1["x"].tolist() == [7] * 16  # ... so the next batch shows the producer's bytes
         assert not r1.scrub(s1, e1)  # nothing written: nothing to drop
+        with pytest.raises(ValueError, match="outside the ring"):
+            r1.batch(seg.size, wire)
         del o1, a1, view, r1, r2
     finally:
         seg.close()

@@ -258,92 +258,65 @@ class Planner:
     # -- planning ---------------------------------------------------------------------------
 
     def plan_step(self, view: MetadataView) -> StepPlan:
-        """Plan step `self.step` from the lengths in `view` and advance the state."""
+        """Plan step `self.step` from the lengths in `view` and advance the state.
+
+        All or nothing: if the view raises, the planner is left at the same step, unchanged.
+        """
         cfg = self._cfg
         t0 = time.perf_counter()
         ingest = [0.0]
         weights = self._mixture.weights_at(self._step, cfg.sources)
         carry = self._carry
         # tokens to draw: the step's capacity less the carry-over, plus what the streams gave beyond
-        # their targets last time (each source overshoots by < one document), so the pool always
-        # holds at least a step's capacity; the cumulative target then equals placed + capacity
+        # their targets last time (each overshoots by less than one document), so that the pool
+        # holds at least a step's capacity; the cumulative target is then placed + capacity
         surplus = float(self._taken.sum()) - float(self._target.sum())
         need = max(0.0, cfg.capacity - float(carry["length"].sum()) + surplus)
-        self._target = self._target + weights * need
+        target = self._target + weights * need
+        taken, cursor = self._taken.copy(), self._cursor.copy()
 
-        new_src, new_ord, new_off, new_len, new_key = [], [], [], [], []
+        parts: list[tuple[np.ndarray, ...]] = []
         for s in range(len(cfg.sources)):
-            deficit = float(self._target[s]) - float(self._taken[s])
+            deficit = float(target[s]) - float(taken[s])
             if deficit <= 0:
                 continue
-            ords, lens = self._draw(view, s, deficit, ingest)
+            start = int(cursor[s])
+            lens = self._draw(view, s, start, deficit, ingest)
+            cursor[s] = start + lens.size
             doc, off, plen = pieces(lens, cfg.seq_len, self._mode)
-            self._taken[s] += int(plen.sum())
-            new_src.append(np.full(doc.size, s, np.int32))
-            new_ord.append(ords[doc])
-            new_off.append(off)
-            new_len.append(plen)
-            # arrival order interleaves sources by tokens drawn per unit of weight (fair queueing)
-            new_key.append((np.cumsum(plen) - plen) / max(float(weights[s]), 1e-12))
+            taken[s] += int(plen.sum())
+            # arrival order interleaves the sources by tokens drawn per unit of weight (fair queueing)
+            key = (np.cumsum(plen) - plen) / max(float(weights[s]), 1e-12)
+            parts.append((np.full(doc.size, s, np.int32), start + doc, off, plen, key))
 
-        if new_src:
-            src = np.concatenate(new_src)
-            key = np.concatenate(new_key)
-            order = np.lexsort((np.arange(src.size), src, key))
-            src = src[order]
-            ords = np.concatenate(new_ord)[order]
-            off = np.concatenate(new_off)[order]
-            lens = np.concatenate(new_len)[order]
-        else:
-            src, ords = np.zeros(0, np.int32), np.zeros(0, np.int64)
-            off, lens = np.zeros(0, np.int64), np.zeros(0, np.int64)
-        src = np.concatenate([carry["source"], src])
-        ords = np.concatenate([carry["ordinal"], ords])
-        off = np.concatenate([carry["offset"], off])
-        lens = np.concatenate([carry["length"], lens])
+        src, ords, off, lens = (carry[k] for k in _CARRY_KEYS)
+        if parts:
+            cols = [np.concatenate(c) for c in zip(*parts)]
+            order = np.lexsort((np.arange(cols[0].size), cols[0], cols[4]))
+            src = np.concatenate([src, cols[0][order]])
+            ords = np.concatenate([ords, cols[1][order]])
+            off = np.concatenate([off, cols[2][order]])
+            lens = np.concatenate([lens, cols[3][order]])
         costs = self._cost(lens)
-
-        layout = cfg.layout
         p = place(
             lens,
             costs,
-            layout,
+            cfg.layout,
             method=self._method,
             priority=int(carry["length"].size),
             tolerance=cfg.balance_tolerance,
         )
-        placed = p.rank >= 0
-        left = ~placed
-        self._carry = {"source": src[left], "ordinal": ords[left], "offset": off[left], "length": lens[left]}
 
-        idx = np.flatnonzero(placed)
+        left = p.rank < 0
+        idx = np.flatnonzero(~left)
         rank, slot = p.rank[idx], p.slot[idx]
-        o = np.lexsort((idx, slot, rank))
+        o = np.lexsort((idx, slot, rank))  # by rank, row slot, then arrival
         idx, rank, slot = idx[o], rank[o], slot[o]
         micro = slot // cfg.rows
-        group = rank * cfg.micro_batches + micro
-        bounds = np.searchsorted(group, np.arange(cfg.dp * cfg.micro_batches + 1), side="left")
-
+        bounds = np.searchsorted(rank * cfg.micro_batches + micro, np.arange(cfg.dp * cfg.micro_batches + 1))
         per_source = np.bincount(src[idx], weights=lens[idx], minlength=len(cfg.sources)).astype(np.int64)
-        self._placed += per_source
-        placed_cost = costs[idx]
-        total = float(p.rank_cost.sum())
-        mean = total / cfg.dp
-        top = float(p.rank_cost.max())
-        lower = max(mean, float(placed_cost.max()) if placed_cost.size else 0.0)
-        elapsed = (time.perf_counter() - t0) * 1e3
-        stats = PlanStats(
-            cost=p.rank_cost,
-            micro_cost=p.micro_cost,
-            imbalance=top / mean if mean > 0 else 1.0,
-            lower_bound=lower,
-            padding_fraction=1.0 - float(lens[idx].sum()) / cfg.capacity,
-            tokens={name: int(per_source[i]) for i, name in enumerate(cfg.sources)},
-            docs=int(idx.size),
-            carried=int(left.sum()),
-            plan_ms=elapsed - ingest[0],
-            ingest_ms=ingest[0],
-        )
+        mean = float(p.rank_cost.sum()) / cfg.dp
+        lower = max(mean, float(costs[idx].max()) if idx.size else 0.0)
         plan = StepPlan(
             step=self._step,
             source=src[idx].astype(np.int32),
@@ -353,9 +326,29 @@ class Planner:
             dp=rank.astype(np.int32),
             micro=micro.astype(np.int32),
             row=(slot % cfg.rows).astype(np.int32),
-            stats=stats,
+            stats=PlanStats(
+                cost=p.rank_cost,
+                micro_cost=p.micro_cost,
+                imbalance=float(p.rank_cost.max()) / mean if mean > 0 else 1.0,
+                lower_bound=lower,
+                padding_fraction=1.0 - float(lens[idx].sum()) / cfg.capacity,
+                tokens={name: int(per_source[i]) for i, name in enumerate(cfg.sources)},
+                docs=int(idx.size),
+                carried=int(left.sum()),
+                plan_ms=(time.perf_counter() - t0) * 1e3 - ingest[0],
+                ingest_ms=ingest[0],
+            ),
             bounds=bounds.astype(np.int64),
         )
+        log.debug(
+            "step %d: %d pieces, imbalance %.4f, padding %.4f, %d carried, %.1f ms (+%.1f ms metadata)",
+            self._step, idx.size, plan.stats.imbalance, plan.stats.padding_fraction, plan.stats.carried,
+            plan.stats.plan_ms, ingest[0],
+        )
+        # commit
+        self._target, self._taken, self._cursor = target, taken, cursor
+        self._placed = self._placed + per_source
+        self._carry = {"source": src[left], "ordinal": ords[left], "offset": off[left], "length": lens[left]}
         self._step += 1
         return plan
 
@@ -378,13 +371,12 @@ class Planner:
             raise ProtocolError(f"MetadataView.lengths({s}, {start}, {count}) returned a negative length")
         return arr
 
-    def _draw(self, view: MetadataView, s: int, deficit: float, ingest: list[float]) -> tuple[np.ndarray, np.ndarray]:
-        """Take source s's next documents, in order, until its token deficit is covered.
+    def _draw(self, view: MetadataView, s: int, start: int, deficit: float, ingest: list[float]) -> np.ndarray:
+        """Lengths of source s's next documents from `start`, in order, until `deficit` tokens are covered.
 
-        Returns (ordinals, raw lengths) of the documents taken (empty ones included; `pieces` drops them).
+        The last one crosses the deficit (never short of it); empty (bad) samples are passed over.
         """
         cfg = self._cfg
-        start = int(self._cursor[s])
         cur = start
         got: list[np.ndarray] = []
         have = 0
@@ -395,30 +387,25 @@ class Planner:
             used = np.minimum(arr, cfg.seq_len) if self._mode is LongDocs.TRUNCATE else arr
             ends = np.cumsum(used)
             j = int(np.searchsorted(ends, deficit - have, side="left"))
-            nz = int(np.count_nonzero(arr))
-            if nz:
-                self._mean_len[s] = max(1.0, float(used.sum()) / nz)
+            nonzero = int(np.count_nonzero(arr))
+            if nonzero:
+                self._mean_len[s] = max(1.0, float(ends[-1]) / nonzero)
                 empty_run = 0
             else:
                 empty_run += arr.size
                 if empty_run >= MAX_SKIPPED:
                     raise BadSampleError(
-                        f"source {cfg.sources[s]!r} gave {empty_run} empty (bad) samples in a row from ordinal"
-                        f" {cur - empty_run + arr.size}; check its files and transform",
+                        f"source {cfg.sources[s]!r} gave {empty_run} empty (bad) samples in a row up to ordinal"
+                        f" {cur + arr.size - 1}; check its files and transform",
                         source=cfg.sources[s],
                     )
             if j < arr.size:
                 got.append(arr[: j + 1])
-                cur += j + 1
-                self._ahead[s] = (cur, arr[j + 1 :])
-                break
+                self._ahead[s] = (cur + j + 1, arr[j + 1 :])
+                return np.concatenate(got) if len(got) > 1 else got[0]
             got.append(arr)
-            have += int(ends[-1]) if ends.size else 0
+            have += int(ends[-1])
             cur += arr.size
-            self._ahead[s] = (cur, np.zeros(0, np.int64))
-        self._cursor[s] = cur
-        lens = np.concatenate(got)
-        return np.arange(start, cur, dtype=np.int64), lens
 
     # -- state ------------------------------------------------------------------------------
 

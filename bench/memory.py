@@ -1,0 +1,667 @@
+# .venv/bin/python bench/memory.py --quick      (full run: .venv/bin/python bench/memory.py)
+"""CPU-memory benchmark (issue 3): per-rank torch DataLoaders against one msdata node server, many sources.
+
+Workload ``manysources`` (bench/workloads.py): S Parquet sources of 16 files x 8 row groups x 128 rows,
+text lognormal(median 400 bytes, sigma 1), seq_len 4096, R trainer ranks on one node, W DataLoader
+workers per rank. Both sides read the same files and deliver packed 4096-token rows of byte tokens.
+
+- torch: every rank runs ``DataLoader(num_workers=W)`` over an IterableDataset written the way users mix
+  sources today: each worker opens a ``pq.ParquetFile`` for every file of every source, keeps a per-source
+  index of row-group offsets and the current decoded row group, blends sources Megatron-style (the source
+  furthest behind its weight goes next), tokenizes and packs.
+- msdata: one ``msdata-server serve`` (its transform worker pool included) serves the same R ranks
+  (one job, S parquet sources, dp = R).
+
+Memory is the PSS (/proc/PID/smaps_rollup) summed over every process tree involved (trainers with their
+DataLoader workers, or server + pool zygote + pool workers + trainers), minus the PSS of the same R
+trainer processes measured after they imported torch and msdata_client and before they built a loader,
+so only the loaders' memory is compared. It is taken while everything is live and warmed up: each rank
+has read its batches (enough that every DataLoader worker drew from every source) and holds them.
+
+The driver imports neither numpy, pyarrow nor torch, so it shares no library pages with the measured
+processes. The last line of output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from msdata_server.metrics import proc_memory  # noqa: E402  (stdlib only)
+
+MIB = 2**20
+SEED = 1234
+EOS = 256
+MAX_DOC_BYTES = 1 << 16  # generated documents are clipped to [16, 64 KiB] bytes
+PHASE_TIMEOUT = 900.0
+LOADERS = {"torch": "baseline", "msdata": "msdata"}  # seconds any phase may take before the benchmark gives up
+
+
+# ---------------------------------------------------------------------------------------------------------
+# data: generated once per data directory, with a fixed seed; bigger S reuses the files of smaller S
+
+
+def _gen_main(root: str, n_sources: int, part: int = 0, parts: int = 1) -> None:
+    """Write sources s000..s{S-1} (those with s % parts == part) under root, skipping files already there;
+    print the shape as JSON. Document texts are slices of one seeded random blob (cheap to make)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from workloads import MANYSOURCES as M
+
+    rows = M["row_groups_per_file"] * M["rows_per_row_group"]
+    alphabet = np.frombuffer(b"etaoinshrdlucmfwypvbgkjqxz      \n", dtype=np.uint8)  # words, lines
+    t0 = time.perf_counter()
+    blob = alphabet[np.random.default_rng(SEED).integers(0, len(alphabet), 16 << 20, dtype=np.uint8)]
+    written = nbytes = 0
+    for s in range(part, n_sources, parts):
+        d = os.path.join(root, f"s{s:03d}")
+        os.makedirs(d, exist_ok=True)
+        for f in range(M["files_per_source"]):
+            path = os.path.join(d, f"part-{f:03d}.parquet")
+            if os.path.exists(path):
+                continue
+            rng = np.random.default_rng([SEED, s, f])
+            lens = rng.lognormal(math.log(M["text_median_bytes"]), M["text_sigma"], rows)
+            lens = np.clip(np.rint(lens), 16, MAX_DOC_BYTES).astype(np.int32)
+            offsets = np.zeros(rows + 1, dtype=np.int32)
+            np.cumsum(lens, out=offsets[1:])
+            total = int(offsets[-1])
+            if total <= len(blob):
+                at = int(rng.integers(0, len(blob) - total + 1))
+                data = blob[at : at + total]
+            else:
+                data = alphabet[rng.integers(0, len(alphabet), total, dtype=np.uint8)]
+            text = pa.StringArray.from_buffers(rows, pa.py_buffer(offsets), pa.py_buffer(data))
+            tmp = path + ".tmp"
+            pq.write_table(pa.table({"text": text}), tmp, row_group_size=M["rows_per_row_group"])
+            os.replace(tmp, path)  # a file that exists is complete: an interrupted run resumes safely
+            written += 1
+            nbytes += int(offsets[-1])
+    print(json.dumps({"shape": M, "files_written": written, "text_bytes": nbytes,
+                      "seconds": time.perf_counter() - t0}), flush=True)
+
+
+def _generate(data: str, n_sources: int) -> dict:
+    """Run the generator in os.cpu_count() child processes (the driver imports no numpy or pyarrow)."""
+    t0 = time.perf_counter()
+    parts = max(1, min(os.cpu_count() or 1, 8))
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "gen", data, str(n_sources), str(i), str(parts)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for i in range(parts)]
+    outs = [p.communicate() for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError(f"data generation failed:\n{err}")
+    got = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    return {"shape": got[0]["shape"], "files_written": sum(x["files_written"] for x in got),
+            "seconds": time.perf_counter() - t0}
+
+
+def _source_paths(root: str, n_sources: int, files: int) -> list[list[str]]:
+    return [[os.path.join(root, f"s{s:03d}", f"part-{f:03d}.parquet") for f in range(files)] for s in range(n_sources)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# trainer processes (``memory.py trainer KIND CONFIG_JSON``): import, say "imported", wait for "go",
+# read N batches, say "ready", hold everything until stdin closes
+
+
+def _baseline_dataset(cfg: dict):
+    """The per-rank loader users write today: every worker opens every file of every source."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+    from torch.utils.data import IterableDataset, get_worker_info
+
+    class MixedParquet(IterableDataset):
+        def __init__(self, sources: list[list[str]], weights: list[float], seq_len: int, rank: int, world: int):
+            self.sources, self.weights, self.seq_len, self.rank, self.world = sources, weights, seq_len, rank, world
+
+        def __iter__(self):
+            info = get_worker_info()
+            wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+            shard, nshards = self.rank * nw + wid, self.world * nw
+            n = len(self.sources)
+            files = [[pq.ParquetFile(p) for p in paths] for paths in self.sources]
+            units, offsets = [], []  # per source: this worker's (file, row group) units and their row offsets
+            for fl in files:
+                u = np.array([(f, g) for f, pf in enumerate(fl) for g in range(pf.metadata.num_row_groups)], np.int32)
+                rows = np.array([fl[f].metadata.row_group(g).num_rows for f, g in u], np.int64)
+                units.append(u[shard::nshards])
+                offsets.append(np.concatenate(([0], np.cumsum(rows)))[shard::nshards])
+            cursor = np.zeros(n, np.int64)
+            current: list[list | None] = [None] * n  # the decoded row group each source is reading
+            pos = np.zeros(n, np.int64)
+            taken = np.zeros(n, np.float64)
+            w = np.asarray(self.weights, np.float64)
+            buf: list[np.ndarray] = []
+            have = 0
+            while True:
+                s = int(np.argmax(w * (taken.sum() + 1) - taken))  # Megatron blending: furthest behind goes next
+                taken[s] += 1
+                if current[s] is None or pos[s] >= len(current[s]):
+                    f, g = units[s][cursor[s] % len(units[s])]
+                    current[s] = files[s][f].read_row_group(int(g), columns=["text"]).column(0).to_pylist()
+                    cursor[s] += 1
+                    pos[s] = 0
+                text = current[s][pos[s]]
+                pos[s] += 1
+                doc = np.empty(len(text.encode()) + 1, np.int64)
+                doc[:-1] = np.frombuffer(text.encode(), np.uint8)
+                doc[-1] = EOS
+                buf.append(doc)
+                have += len(doc)
+                while have > self.seq_len:
+                    cat = np.concatenate(buf)
+                    row = torch.from_numpy(cat[: self.seq_len + 1].copy())
+                    yield {"tokens": row[:-1], "labels": row[1:]}
+                    buf, have = [cat[self.seq_len :]], len(cat) - self.seq_len
+
+    return MixedParquet(cfg["sources"], cfg["weights"], cfg["seq_len"], cfg["rank"], cfg["ranks"])
+
+
+def _trainer_main() -> None:
+    """A trainer rank: import torch and msdata_client, then run loaders as the driver asks (one JSON line
+    per phase), say "ready" after the batches, hold the loader live until "stop", close it, say "stopped"."""
+    import gc
+
+    import torch
+
+    import msdata_client as msd
+    from msdata_client.client import DataClient  # noqa: F401  (the trainer-side import, in every kind)
+
+    torch.set_num_threads(1)
+    import pyarrow.parquet  # noqa: F401  (the baseline dataset module's import, done in the parent as users do)
+
+    print("imported", flush=True)
+    while (line := sys.stdin.readline().strip()) not in ("", "exit"):
+        cfg = json.loads(line)
+        tokens = 0
+        if cfg["kind"] == "baseline":
+            from torch.utils.data import DataLoader
+
+            dl = DataLoader(_baseline_dataset(cfg), batch_size=1, num_workers=cfg["workers"], prefetch_factor=2)
+            it = iter(dl)
+            for _ in range(cfg["batches"]):
+                b = next(it)
+                tokens += int((b["tokens"] != cfg["pad_id"]).sum())
+            del b
+        else:
+            spec = msd.JobSpec.from_dict(cfg["job"])
+            dc = msd.DataClient(spec, endpoint=cfg["endpoint"], rank=cfg["rank"], world_size=cfg["ranks"],
+                                connect_timeout=120)
+            for _ in range(cfg["batches"]):
+                b = next(dc)
+                tokens += int((b["tokens"] != spec.pad_id).sum())
+                del b
+        print("ready " + json.dumps({"tokens": tokens}), flush=True)
+        sys.stdin.readline()  # hold the loader, live, until the benchmark has measured
+        if cfg["kind"] == "baseline":
+            it._shutdown_workers()
+            del it, dl
+        else:
+            dc.close()
+            del dc
+        gc.collect()
+        print("stopped", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the driver: process trees, PSS, phases
+
+
+def tree_pids(pid: int) -> list[int]:
+    """pid and all its descendants, from /proc/PID/task/*/children."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except OSError:
+                pass
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def pss(pids) -> int:
+    return sum(proc_memory(p)["pss"] for p in pids)
+
+
+class Lines:
+    """Line-oriented stdout of several child processes, read without blocking on any one of them."""
+
+    def __init__(self) -> None:
+        self.sel = selectors.DefaultSelector()
+        self.bufs: dict[int, bytes] = {}
+
+    def add(self, key, proc: subprocess.Popen) -> None:
+        self.bufs[proc.stdout.fileno()] = b""
+        self.sel.register(proc.stdout, selectors.EVENT_READ, (key, proc))
+
+    def wait_all(self, keys, prefix: str, timeout: float, logs: dict) -> dict:
+        """Wait until every key printed a line starting with prefix; returns {key: rest of the line}."""
+        got: dict = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < len(keys):
+            left = deadline - time.monotonic()
+            events = self.sel.select(max(left, 0)) if left > 0 else []
+            if not events:
+                raise RuntimeError(f"timed out waiting for {prefix!r} from {sorted(set(keys) - set(got))}" + _tails(logs))
+            for sk, _ in events:
+                key, proc = sk.data
+                fd = sk.fileobj.fileno()
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    self.sel.unregister(sk.fileobj)
+                    if key not in got:
+                        raise RuntimeError(f"{key} exited (rc={proc.wait()}) before {prefix!r}" + _tails(logs))
+                    continue
+                self.bufs[fd] += chunk
+                while b"\n" in self.bufs[fd]:
+                    line, self.bufs[fd] = self.bufs[fd].split(b"\n", 1)
+                    text = line.decode()
+                    if text.startswith(prefix) and key not in got:
+                        got[key] = text[len(prefix):].strip()
+        return got
+
+    def remove(self, proc: subprocess.Popen) -> None:
+        try:
+            self.sel.unregister(proc.stdout)
+        except (KeyError, ValueError):
+            pass
+
+    def close(self) -> None:
+        self.sel.close()
+
+
+def _tails(logs: dict) -> str:
+    out = []
+    for name, path in logs.items():
+        try:
+            with open(path, errors="replace") as f:
+                t = f.read()[-3000:]
+        except OSError:
+            continue
+        if t.strip():
+            out.append(f"\n--- {name} ({path}) ---\n{t}")
+    return "".join(out)
+
+
+def _status(endpoint: str) -> dict:
+    from msdata_client.wire import FrameReader, encode, recv_into_reader
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    with s:
+        s.connect(endpoint)
+        s.sendall(encode({"t": "status"}))
+        r = FrameReader()
+        while (f := r.next_frame()) is None:
+            recv_into_reader(s, r)
+    return f.get("status", {})
+
+
+def _wait_loaders_idle(endpoint: str, timeout: float = 60.0) -> dict:
+    """Poll the server's status until no loader has reads in flight (its read-ahead is as full as it gets)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = _status(endpoint)
+        srcs = [s for j in st.get("jobs", []) for s in j.get("sources", {}).values()]
+        if srcs and all(s.get("inflight", 0) == 0 for s in srcs):
+            return st
+        if time.monotonic() > deadline:
+            return st
+        time.sleep(0.2)  # polling a benchmark's steady state, not synchronising
+
+
+def _msdata_job(paths: list[list[str]], ranks: int, seq_len: int) -> dict:
+    from msdata_client.graph import DGraph
+
+    g = DGraph("memory", seed=SEED)
+    names = [f"s{i:03d}" for i in range(len(paths))]
+    for name, p in zip(names, paths):
+        g.source(name, "parquet", p, column="text", transform="msdata_server.transforms:byte_tokens")
+    g.mix({n: 1.0 / len(names) for n in names}).pack(seq_len, micro_batches=1, rows=1)
+    g.mesh(dp=ranks)
+    return g.plan().to_dict()
+
+
+class Trainers:
+    """R trainer processes (``memory.py trainer``) that run one loader after another; PSS is measured per
+    phase against the same processes idle just before it, so what a previous phase left behind cancels."""
+
+    def __init__(self, ranks: int, work: str):
+        self.ranks = ranks
+        self.dir = tempfile.mkdtemp(prefix=f"trainers-R{ranks}-", dir=work)
+        self.logs: dict[str, str] = {}
+        self.procs: list[subprocess.Popen] = []
+        self.lines = Lines()
+        self.keys = [f"rank {r}" for r in range(ranks)]
+        t0 = time.perf_counter()
+        for r, key in enumerate(self.keys):
+            self.logs[key] = os.path.join(self.dir, f"rank{r}.log")
+            with open(self.logs[key], "wb") as log:
+                p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "trainer"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=ROOT)
+            self.procs.append(p)
+            self.lines.add(key, p)
+        self.lines.wait_all(self.keys, "imported", PHASE_TIMEOUT, self.logs)
+        self.seconds_start = time.perf_counter() - t0
+
+    def send(self, msgs: list[str]) -> None:
+        for p, m in zip(self.procs, msgs):
+            p.stdin.write(m.encode() + b"\n")
+            p.stdin.flush()
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+        self.lines.close()
+
+
+def run_phase(kind: str, tr: Trainers, *, paths, workers: int, batches: int, seq_len: int, server_workers: int,
+              verbose: bool) -> dict:
+    """One configuration on live trainer processes, from idle to measurement and back to idle."""
+    ranks = tr.ranks
+    tag = f"{kind}-S{len(paths)}-R{ranks}"
+    server = None
+    sockdir = tempfile.mkdtemp(prefix="msm-")  # short: Unix socket paths are limited to 107 bytes
+    endpoint = os.path.join(sockdir, "msdata.sock")
+    logs = dict(tr.logs)
+    t0 = time.perf_counter()
+    stop_sent = False
+    try:
+        idle = {p.pid: pss(tree_pids(p.pid)) for p in tr.procs}  # the same processes, no loader
+        job = _msdata_job(paths, ranks, seq_len) if kind == "msdata" else None
+        if kind == "msdata":
+            conf = os.path.join(sockdir, "node.toml")
+            with open(conf, "w") as f:
+                f.write(f'[node]\nid = "bench"\nsocket = "{endpoint}"\nshm_prefix = "bm{secrets.token_hex(3)}"\n'
+                        f'workers = {server_workers}\nlog_level = "WARNING"\n')
+            logs["server"] = os.path.join(tr.dir, f"server-S{len(paths)}.log")
+            with open(logs["server"], "wb") as log:
+                server = subprocess.Popen([sys.executable, "-m", "msdata_server", "serve", "--config", conf],
+                                          stdout=subprocess.PIPE, stderr=log, cwd=ROOT)
+            tr.lines.add("server", server)
+            tr.lines.wait_all(["server"], '{"event":"ready"', 120, logs)
+        t_server = time.perf_counter() - t0
+        weights = [1.0 / len(paths)] * len(paths)
+        tr.send([json.dumps({"kind": kind, "rank": r, "ranks": ranks, "workers": workers, "batches": batches,
+                             "seq_len": seq_len, "pad_id": 257, "endpoint": endpoint, "job": job, "sources": paths,
+                             "weights": weights}) for r in range(ranks)])
+        ready = tr.lines.wait_all(tr.keys, "ready", PHASE_TIMEOUT, logs)
+        t_read = time.perf_counter() - t0 - t_server
+        status = _wait_loaders_idle(endpoint) if kind == "msdata" else {}
+        samples = []
+        for _ in range(3):
+            trees = {p.pid: tree_pids(p.pid) for p in tr.procs}
+            per = {pid: pss(t) for pid, t in trees.items()}
+            srv = {pid: proc_memory(pid)["pss"] for pid in tree_pids(server.pid)} if server is not None else {}
+            samples.append((sum(per.values()) + sum(srv.values()), per, srv, trees))
+            time.sleep(0.1)  # three samples of a steady state; the largest counts
+        total, per, srv, trees = max(samples, key=lambda x: x[0])
+        tr.send(["stop"] * ranks)
+        stop_sent = True
+        tr.lines.wait_all(tr.keys, "stopped", PHASE_TIMEOUT, logs)
+        out = {
+            "kind": kind, "S": len(paths), "R": ranks, "W": workers if kind == "baseline" else None,
+            "batches": batches, "total_pss": total, "idle_pss": sum(idle.values()),
+            "loader_pss": total - sum(idle.values()), "trainer_pss": sum(per.values()),
+            "trainer_processes": sum(len(t) for t in trees.values()),
+            "tokens": sum(json.loads(v)["tokens"] for v in ready.values()), "seconds_read": t_read,
+        }
+        if server is not None:
+            out["server"] = _server_breakdown(server.pid, srv, status)
+        if verbose:
+            print(f"  [{tag}] server start {t_server:.1f}s, read {t_read:.1f}s, loader {out['loader_pss'] / MIB:.0f} MiB",
+                  flush=True)
+        return out
+    except BaseException:
+        if not stop_sent:
+            try:
+                tr.send(["stop"] * ranks)
+            except OSError:
+                pass
+        raise
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+            tr.lines.remove(server)
+            server.stdout.close()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def _server_breakdown(server_pid: int, srv: dict[int, int], status: dict) -> dict:
+    """PSS of the server, the pool's zygote and each pool worker, and what the loaders hold."""
+    out = {"server": srv.get(server_pid, 0), "zygote": 0, "workers": [], "other": 0}
+    for pid, v in srv.items():
+        if pid == server_pid:
+            continue
+        if _ppid(pid) == server_pid and "zygote" in _cmdline(pid):
+            out["zygote"] += v  # the pool's forkserver; workers are its children (spawned ones the server's)
+        elif "msdata_server._worker" in _cmdline(pid):
+            out["workers"].append(v)
+        else:
+            out["other"] += v
+    srcs = [s for j in status.get("jobs", []) for s in j.get("sources", {}).values()]
+    out["loader_payload_bytes"] = sum(s.get("memory_bytes", 0) for s in srcs)
+    out["loader_ready_samples"] = sum(s.get("ready", 0) for s in srcs)
+    out["rings_bytes"] = sum(r["slots"] * r["slot_size"] for j in status.get("jobs", []) for r in j.get("rings", []))
+    return out
+
+
+def _fmt_breakdown(m: dict) -> str:
+    b = m["server"]
+    idle_each = m["idle_pss"] / m["R"]
+    rank_each = m["trainer_pss"] / m["R"]
+    ws = ", ".join(f"{w / MIB:.0f}" for w in sorted(b["workers"]))
+    return (f"    S={m['S']:<3d} R={m['R']}: server {b['server'] / MIB:.0f} MiB (read-ahead payloads "
+            f"{b['loader_payload_bytes'] / MIB:.0f} MiB in {b['loader_ready_samples']} samples, rings "
+            f"{b['rings_bytes'] / MIB:.0f} MiB), zygote {b['zygote'] / MIB:.0f} MiB, pool workers [{ws}] MiB, "
+            f"per rank {rank_each / MIB:.0f} MiB vs idle {idle_each / MIB:.0f} MiB "
+            f"(client side +{(rank_each - idle_each) / MIB:.1f} MiB)")
+
+
+def _batches_for(S: int, W: int, seq_len: int, median: float, sigma: float) -> int:
+    """Per rank: enough that every DataLoader worker has drawn from every source (Megatron blending visits
+    all S sources in S documents), plus the prefetch, so both loaders are measured warm."""
+    mean_doc = median * math.exp(sigma**2 / 2) + 1
+    docs_per_batch = max(1.0, seq_len / mean_doc)
+    return W * math.ceil(S / docs_per_batch) + 2 * W
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="S in 8, 64 only (under two minutes)")
+    ap.add_argument("--sources", default=None, help="comma-separated S values (default 8,32,64,128)")
+    ap.add_argument("--ranks", type=int, default=None, help="R trainer ranks (default 8)")
+    ap.add_argument("--workers-per-rank", type=int, default=None, help="W DataLoader workers per rank (default 4)")
+    ap.add_argument("--server-workers", type=int, default=4, help="msdata transform pool size")
+    ap.add_argument("--scale-ranks", default=None,
+                    help="extra R values at S=64 to show how each side scales with R*W (default 4; '' for none)")
+    ap.add_argument("--batches", type=int, default=None, help="batches per rank (default: enough to warm up)")
+    ap.add_argument("--loader", choices=("both", "torch", "msdata"), default="both")
+    ap.add_argument("--fresh", action="store_true", help="new trainer processes for every phase (slower)")
+    ap.add_argument("--data", default=None, help="data directory to reuse (generated there if missing)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    S_list = [int(x) for x in (args.sources or ("8,64" if args.quick else "8,32,64,128")).split(",") if x]
+    scale = args.scale_ranks if args.scale_ranks is not None else ("" if args.quick else "4")
+    scale_R = [int(x) for x in scale.split(",") if x]
+    work = tempfile.mkdtemp(prefix="msdata-memory-")
+    data = args.data or os.path.join(work, "data")
+    try:
+        os.makedirs(data, exist_ok=True)
+        g = _generate(data, max(S_list + [64 if scale_R else 0]))
+        M = g["shape"]
+        R = args.ranks or M["ranks"]
+        W = args.workers_per_rank or M["workers_per_rank"]
+        seq_len = M["seq_len"]
+        print(f"memory benchmark: manysources, {M['files_per_source']} files x {M['row_groups_per_file']} row groups x "
+              f"{M['rows_per_row_group']} rows per source, text lognormal(median {M['text_median_bytes']} B, sigma "
+              f"{M['text_sigma']}), seq_len {seq_len}; torch: R={R} ranks x W={W} DataLoader workers; msdata: one "
+              f"server, {args.server_workers} pool workers", flush=True)
+        print(f"data: {g['files_written']} parquet files written in {g['seconds']:.1f}s under {data}", flush=True)
+
+        configs = [(S, R) for S in S_list] + [(64, r) for r in scale_R if r != R]
+        kinds = [k for k in ("msdata", "baseline") if args.loader == "both" or LOADERS[args.loader] == k]
+        results: list[dict] = []
+        trainers: dict[int, Trainers] = {}
+        try:
+            for S, r in configs:
+                paths = _source_paths(data, S, M["files_per_source"])
+                n = args.batches or _batches_for(S, W, seq_len, M["text_median_bytes"], M["text_sigma"])
+                row = {"S": S, "R": r, "W": W, "batches": n}
+                for other in [x for x in trainers if x != r]:  # one set of trainers alive at a time
+                    trainers.pop(other).close()
+                for kind in kinds:
+                    if args.fresh and r in trainers:
+                        trainers.pop(r).close()
+                    if r not in trainers:
+                        trainers[r] = Trainers(r, work)
+                        if args.verbose:
+                            print(f"  [R={r}] trainers imported torch in {trainers[r].seconds_start:.1f}s", flush=True)
+                    row[kind] = run_phase(kind, trainers[r], paths=paths, workers=W, batches=n, seq_len=seq_len,
+                                          server_workers=args.server_workers, verbose=args.verbose)
+                results.append(row)
+                _print_row(row, header=len(results) == 1)
+        finally:
+            for t in trainers.values():
+                t.close()
+
+        print("\nmsdata per-process PSS (server tree and trainer side):")
+        for row in results:
+            if "msdata" in row:
+                print(_fmt_breakdown(row["msdata"]))
+        print("\nbaseline per-process PSS:")
+        for row in results:
+            if "baseline" in row:
+                m = row["baseline"]
+                procs = m["trainer_processes"]
+                print(f"    S={m['S']:<3d} R={m['R']} W={m['W']}: {procs} processes, loader "
+                      f"{m['loader_pss'] / MIB:.0f} MiB = {m['loader_pss'] / MIB / max(procs - m['R'], 1):.0f} MiB "
+                      f"per DataLoader worker (rank and worker growth together)")
+        _print_scaling(results, R)
+        summary = _summary(results, R, W)
+        summary["seconds"] = round(time.perf_counter() - t_start, 1)
+        print(json.dumps(summary))
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _ratio(row: dict) -> float | None:
+    if "baseline" in row and "msdata" in row and row["msdata"]["loader_pss"] > 0:
+        return row["baseline"]["loader_pss"] / row["msdata"]["loader_pss"]
+    return None
+
+
+def _print_row(row: dict, header: bool) -> None:
+    if header:
+        print(f"\n{'S':>4} {'R':>3} {'W':>3} {'batches':>8} {'baseline MiB':>13} {'msdata MiB':>11} {'ratio':>7}"
+              f"   (loader PSS: total minus the same ranks idle)")
+    b = row.get("baseline", {}).get("loader_pss")
+    m = row.get("msdata", {}).get("loader_pss")
+    r = _ratio(row)
+    print(f"{row['S']:>4} {row['R']:>3} {row['W']:>3} {row['batches']:>8} "
+          f"{'-' if b is None else f'{b / MIB:.0f}':>13} {'-' if m is None else f'{m / MIB:.0f}':>11} "
+          f"{'-' if r is None else f'{r:.1f}x':>7}", flush=True)
+
+
+def _print_scaling(results: list[dict], R: int) -> None:
+    at64 = sorted((row for row in results if row["S"] == 64), key=lambda x: x["R"])
+    if len(at64) < 2:
+        return
+    print("\nscaling with R*W at S=64:")
+    for row in at64:
+        parts = [f"R={row['R']} (R*W={row['R'] * row['W']})"]
+        for kind in ("baseline", "msdata"):
+            if kind in row:
+                parts.append(f"{kind} {row[kind]['loader_pss'] / MIB:.0f} MiB")
+        print("    " + ", ".join(parts))
+
+
+def _summary(results: list[dict], R: int, W: int) -> dict:
+    out: dict = {"benchmark": "memory", "workload": "manysources", "R": R, "W": W, "rows": []}
+    for row in results:
+        rec = {"S": row["S"], "R": row["R"], "W": row["W"], "batches": row["batches"]}
+        for kind in ("baseline", "msdata"):
+            if kind in row:
+                rec[f"{kind}_mib"] = round(row[kind]["loader_pss"] / MIB, 1)
+        r = _ratio(row)
+        rec["ratio"] = None if r is None else round(r, 2)
+        out["rows"].append(rec)
+        if row["S"] == 64 and row["R"] == R:
+            out["memory_ratio_s64"] = rec["ratio"]
+            out["msdata_mib_s64"] = rec.get("msdata_mib")
+            out["baseline_mib_s64"] = rec.get("baseline_mib")
+    by_r = {row["R"]: row["msdata"]["loader_pss"] for row in results if row["S"] == 64 and "msdata" in row}
+    if len(by_r) >= 2:
+        lo, hi = min(by_r), max(by_r)
+        out["msdata_r_scaling_s64"] = round(by_r[hi] / by_r[lo], 3)  # 1.0 = flat in R*W
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "gen":
+        _gen_main(sys.argv[2], int(sys.argv[3]), *map(int, sys.argv[4:6]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "trainer":
+        _trainer_main()
+    else:
+        sys.exit(main())

@@ -1,0 +1,75 @@
+"""Planner checkpoints on the node's disk: the small state at each step boundary, so a server killed with
+SIGKILL continues a job where its ranks were (large buffers are rebuilt by deterministic replay, never
+snapshotted). One file per step, written atomically (tmp + rename), the last ``keep`` kept."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import orjson
+
+__all__ = ["StateStore"]
+
+log = logging.getLogger(__name__)
+
+_STEP_FILE = re.compile(r"^step-(\d{12})\.json$")
+
+
+class StateStore:
+    """Per-job directory ``{state_dir}/{job}/{digest16}`` of ``step-NNNNNNNNNNNN.json`` planner states."""
+
+    def __init__(self, state_dir: str, job: str, digest: str, keep: int = 64):
+        self.dir = os.path.join(state_dir, job, digest[:16])
+        self.keep = keep
+        self._steps: list[int] | None = None
+
+    def _list(self) -> list[int]:
+        if self._steps is None:
+            try:
+                names = os.listdir(self.dir)
+            except FileNotFoundError:
+                names = []
+            self._steps = sorted(int(m.group(1)) for n in names if (m := _STEP_FILE.match(n)))
+        return self._steps
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.dir, f"step-{step:012d}.json")
+
+    def save(self, step: int, state: dict) -> None:
+        """Write the state at the start of ``step``; drop the oldest beyond ``keep``."""
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        tmp = self._path(step) + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(orjson.dumps(state))
+        os.replace(tmp, self._path(step))
+        steps = self._list()
+        if step not in steps:
+            steps.append(step)
+            steps.sort()
+        while len(steps) > self.keep:
+            old = steps.pop(0)
+            try:
+                os.unlink(self._path(old))
+            except FileNotFoundError:
+                pass
+
+    def load_at_or_before(self, step: int) -> tuple[int, dict] | None:
+        """The newest readable state at a step <= ``step`` (a torn or corrupt file is skipped)."""
+        for s in reversed([s for s in self._list() if s <= step]):
+            try:
+                with open(self._path(s), "rb") as f:
+                    return s, orjson.loads(f.read())
+            except (OSError, orjson.JSONDecodeError) as e:
+                log.warning("skipping unreadable planner checkpoint %s: %s", self._path(s), e)
+        return None
+
+    def clear(self) -> None:
+        """Forget every checkpoint of this job (a new run that brought no state starts from the beginning)."""
+        for s in self._list():
+            try:
+                os.unlink(self._path(s))
+            except FileNotFoundError:
+                pass
+        self._steps = []

@@ -6,9 +6,11 @@ mixture with its own RNG and packs them in arrival order into its rows (a docume
 the current row starts the next one; long documents split; what does not fit waits for its next
 step). msdata: one Planner for all ranks. A step takes as long as its costliest rank (cost
 alpha*len^2 + beta*len per document), so throughput = useful tokens / max rank cost. Reported per
-config: imbalance (max/mean), gap to the lower bound max(total/dp, costliest piece), padding,
-throughput gain over the baseline, and the planner's compute per step (metadata ingest apart), as
-steady-state medians after a warm-up step. The last line is one JSON object.
+config: imbalance (max/mean), gap to the lower bound max(total/dp, costliest piece), micro-batch
+balance inside ranks (mean over ranks of max micro-batch cost / max(mean micro-batch cost, the
+rank's costliest piece)), padding, throughput gain over the baseline, the planner's compute per step
+(metadata ingest apart) and its state size. The table shows steady-state medians after a warm-up
+step; the last line is one JSON object of means (plan_ms: medians).
 """
 
 from __future__ import annotations
@@ -27,56 +29,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from workloads import COST, TEXT4, SyntheticLengths, lengths  # noqa: E402
 
-from msdata_server.planner import Mixture, Planner, PlannerConfig, attention_cost, next_fit, pieces  # noqa: E402
-from msdata_server.planner.pack import LongDocs  # noqa: E402
+from msdata_server.planner import Mixture, Planner, PlannerConfig, attention_cost  # noqa: E402
+from msdata_server.planner.baseline import per_rank_steps  # noqa: E402
 
-MICRO, ROWS = 4, 1
+MICRO, ROWS = 4, 1  # per DP rank per step, as the brief's benchmark fixes them (--micro/--rows to explore)
 
 
 def baseline(seq_len: int, dp: int, steps: int, seed: int) -> list[dict]:
-    """Per-rank loaders: own RNG, source drawn per document so token shares match the mixture."""
+    """Per-rank loaders (msdata_server.planner.baseline, which the demo uses too)."""
     names = list(TEXT4.sources)
-    w = np.array([TEXT4.weights[n] for n in names])
     probe = np.random.default_rng(seed)
-    mean_len = np.array([lengths(TEXT4.sources[n], 20000, seq_len, probe).mean() for n in names])
-    p = w / mean_len
-    p /= p.sum()
-    k = MICRO * ROWS
-    rngs = [np.random.default_rng([seed, 1, r]) for r in range(dp)]
-    pending = [np.zeros(0, np.int64) for _ in range(dp)]
-    out = []
-    for _ in range(steps):
-        cost = np.zeros(dp)
-        tokens = 0
-        for r in range(dp):
-            rng = rngs[r]
-            need = k * seq_len
-            docs = [pending[r]]
-            have = int(pending[r].sum())
-            while have < need + seq_len:  # enough to fill every row
-                src = rng.choice(len(names), size=64, p=p)
-                lens = np.concatenate(
-                    [lengths(TEXT4.sources[names[s]], int((src == s).sum()), seq_len, rng) for s in range(len(names))]
-                )
-                lens = lens[np.argsort(rng.permutation(lens.size))]  # arrival order interleaves sources
-                docs.append(lens)
-                have += int(lens.sum())
-            docs = np.concatenate(docs)
-            _, _, piece_len = pieces(docs, seq_len, LongDocs.SPLIT)
-            row = next_fit(piece_len, k, seq_len)
-            placed = row >= 0
-            pending[r] = piece_len[~placed]
-            cost[r] = attention_cost(piece_len[placed], **COST).sum()
-            tokens += int(piece_len[placed].sum())
-        out.append(
-            {
-                "imbalance": float(cost.max() / cost.mean()),
-                "padding": 1.0 - tokens / (dp * k * seq_len),
-                "tokens": tokens,
-                "max_cost": float(cost.max()),
-            }
-        )
-    return out
+    mean_len = {n: float(lengths(TEXT4.sources[n], 20000, seq_len, probe).mean()) for n in names}
+
+    def draw(source: int, n: int, rng: np.random.Generator) -> np.ndarray:
+        return lengths(TEXT4.sources[names[source]], n, seq_len, rng)
+
+    return per_rank_steps(draw, TEXT4.weights, mean_len, seq_len=seq_len, dp=dp, micro_batches=MICRO, rows=ROWS,
+                          steps=steps, seed=seed, **COST)
 
 
 def msdata(seq_len: int, dp: int, steps: int, seed: int, method: str, tolerance: float | None) -> list[dict]:
@@ -99,6 +68,9 @@ def msdata(seq_len: int, dp: int, steps: int, seed: int, method: str, tolerance:
         plan = planner.plan_step(view)
         wall = (time.perf_counter() - t) * 1e3
         s = plan.stats
+        costliest = np.zeros(dp)
+        np.maximum.at(costliest, plan.dp, attention_cost(plan.length, **COST))
+        micro = s.micro_cost.max(axis=1) / np.maximum(s.micro_cost.mean(axis=1), costliest)
         out.append(
             {
                 "imbalance": s.imbalance,
@@ -110,6 +82,7 @@ def msdata(seq_len: int, dp: int, steps: int, seed: int, method: str, tolerance:
                 "ingest_ms": s.ingest_ms,
                 "wall_ms": wall,
                 "docs": s.docs,
+                "micro_gap": float(micro.mean()),
                 "state_bytes": len(json.dumps(planner.state_dict())),
             }
         )
@@ -126,6 +99,7 @@ def med(rows: list[dict], key: str) -> float:
 
 
 def main() -> None:
+    global MICRO, ROWS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and configs (under a minute)")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per config (after one warm-up)")
@@ -134,7 +108,10 @@ def main() -> None:
     ap.add_argument("--seq-lens", default=None, help="comma list (default 4096,8192,16384)")
     ap.add_argument("--tolerance", default="0.01", help="balance_tolerance, or 'none'")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--micro", type=int, default=MICRO, help="micro-batches per rank per step")
+    ap.add_argument("--rows", type=int, default=ROWS, help="rows per micro-batch")
     args = ap.parse_args()
+    MICRO, ROWS = args.micro, args.rows
 
     steps = args.steps or (4 if args.quick else 12)
     methods = (args.methods or ("karmarkar_karp" if args.quick else "karmarkar_karp,greedy,none")).split(",")
@@ -143,7 +120,7 @@ def main() -> None:
     tolerance = None if args.tolerance == "none" else float(args.tolerance)
 
     head = (
-        f"{'seq_len':>7} {'dp':>5} {'method':>14} | {'imbal':>6} {'gap':>6} {'pad':>6} {'gain':>5} "
+        f"{'seq_len':>7} {'dp':>5} {'method':>14} | {'imbal':>6} {'gap':>6} {'micro':>6} {'pad':>6} {'gain':>5} "
         f"{'plan ms':>8} {'warm ms':>8} {'ingest':>7} {'docs':>7} {'state kB':>8} | "
         f"{'base imb':>8} {'base pad':>8}"
     )
@@ -164,8 +141,10 @@ def main() -> None:
                 gain = throughput(rows) / throughput(base)
                 print(
                     f"{seq_len:>7} {dp:>5} {method:>14} | {med(rows, 'imbalance'):6.4f} {med(rows, 'gap'):6.4f} "
+                    f"{med(rows, 'micro_gap'):6.3f} "
                     f"{med(rows, 'padding'):6.4f} {gain:5.2f} {med(rows, 'plan_ms'):8.1f} {warm['plan_ms']:8.1f} "
-                    f"{med(rows, 'ingest_ms'):7.1f} {int(med(rows, 'docs')):>7} {max(r['state_bytes'] for r in rows) / 1e3:8.1f} | "
+                    f"{med(rows, 'ingest_ms'):7.1f} {int(med(rows, 'docs')):>7} "
+                    f"{max(r['state_bytes'] for r in rows) / 1e3:8.1f} | "
                     f"{med(base, 'imbalance'):8.4f} {med(base, 'padding'):8.4f}",
                     flush=True,
                 )

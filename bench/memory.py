@@ -188,13 +188,12 @@ def _trainer_main() -> None:
     from msdata_client.client import DataClient  # noqa: F401  (the trainer-side import, in every kind)
 
     torch.set_num_threads(1)
-    import pyarrow.parquet  # noqa: F401  (the baseline dataset module's import, done in the parent as users do)
-
     print("imported", flush=True)
     while (line := sys.stdin.readline().strip()) not in ("", "exit"):
         cfg = json.loads(line)
         tokens = 0
         if cfg["kind"] == "baseline":
+            import pyarrow.parquet  # noqa: F401  (the dataset module's import, in the parent as users do it)
             from torch.utils.data import DataLoader
 
             dl = DataLoader(_baseline_dataset(cfg), batch_size=1, num_workers=cfg["workers"], prefetch_factor=2)
@@ -559,31 +558,34 @@ def main(argv: list[str] | None = None) -> int:
               f"server, {args.server_workers} pool workers", flush=True)
         print(f"data: {g['files_written']} parquet files written in {g['seconds']:.1f}s under {data}", flush=True)
 
+        # msdata phases run before baseline phases on the same trainers: a trainer that ran the baseline has
+        # pyarrow mapped, which would make the server's pyarrow pages look free
         configs = [(S, R) for S in S_list] + [(64, r) for r in scale_R if r != R]
         kinds = [k for k in ("msdata", "baseline") if args.loader == "both" or LOADERS[args.loader] == k]
-        results: list[dict] = []
-        trainers: dict[int, Trainers] = {}
+        rows = {(S, r): {"S": S, "R": r, "W": W, "batches": args.batches or _batches_for(
+            S, W, seq_len, M["text_median_bytes"], M["text_sigma"])} for S, r in configs}
+        trainers: Trainers | None = None
         try:
-            for S, r in configs:
-                paths = _source_paths(data, S, M["files_per_source"])
-                n = args.batches or _batches_for(S, W, seq_len, M["text_median_bytes"], M["text_sigma"])
-                row = {"S": S, "R": r, "W": W, "batches": n}
-                for other in [x for x in trainers if x != r]:  # one set of trainers alive at a time
-                    trainers.pop(other).close()
+            for r in dict.fromkeys(r for _, r in configs):
                 for kind in kinds:
-                    if args.fresh and r in trainers:
-                        trainers.pop(r).close()
-                    if r not in trainers:
-                        trainers[r] = Trainers(r, work)
-                        if args.verbose:
-                            print(f"  [R={r}] trainers imported torch in {trainers[r].seconds_start:.1f}s", flush=True)
-                    row[kind] = run_phase(kind, trainers[r], paths=paths, workers=W, batches=n, seq_len=seq_len,
-                                          server_workers=args.server_workers, verbose=args.verbose)
-                results.append(row)
-                _print_row(row, header=len(results) == 1)
+                    for S in [S for S, rr in configs if rr == r]:
+                        if trainers is not None and (args.fresh or trainers.ranks != r):
+                            trainers.close()
+                            trainers = None
+                        if trainers is None:
+                            trainers = Trainers(r, work)
+                            if args.verbose:
+                                print(f"  [R={r}] trainers imported torch in {trainers.seconds_start:.1f}s", flush=True)
+                        row = rows[(S, r)]
+                        row[kind] = run_phase(kind, trainers, paths=_source_paths(data, S, M["files_per_source"]),
+                                              workers=W, batches=row["batches"], seq_len=seq_len,
+                                              server_workers=args.server_workers, verbose=args.verbose)
         finally:
-            for t in trainers.values():
-                t.close()
+            if trainers is not None:
+                trainers.close()
+        results = list(rows.values())
+        for i, row in enumerate(results):
+            _print_row(row, header=i == 0)
 
         print("\nmsdata per-process PSS (server tree and trainer side):")
         for row in results:

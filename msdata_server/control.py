@@ -89,6 +89,28 @@ class ClientConn:
     def _on_writable(self) -> None:
         self._flush()
 
+    def gone(self) -> bool:
+        """True when the client has hung up or said bye, even if the loop has not read it yet."""
+        if self.closed:
+            return True
+        try:
+            data = self.sock.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        if not data:
+            return True
+        peek = FrameReader()
+        peek.feed(bytes(self.reader._buf) + data)
+        try:
+            while (f := peek.next_frame()) is not None:
+                if f.get("t") == "bye":
+                    return True
+        except Exception:
+            return False
+        return False
+
     def close(self) -> None:
         if self.closed:
             return

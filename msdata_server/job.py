@@ -134,7 +134,7 @@ class Group:
 class Job:
     """A registered job. Starts when every rank of its mesh has registered (the start barrier)."""
 
-    def __init__(self, node, spec: JobSpec, digest: str):
+    def __init__(self, node, spec: JobSpec, digest: str, *, hold: bool = False):
         self.node = node
         self.spec = spec
         self.digest = digest
@@ -166,6 +166,9 @@ class Job:
         self._inflight = None  # the plan being handed to the groups
         self._cut = None  # plans of steps >= cut were dropped by a mixture change
         self._started = asyncio.Event()
+        self._may_start = asyncio.Event()  # a new run waits here until the previous run of the job has left
+        if not hold:
+            self._may_start.set()
         self._pcfg: PlannerConfig | None = None
         self.start_step = 0
 
@@ -173,6 +176,13 @@ class Job:
     @property
     def connected(self) -> int:
         return sum(1 for c in self.conns.values() if not c.closed)
+
+    def live_ranks(self) -> list[int]:
+        """Ranks whose client is still there (a client that hung up but whose EOF is unread is not)."""
+        return [r for r, c in self.conns.items() if not c.gone()]
+
+    def may_start(self) -> None:
+        self._may_start.set()
 
     def check_rank(self, rank: int, world_size: int) -> None:
         ws = self.mesh.world_size
@@ -182,9 +192,9 @@ class Job:
         if not 0 <= rank < ws:
             raise ConfigError(f"rank {rank} is outside the world of job {self.name!r} (world_size={ws}); ranks are 0..{ws - 1}")
         old = self.conns.get(rank)
-        if old is not None and not old.closed:
+        if old is not None and not old.gone():
             raise ConfigError(f"rank {rank} of job {self.name!r} is already connected (pid {old.pid}); "
-                              "two trainer processes claim the same RANK")
+                              "two trainer processes claim the same RANK (for a new run, stop the old one first)")
 
     def check_state(self, state: dict | None) -> None:
         """A state a rank brings must belong to this job's data identity (any layout)."""
@@ -208,6 +218,7 @@ class Job:
             self._welcome(rank)
             return
         if len(self.conns) == self.mesh.world_size and all(not c.closed for c in self.conns.values()):
+            await self._may_start.wait()
             async with self._start_lock:
                 if self.state == "waiting":
                     try:

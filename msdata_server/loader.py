@@ -81,7 +81,7 @@ class SourceLoader:
         *,
         transform: str | None,
         seed: int,
-        readahead: int = 1024,
+        readahead: int = 64,
         batch: int = 64,
         partition: tuple[int, int] = (0, 1),
     ):
@@ -264,6 +264,7 @@ class SourceLoader:
             self._pump()
             if self._inflight == 0:
                 self._idle.set()
+                self.source.trim()  # read-ahead full: decode caches would only sit there until the next burst
 
     def _fill(self, bs: _Batch, ords: np.ndarray, records: list, results: list, nbytes: int) -> None:
         lengths = np.zeros(len(results), dtype=np.int64)

@@ -31,6 +31,7 @@ class NodeServer:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.jobs: dict[str, Job] = {}
+        self.pending: dict[str, Job] = {}  # a new run of a job whose previous run is still winding down
         self.tasks = TaskSet("node")
         self.endpoint = UnixEndpoint(config.node.socket, self._handle)
         self.pool = None
@@ -82,6 +83,14 @@ class NodeServer:
                 if job.connected == 0 and self.jobs.get(job.name) is job:
                     log.info("job %s: every rank left; closing it", job.name)
                     self.forget(job)
+                    nxt = self.pending.pop(job.name, None)
+                    if nxt is not None:
+                        self.jobs[job.name] = nxt
+                    await job.aclose()
+                    if nxt is not None:
+                        nxt.may_start()
+                elif job.connected == 0 and self.pending.get(job.name) is job:
+                    del self.pending[job.name]
                     await job.aclose()
 
     async def _dispatch(self, conn: ClientConn, frame: dict) -> None:
@@ -131,13 +140,30 @@ class NodeServer:
                               "(client and server msdata versions differ?)")
         job = self.jobs.get(spec.name)
         if job is not None and job.digest != digest:
-            if job.connected:
+            live = job.live_ranks()
+            if live:
                 raise ConfigError(f"job {spec.name!r} is running here with another definition (digest {job.digest[:12]}, "
-                                  f"yours {digest[:12]}) and {job.connected} rank(s) connected; every rank must register the "
+                                  f"yours {digest[:12]}) and {len(live)} rank(s) connected; every rank must register the "
                                   "same job: stop the old run or give the new job another name")
             self.forget(job)
             await job.aclose()
             job = None
+        if job is not None and job.state == "running" and not resume:
+            # a new run of this job (it brings a state or none): never join the old run's stream
+            live = job.live_ranks()
+            if rank in live:
+                job.check_rank(rank, world)  # the same rank of the old run is still there: refuse clearly
+            if not live:
+                self.forget(job)
+                await job.aclose()
+                job = None
+            else:
+                nxt = self.pending.get(spec.name)
+                if nxt is None or nxt.digest != digest:
+                    nxt = self.pending[spec.name] = Job(self, spec, digest, hold=True)
+                    log.warning("job %s: a new run registers while %d rank(s) of the previous run are still "
+                                "connected; it starts when they leave", spec.name, len(job.live_ranks()))
+                job = nxt
         if job is None:
             job = self.jobs[spec.name] = Job(self, spec, digest)
             log.info("job %s registered (digest %s, %d ranks)", spec.name, digest[:12], spec.mesh.world_size)
@@ -193,7 +219,7 @@ class NodeServer:
             conn.send({"t": "shutdown", "message": "the node server is shutting down"})
         try:
             async with asyncio.timeout(timeout):
-                for job in list(self.jobs.values()):
+                for job in list(self.jobs.values()) + list(self.pending.values()):
                     await job.aclose()
         except TimeoutError:
             log.warning("jobs did not close within %.1fs", timeout)
@@ -203,6 +229,7 @@ class NodeServer:
                     for ring in grp.rings.values():
                         ring.close()
             self.jobs.clear()
+            self.pending.clear()
             for conn in list(self.endpoint.conns):
                 conn.close()
             await self.tasks.cancel_all("node shutting down", timeout=timeout)

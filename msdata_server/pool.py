@@ -204,7 +204,7 @@ class WorkerPool:
         *,
         shm_prefix: str = "msd",
         start_method: str = "forkserver",
-        out_bytes: int = 8 << 20,
+        out_bytes: int = 1 << 20,
         max_task: int = 256,
     ):
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:

@@ -39,22 +39,34 @@ def batch_record(batch) -> dict:
     return rec
 
 
-def run_ranks(spec, endpoint, n, ranks=None, *, keep=False, timeout=60.0):
-    """Each rank in its own thread with its own DataClient; returns {rank: [records]} (and batches if keep)."""
+def run_ranks(spec, endpoint, n, ranks=None, *, keep=False, timeout=60.0, states=None, saved=None, mixture=None):
+    """Each rank in its own thread with its own DataClient; returns {rank: [records]} (and batches if keep).
+
+    states: {rank: state} loaded before iterating; saved: a dict that receives each rank's state_dict() after
+    its n batches; mixture: (after_batches, weights) for rank 0 to call set_mixture (its result lands in
+    saved["mixture_step"]).
+    """
     ranks = range(spec.mesh.world_size) if ranks is None else ranks
     out, errs, kept = {}, {}, {}
 
     def body(r):
         try:
             with msd.DataClient(spec, endpoint=endpoint, rank=r, world_size=spec.mesh.world_size, connect_timeout=30) as dc:
+                if states is not None and r in states:
+                    dc.load_state_dict(states[r])
                 recs, bs = [], []
-                for _ in range(n):
+                for i in range(n):
+                    if mixture is not None and r == 0 and i == mixture[0]:
+                        saved["mixture_step"] = dc.set_mixture(mixture[1])
                     b = next(dc)
                     recs.append(batch_record(b))
                     if keep:
                         bs.append({k: v.clone() for k, v in b.items()})
+                    del b
                 out[r] = recs
                 kept[r] = bs
+                if saved is not None:
+                    saved[r] = dc.state_dict()
         except BaseException as e:  # reported to the test
             errs[r] = e
 

@@ -17,6 +17,7 @@ __all__ = ["Rows"]
 
 ROUND_DIV = 4  # a greedy round places at least dp / ROUND_DIV pieces...
 TINY = 64  # ...and pieces shorter than seq_len / TINY go several per row (`_tiny_round`)
+TAIL_GIVE_UP = 16  # a tiny round that places under 1/16 of the pieces left ends the step's filling
 REFINE_PARTNERS = 4  # cheapest ranks tried as partners in each refinement pass
 CARRY_KEEP = 1024  # left-over pieces kept as they are; beyond, `consolidate` trades them (state size)
 CONSOLIDATE_RATIO = 8  # a traded placed piece is at least this many times the mean left-over
@@ -45,7 +46,6 @@ class Rows:
         self.capped = False
         self.spread = True
         self.monotone = True  # cost never decreases with length (set by `place`)
-        self.long = costs * float(lengths.sum()) > lengths * float(costs.sum())  # cost per token above average
 
     def set_cap(self, desc: np.ndarray, tolerance: float | None) -> None:
         """Cap rank costs at (1 + tolerance) x the mean expected if the longest pieces fill the step.
@@ -69,9 +69,9 @@ class Rows:
     def put(self, idx: np.ndarray, ranks: np.ndarray, rate: float, check: bool = True) -> np.ndarray:
         """Put pieces idx on distinct ranks; returns a mask of the pieces that did not fit (or pass the cap).
 
-        Row: a long piece (above the step's average) goes to the least projected micro-batch with a
-        row it fits, spreading long pieces over micro-batches; a short one, and ties, to the
-        tightest row it fits (best fit keeps whole rows free for later long pieces).
+        Row: the least projected micro-batch of the rank with a row the piece fits (so micro-batches
+        balance as ranks do), its tightest such row; without `spread` (the carry-over, placed before
+        the long pieces) simply the tightest row, which keeps whole rows free.
         """
         l = self.L[idx]
         c = self.c[idx]
@@ -90,13 +90,11 @@ class Rows:
             rr = self.rem[ranks]
             fit = rr >= l[:, None]
             if self.spread and self.lay.micro > 1:
-                long = self.long[idx]
-                if long.any():
-                    score = self.mcost[ranks] + self.mtok[ranks] * rate
-                    if self.lay.rows > 1:
-                        score = score[:, self.micro_of]
-                    score = np.where(fit, score, np.inf)
-                    fit = np.where(long[:, None], score == score.min(axis=1, keepdims=True), fit)
+                score = self.mcost[ranks] + self.mtok[ranks] * rate  # micro-batch projections
+                if self.lay.rows > 1:
+                    score = score[:, self.micro_of]
+                score = np.where(fit, score, np.inf)
+                fit = score == score.min(axis=1, keepdims=True)
             w = np.argmin(np.where(fit, rr, _BIG), axis=1)
         self.rem.reshape(-1)[ranks * k + w] -= l
         self.maxrem[ranks] = self.rem[ranks].max(axis=1) if k > 1 else self.rem[ranks, 0]
@@ -141,9 +139,9 @@ class Rows:
                 n = queue.size
                 continue
             if L[head] < tiny and self.spread:  # (not for carry-over: it would touch every row)
-                placed = self._tiny_round(queue, i)
-                if placed:
-                    i += placed
+                rest = self._tiny_round(queue, i)
+                if rest is not None:
+                    queue, i, n = rest, 0, rest.size
                     continue
             rate = self.pool_cost / self.pool_tok if self.pool_tok > 0 else 0.0
             cand = queue[i : i + elig.size]
@@ -173,40 +171,55 @@ class Rows:
         for piece in np.concatenate(retry) if retry else ():  # a cost_fn not growing with length; rare
             self.one(int(piece))
 
-    def _tiny_round(self, queue: np.ndarray, i: int) -> int:
-        """Place the next tiny pieces into free rows, several per row and rank; returns how many.
+    def _tiny_round(self, queue: np.ndarray, i: int) -> np.ndarray | None:
+        """Place the next tiny pieces, many per rank and row; returns the queue left (None: none placed).
 
-        A row with room for m copies of the head piece (the longest here) offers m slots; a rank
-        near the cap offers no more slots than the costliest of these pieces fits under it. Slots
-        are dealt round-robin over rows (first slot of every row, then second ...), rows ordered by
-        their rank's projection, then tightest first. Tiny pieces barely move a projection, so
-        placing thousands at once costs no balance, and the tail (many short pieces, few rows with
-        room) takes a few rounds instead of one per rank.
+        Each row's free tokens are cut into slots the size of the longest piece here, plus one
+        slot for the remainder. Slots are dealt round-robin over rows (the first slot of every row,
+        then the second, ...; lower projected ranks first), remainders last, roomiest first, and the
+        pieces, longest first, matched to them greedily: a piece takes the roomiest unused slot if
+        it fits, else waits for the next round. A rank near the cap offers no more slots than the
+        costliest of these pieces fits under it. Tiny pieces barely move a projection, so placing
+        thousands at once costs no balance, and the tail (many short pieces, few rows with room)
+        takes a few rounds instead of one per rank. When a round places only a trickle, the rest of
+        the queue is given up (carried over): the room left is then on ranks at the cap.
         """
         L, c, lay = self.L, self.c, self.lay
         k = lay.slots
         cand = queue[i : i + 4 * lay.dp * k]
-        per_row = self.rem // L[cand[0]]
+        size = int(L[cand[0]])
+        full = self.rem // size
+        part = self.rem % size >= L[cand[-1]]
         if self.capped:
             allow = np.floor((self.cap - self.rcost) / max(float(c[cand].max()), 1e-300)).astype(np.int64)
-            before = np.cumsum(per_row, axis=1) - per_row
-            per_row = np.clip(np.minimum(per_row, allow[:, None] - before), 0, None)
-        rows = np.flatnonzero(per_row)
+            room = allow[:, None] - (np.cumsum(full + part, axis=1) - (full + part))  # slots left in the rank
+            full = np.clip(np.minimum(full, room), 0, None)
+            part &= full < room
+        rows = np.flatnonzero(full + part)
         if rows.size == 0:
-            return 0
-        reps = np.minimum(per_row.reshape(-1)[rows], -(-cand.size // rows.size) + 1)
-        slots = np.repeat(rows, reps)
-        nth = np.arange(slots.size) - np.repeat(np.cumsum(reps) - reps, reps)
-        ranks = slots // k
-        rate = self.pool_cost / self.pool_tok if self.pool_tok > 0 else 0.0
-        proj = self.rcost[ranks] + self.rtok[ranks] * rate
+            return None
+        full, part = full.reshape(-1)[rows], part.reshape(-1)[rows]
+        full = np.minimum(full, -(-cand.size // rows.size) + 1)  # enough for this round
+        reps = full + part
+        slot_row = np.repeat(rows, reps)
+        nth = np.arange(slot_row.size) - np.repeat(np.cumsum(reps) - reps, reps)
         rem = self.rem.reshape(-1)
-        take = min(slots.size, cand.size)
-        slots = slots[np.lexsort((slots, rem[slots], proj, nth))[:take]]
-        idx = cand[:take]
-        ranks, w = slots // k, slots % k
-        l, cc = self.L[idx], self.c[idx]
-        rem -= np.bincount(slots, l, minlength=rem.size).astype(np.int64)
+        slot_size = np.where(nth < np.repeat(full, reps), size, rem[slot_row] % size)
+        rate = self.pool_cost / self.pool_tok if self.pool_tok > 0 else 0.0
+        proj = self.rcost[slot_row // k] + self.rtok[slot_row // k] * rate
+        o = np.lexsort((slot_row, proj, nth, -slot_size))
+        slot_row, slot_size = slot_row[o], slot_size[o]
+        fits = np.searchsorted(-slot_size, -L[cand], side="right")  # slots with room for each piece
+        n = np.arange(cand.size)
+        matched = np.minimum(n + 1, np.minimum.accumulate(fits - n) + n)  # greedy matches so far
+        got = np.diff(matched, prepend=0) > 0
+        if not got.any():
+            return None
+        rows = slot_row[matched[got] - 1]
+        idx = cand[got]
+        ranks, w = rows // k, rows % k
+        l, cc = L[idx], c[idx]
+        rem -= np.bincount(rows, l, minlength=rem.size).astype(np.int64)
         touched = np.unique(ranks)
         self.maxrem[touched] = self.rem[touched].max(axis=1)
         self.rtok -= np.bincount(ranks, l, minlength=lay.dp).astype(np.int64)
@@ -218,7 +231,11 @@ class Rows:
         self.slot[idx] = w
         self.pool_cost -= float(cc.sum())
         self.pool_tok -= int(l.sum())
-        return take
+        rest = np.concatenate([cand[~got], queue[i + cand.size :]])
+        if idx.size * TAIL_GIVE_UP < rest.size:  # a trickle: the room left is on ranks at the cap
+            self.give_up(rest)
+            return rest[:0]
+        return rest
 
     def _drop_infeasible(self, queue: np.ndarray, i: int) -> np.ndarray:
         """Give up the next queued pieces (from i) that fit no rank now, hence never will; return the rest.
@@ -269,30 +286,44 @@ class Rows:
         return np.concatenate(failed)
 
     def refine(self, iters: int) -> None:
-        """Lower the costliest rank by moving or swapping one piece with a cheap rank, while it helps."""
+        """Lower the costliest rank by moving or swapping one piece with a cheap rank, while it helps.
+
+        Each pass tries the REFINE_PARTNERS cheapest ranks: the move or swap whose cost difference
+        is closest to half the gap, among those whose pieces fit the rows they go to.
+        """
         L, c = self.L, self.c
+        order = np.argsort(self.rank, kind="stable")  # members by rank; moves are tracked in `moved`
+        bounds = np.searchsorted(self.rank[order], np.arange(self.lay.dp + 1))
+        moved: dict[int, list[int]] = {}
+
+        def members(r: int) -> np.ndarray:
+            own = order[bounds[r] : bounds[r + 1]]
+            if r in moved:
+                own = np.concatenate([own, np.array(moved[r], np.int64)])
+            return own[self.rank[own] == r]
+
         for _ in range(iters):
             r = int(np.argmax(self.rcost))
             top = self.rcost[r]
-            mine = np.flatnonzero(self.rank == r)
+            mine = members(r)
             if mine.size == 0:
                 return
             done = False
-            for q in np.argsort(self.rcost, kind="stable")[:REFINE_PARTNERS]:
-                q = int(q)
+            for q in np.argsort(self.rcost, kind="stable")[:REFINE_PARTNERS].tolist():
                 gap = top - self.rcost[q]
                 if q == r or gap <= 0:
                     break
                 # move: a piece of r that fits a row of q, cost closest to gap/2
                 fits = L[mine] <= self.maxrem[q]
                 gain_move = np.where(fits & (c[mine] < gap), np.minimum(c[mine], gap - c[mine]), -1.0)
-                theirs = np.flatnonzero(self.rank == q)
+                theirs = members(q)
                 best_swap = -1.0
                 if theirs.size:
                     d = c[mine][:, None] - c[theirs][None, :]
                     room_r = self.rem[r, self.slot[mine]] + L[mine]  # free in a's row once a leaves
                     room_q = self.rem[q, self.slot[theirs]] + L[theirs]
-                    ok = (d > 0) & (d < gap) & (L[theirs][None, :] <= room_r[:, None]) & (L[mine][:, None] <= room_q[None, :])
+                    ok = (d > 0) & (d < gap)
+                    ok &= (L[theirs][None, :] <= room_r[:, None]) & (L[mine][:, None] <= room_q[None, :])
                     gain = np.where(ok, np.minimum(d, gap - d), -1.0)
                     flat = int(np.argmax(gain))
                     best_swap = float(gain.flat[flat])
@@ -301,9 +332,12 @@ class Rows:
                     continue
                 if gain_move[a] >= best_swap:
                     self._move(int(mine[a]), q)
+                    moved.setdefault(q, []).append(int(mine[a]))
                 else:
                     ia, ib = divmod(flat, theirs.size)
                     self._swap(int(mine[ia]), int(theirs[ib]))
+                    moved.setdefault(q, []).append(int(mine[ia]))
+                    moved.setdefault(r, []).append(int(theirs[ib]))
                 done = True
                 break
             if not done:
@@ -315,8 +349,8 @@ class Rows:
         With the cost cap, the pieces left over are the shortest of the step, and there can be many
         (the state would grow with dp). Beyond CARRY_KEEP of them, the shortest are cut into
         consecutive chunks, each covering the tokens of one placed piece X (at least
-        CONSOLIDATE_RATIO times their mean length, not itself carried over, one per row, the
-        costliest ranks first); a chunk takes X's place when it fits X's row and costs no more than
+        CONSOLIDATE_RATIO times their mean length, at most half a row, not itself carried over, one
+        per row, the costliest ranks first); a chunk takes X's place when it fits X's row and costs no more than
         X (no rank gets costlier), and X is carried instead. A chunk may fall short of X by less than
         one short piece, which adds that much padding. Vectorised; no loop over pieces.
         """
@@ -331,7 +365,9 @@ class Rows:
         cand = cand[(cand >= priority) & (L[cand] >= lo) & (L[cand] <= self.lay.seq_len // 2)]
         if cand.size == 0:
             return False
-        cand = cand[np.lexsort((cand, -L[cand], -self.rcost[self.rank[cand]]))]
+        heavy_first = np.empty(self.lay.dp, np.int64)
+        heavy_first[np.argsort(-self.rcost, kind="stable")] = np.arange(self.lay.dp)
+        cand = cand[np.argsort(heavy_first[self.rank[cand]], kind="stable")]  # costliest ranks first
         _, first = np.unique(self.rank[cand] * k + self.slot[cand], return_index=True)
         cand = cand[np.sort(first)]  # one per row, in the order above
         ends = np.cumsum(L[left])

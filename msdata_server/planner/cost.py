@@ -45,7 +45,9 @@ def _checked(fn: CostFn, name: str, lengths: np.ndarray) -> np.ndarray:
     """Call a user cost function and insist on one finite, non-negative float64 per length."""
     out = np.asarray(fn(lengths), dtype=np.float64)
     if out.shape != lengths.shape:
-        raise ConfigError(f"cost_fn {name!r} returned shape {out.shape} for {lengths.shape} lengths; return one cost per length")
+        raise ConfigError(
+            f"cost_fn {name!r} returned shape {out.shape} for {lengths.shape} lengths; return one cost per length"
+        )
     if out.size and not (np.isfinite(out).all() and (out >= 0).all()):
         raise ConfigError(f"cost_fn {name!r} returned a negative or non-finite cost; costs must be finite and >= 0")
     return out

@@ -1,9 +1,14 @@
 """The step planner: which pieces of which documents make step s, and on which DP rank, micro-batch and row.
 
+Per step: the mixture says how many tokens each source owes (cumulative targets, so shares never
+drift), each source gives its next documents in its own order until it has paid, long ones are split
+(or truncated) at seq_len, and `balance.place` puts the pieces, with last step's carry-over first,
+into the rows of the DP ranks; what does not fit is carried over to the next step.
+
 A plan is a pure function of (planner state, config, document lengths): no clocks, no set or dict
-order, no float sums whose order can change, so an interrupted and restored run plans bit for bit
-what an uninterrupted one does. The state is a position in each source's order plus a few carried
-pieces and token counters: kilobytes, whatever the data size.
+order, only stable sorts, so an interrupted and restored run plans bit for bit what an
+uninterrupted one does. The state is a position in each source's order plus the carried pieces
+(at most about balance's CARRY_KEEP) and token counters: tens of kilobytes at most, whatever the data.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ _STATE_KEYS = frozenset(
 )
 _CARRY_KEYS = ("source", "ordinal", "offset", "length")
 
-MIN_CHUNK, MAX_CHUNK = 64, 1 << 16  # ordinals per MetadataView.lengths call
+MIN_CHUNK, MAX_CHUNK = 256, 1 << 16  # ordinals per MetadataView.lengths call
 MAX_SKIPPED = 1 << 20  # consecutive empty (bad) samples before a source is declared broken
 
 
@@ -174,7 +179,9 @@ class StepPlan:
         n_micro = self.stats.micro_cost.shape[1]
         n_dp = self.stats.micro_cost.shape[0]
         if not (0 <= dp < n_dp and 0 <= micro < n_micro):
-            raise ConfigError(f"micro-batch ({dp=}, {micro=}) is outside this plan's {n_dp} ranks x {n_micro} micro-batches")
+            raise ConfigError(
+                f"micro-batch ({dp=}, {micro=}) is outside this plan's {n_dp} ranks x {n_micro} micro-batches"
+            )
         i = dp * n_micro + micro
         sl = slice(int(self.bounds[i]), int(self.bounds[i + 1]))
         return StepPlan(
@@ -292,7 +299,7 @@ class Planner:
         src, ords, off, lens = (carry[k] for k in _CARRY_KEYS)
         if parts:
             cols = [np.concatenate(c) for c in zip(*parts)]
-            order = np.lexsort((np.arange(cols[0].size), cols[0], cols[4]))
+            order = np.argsort(cols[4], kind="stable")  # ties: by source, then position (concat order)
             src = np.concatenate([src, cols[0][order]])
             ords = np.concatenate([ords, cols[1][order]])
             off = np.concatenate([off, cols[2][order]])
@@ -309,9 +316,9 @@ class Planner:
 
         left = p.rank < 0
         idx = np.flatnonzero(~left)
+        o = np.argsort(p.rank[idx] * cfg.layout.slots + p.slot[idx], kind="stable")  # by rank, row, arrival
+        idx = idx[o]
         rank, slot = p.rank[idx], p.slot[idx]
-        o = np.lexsort((idx, slot, rank))  # by rank, row slot, then arrival
-        idx, rank, slot = idx[o], rank[o], slot[o]
         micro = slot // cfg.rows
         bounds = np.searchsorted(rank * cfg.micro_batches + micro, np.arange(cfg.dp * cfg.micro_batches + 1))
         per_source = np.bincount(src[idx], weights=lens[idx], minlength=len(cfg.sources)).astype(np.int64)
@@ -438,14 +445,18 @@ class Planner:
                 f"planner state keys differ: unknown {sorted(keys - _STATE_KEYS)}, missing {sorted(_STATE_KEYS - keys)}"
             )
         if state[K_VERSION] != STATE_VERSION:
-            raise CheckpointError(f"planner state version {state[K_VERSION]!r} is not {STATE_VERSION}; it was saved by another msdata")
+            raise CheckpointError(
+                f"planner state version {state[K_VERSION]!r} is not {STATE_VERSION}; it was saved by another msdata"
+            )
         if list(state[K_SOURCES]) != list(cfg.sources):
             raise CheckpointError(
                 f"planner state is for sources {state[K_SOURCES]!r}, this job has {list(cfg.sources)!r};"
                 " restore into the job that saved it"
             )
         if state[K_SEQ_LEN] != cfg.seq_len:
-            raise CheckpointError(f"planner state has seq_len={state[K_SEQ_LEN]!r}, this job {cfg.seq_len}; keep seq_len to restore")
+            raise CheckpointError(
+                f"planner state has seq_len={state[K_SEQ_LEN]!r}, this job {cfg.seq_len}; keep seq_len to restore"
+            )
         if state[K_LONG_DOCS] != self._mode.value:
             raise CheckpointError(f"planner state has long_docs={state[K_LONG_DOCS]!r}, this job {self._mode.value!r}")
         step = state[K_STEP]

@@ -187,6 +187,9 @@ class Source:
     def _index_bytes(self) -> int:
         return self.order.nbytes if self.order is not None else 0
 
+    def trim(self) -> None:
+        """Drop caches that only speed up reads close together in time (the loader calls it when idle)."""
+
     def close(self) -> None:
         """Release file handles and caches. Idempotent."""
 
@@ -242,7 +245,7 @@ class FileSource(Source):
     """
 
     extensions: ClassVar[tuple[str, ...]] = ()
-    max_open: ClassVar[int] = 64  # open handles kept per source; the index itself stays in numpy
+    max_open: ClassVar[int] = 4  # open handles kept per source (reads walk one file at a time); the index stays in numpy
     retries: ClassVar[int] = 3
     backoff: ClassVar[float] = 0.01  # seconds, doubled at every retry
     window: ClassVar[int] = DEFAULT_WINDOW

@@ -31,7 +31,10 @@ from .shm import Segment, create_segment
 from .sources import open_source
 from .tasks import TaskSet
 
-__all__ = ["Job", "RankPosition"]
+__all__ = ["BATCH_FIELDS", "Job", "RankPosition"]
+
+BATCH_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "sample_ids", "source_ids", "step",
+                "micro")
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +161,7 @@ class Job:
         self._start_lock = asyncio.Lock()
         self._view: _LoaderView | None = None
         self._cp = 1
+        self._selectors: dict[int, tuple[set, str]] = {}  # rank -> (fields it reads, its CP index)
         self.states: dict[int, dict | None] = {}  # rank -> the state it brought (load_state_dict), if any
         self.resuming: dict[int, bool] = {}  # rank -> it reconnects mid-run (continue where it was)
         self.snapshots: dict[int, dict] = {}  # step -> planner state at the start of that step (recent steps)
@@ -536,16 +540,18 @@ class Job:
         grp.bytes_published += nbytes
 
     def _reader_fields(self, rank: int, layouts: list[FieldLayout]) -> list:
-        coord = self.mesh.coord(rank)
-        wanted = set(self.mesh.fields(rank, ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens",
-                                             "sample_ids", "source_ids", "step", "micro"), self.spec.pp_fields))
+        """The wire layout of the fields this rank reads (its PP stage's fields, its own CP slice)."""
+        sel = self._selectors.get(rank)
+        if sel is None:
+            wanted = set(self.mesh.fields(rank, BATCH_FIELDS, self.spec.pp_fields))
+            cp = str(self.mesh.coord(rank).cp)
+            sel = self._selectors[rank] = (wanted, cp)
+        wanted, cp = sel
         out = []
         for f in layouts:
             name, _, part = f.name.partition("@")
-            if part and int(part) != coord.cp:
-                continue
-            if name in wanted:
-                out.append([name, f.dtype, list(f.shape), f.offset])
+            if name in wanted and (not part or part == cp):
+                out.append([name, f.dtype, f.shape, f.offset])
         return out
 
     def release(self, conn, ring_id: int, slot: int) -> None:

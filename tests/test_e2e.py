@@ -239,3 +239,24 @@ def test_connect_timeout_names_the_endpoint(sockdir):
     ep = os.path.join(sockdir, "nobody.sock")
     with pytest.raises(msd.ConnectError, match="nobody.sock"):
         next(msd.DataClient(spec, endpoint=ep, rank=0, world_size=1, connect_timeout=0.3))
+
+
+def test_pp_stages_get_their_fields(server_factory):
+    srv = server_factory().start()
+    spec = small_job("pp", dp=1, pp=3, micro_batches=1)
+    _, kept = run_ranks(spec, srv.socket, 2, keep=True)
+    stage = {spec.mesh.stage(r): kept[r][0] for r in range(3)}
+    assert {"tokens", "position_ids", "cu_seqlens"} <= set(stage["first"]) and "labels" not in stage["first"]
+    assert {"labels", "loss_mask", "cu_seqlens"} <= set(stage["last"]) and "tokens" not in stage["last"]
+    assert set(stage["middle"]) == {"cu_seqlens", "position_ids", "step", "micro"}
+    # one build: the stages' common fields are the same bytes
+    assert torch.equal(stage["first"]["cu_seqlens"], stage["last"]["cu_seqlens"])
+
+
+def test_distribute_world_gives_every_rank_its_own_data(server_factory):
+    srv = server_factory().start()
+    g = msd.DGraph("world", seed=0).source("a", "synthetic", samples=200, median=50.0, max_len=256)
+    spec = g.mix({"a": 1.0}).pack(256).mesh(dp=1, tp=2).distribute("world").plan()
+    got = run_ranks(spec, srv.socket, 3)
+    ids = [{tuple(x) for rec in got[r] for x in rec["ids"]} for r in (0, 1)]
+    assert ids[0] and ids[1] and not ids[0] & ids[1]

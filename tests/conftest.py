@@ -76,7 +76,9 @@ def sockdir():
 class ServerProc:
     """A real `msdata-server serve` subprocess, awaited through its readiness line."""
 
-    def __init__(self, sockdir: str, *, workers: int = 0, extra: str = "", prefix: str | None = None):
+    def __init__(self, sockdir: str, *, workers: int = 0, extra: str = "", prefix: str | None = None,
+                 shm_mib: int | None = None):
+        self.shm_mib = shm_mib  # run the server in a private mount namespace with a /dev/shm this small
         self.dir = sockdir
         self.socket = os.path.join(sockdir, "msdata.sock")
         self.prefix = prefix or "t" + secrets.token_hex(3)
@@ -96,9 +98,12 @@ class ServerProc:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.proc is not None and self.proc.stdout:
             self.proc.stdout.close()
+        cmd = [sys.executable, "-m", "msdata_server", "serve", "--config", self.config]
+        if self.shm_mib is not None:
+            cmd = ["unshare", "-m", "sh", "-c",
+                   f"mount -t tmpfs -o size={self.shm_mib}M tmpfs /dev/shm && exec " + " ".join(cmd)]
         with open(os.path.join(self.dir, "server.log"), "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "msdata_server", "serve", "--config", self.config],
-                                         stdout=subprocess.PIPE, stderr=log, env=env, cwd=str(ROOT))
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=str(ROOT))
         line = _readline(self.proc, timeout)
         if not line:
             raise RuntimeError(f"server did not become ready; log:\n{self.log()}")

@@ -260,3 +260,15 @@ def test_distribute_world_gives_every_rank_its_own_data(server_factory):
     got = run_ranks(spec, srv.socket, 3)
     ids = [{tuple(x) for rec in got[r] for x in rec["ids"]} for r in (0, 1)]
     assert ids[0] and ids[1] and not ids[0] & ids[1]
+
+
+def test_small_dev_shm_gives_a_clear_error_and_the_server_keeps_serving(server_factory):
+    from .test_ring import _can_unshare
+
+    if not _can_unshare():
+        pytest.skip("needs `unshare -m` (root) to mount a small /dev/shm")
+    srv = server_factory(shm_mib=4).start()
+    big = small_job("big", dp=1, seq_len=65536, rows=2)  # 8 slots of a few MiB each: does not fit 4 MiB
+    with pytest.raises(msd.RemoteError, match="shm-size"):
+        next(msd.DataClient(big, endpoint=srv.socket, rank=0, world_size=1))
+    assert len(run_ranks(small_job("small", dp=1, seq_len=256), srv.socket, 3)[0]) == 3

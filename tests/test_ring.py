@@ -82,10 +82,26 @@ def test_cleanup_removes_segments_of_dead_owners():
     assert not os.path.exists("/dev/shm" + name)
 
 
-def test_too_small_shm_fails_clearly(monkeypatch):
-    def nospace(fd, off, n):
-        raise OSError(28, "No space left on device")
+def _can_unshare() -> bool:
+    import shutil
 
-    monkeypatch.setattr(os, "posix_fallocate", nospace)
-    with pytest.raises(shm.ShmError, match="shm-size"):
-        shm.create_segment("tring", "ring", 1 << 20)
+    if shutil.which("unshare") is None:
+        return False
+    r = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    return r.returncode == 0
+
+
+needs_unshare = pytest.mark.skipif(not _can_unshare(), reason="needs `unshare -m` (root) to mount a small /dev/shm")
+
+
+@needs_unshare
+def test_too_small_shm_fails_at_creation_clearly():
+    """A real 2 MiB /dev/shm (a private mount namespace): an 8 MiB ring fails at once, saying the fix."""
+    code = ("from msdata_server import shm\n"
+            "try:\n    shm.create_segment('tsmall', 'ring', 8 << 20)\n"
+            "except shm.ShmError as e:\n    print('ShmError:', e)\n")
+    out = subprocess.run(["unshare", "-m", "sh", "-c",
+                          f"mount -t tmpfs -o size=2M tmpfs /dev/shm && exec {sys.executable} -c \"$0\"", code],
+                         capture_output=True, text=True, timeout=60)
+    assert "ShmError:" in out.stdout, out.stderr
+    assert "shm-size" in out.stdout and "2.0 MiB free" in out.stdout

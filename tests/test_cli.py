@@ -1,0 +1,63 @@
+"""The command line: validate, serve's config errors, status without a server."""
+
+import subprocess
+import sys
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "msdata_server", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
+
+
+def _job(tmp_path, paths):
+    p = tmp_path / "job.toml"
+    p.write_text(textwrap.dedent(f"""\
+        [job]
+        name = "v"
+        seq_len = 512
+        [mesh]
+        dp = 1
+        [[source]]
+        name = "web"
+        format = "parquet"
+        paths = {paths!r}
+        [mix]
+        weights = {{ web = 1.0 }}
+        """).replace("'", '"'))
+    return p
+
+
+def test_validate_good_config_and_job(tmp_path):
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"text": ["a", "bb", "ccc"]}), tmp_path / "data" / "x.parquet")
+    node = tmp_path / "node.toml"
+    node.write_text(f'[node]\nid = "n1"\nsocket = "{tmp_path}/s.sock"\n')
+    out = cli("validate", "--config", str(node), "--job", str(_job(tmp_path, ["data/"])))
+    assert out.returncode == 0, out.stderr
+    assert "node config OK" in out.stdout and "source web (parquet): 3 samples" in out.stdout
+
+
+def test_validate_names_the_bad_key_and_the_missing_data(tmp_path):
+    node = tmp_path / "node.toml"
+    node.write_text("[node]\nworkrs = 2\n")
+    out = cli("validate", "--config", str(node))
+    assert out.returncode == 2 and "workrs" in out.stderr and "allowed keys" in out.stderr
+    node.write_text(f'[node]\nsocket = "{tmp_path}/s.sock"\n')
+    out = cli("validate", "--config", str(node), "--job", str(_job(tmp_path, ["nowhere/*.parquet"])))
+    assert out.returncode == 2 and "web" in out.stderr and "nowhere" in out.stderr
+
+
+def test_serve_refuses_a_bad_config_clearly(tmp_path):
+    node = tmp_path / "node.toml"
+    node.write_text('[node]\nlisten = "not-an-address"\n')
+    out = cli("serve", "--config", str(node))
+    assert out.returncode == 2 and "HOST:PORT" in out.stderr
+
+
+def test_status_without_a_server_says_where_it_looked(tmp_path):
+    out = cli("status", "--endpoint", str(tmp_path / "none.sock"))
+    assert out.returncode == 2 and "none.sock" in out.stderr

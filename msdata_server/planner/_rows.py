@@ -13,16 +13,23 @@ import numpy as np
 if TYPE_CHECKING:
     from .balance import Layout
 
-__all__ = ["Rows"]
+__all__ = ["Rows", "order_by"]
 
 ROUND_DIV = 4  # a greedy round places at least dp / ROUND_DIV pieces...
-TINY = 64  # ...and pieces shorter than seq_len / TINY go several per row (`_tiny_round`)
+TINY = 32  # ...and pieces shorter than seq_len / TINY go several per row (`_tiny_round`)
 TAIL_GIVE_UP = 16  # a tiny round that places under 1/16 of the pieces left ends the step's filling
 REFINE_PARTNERS = 4  # cheapest ranks tried as partners in each refinement pass
 CARRY_KEEP = 1024  # left-over pieces kept as they are; beyond, `consolidate` trades them (state size)
 CONSOLIDATE_RATIO = 8  # a traded placed piece is at least this many times the mean left-over
 
 _BIG = np.iinfo(np.int64).max
+
+
+def order_by(keys: np.ndarray, bound: int) -> np.ndarray:
+    """Stable argsort of int keys in [0, bound): numpy's radix sort when they fit 16 bits (5x faster)."""
+    if bound <= 1 << 16:
+        return np.argsort(keys.astype(np.uint16), kind="stable")
+    return np.argsort(keys, kind="stable")
 
 
 class Rows:
@@ -292,8 +299,8 @@ class Rows:
         is closest to half the gap, among those whose pieces fit the rows they go to.
         """
         L, c = self.L, self.c
-        order = np.argsort(self.rank, kind="stable")  # members by rank; moves are tracked in `moved`
-        bounds = np.searchsorted(self.rank[order], np.arange(self.lay.dp + 1))
+        order = order_by(self.rank + 1, self.lay.dp + 1)  # members by rank; moves are tracked in `moved`
+        bounds = np.searchsorted(self.rank[order], np.arange(self.lay.dp + 1))  # rank -1 comes first
         moved: dict[int, list[int]] = {}
 
         def members(r: int) -> np.ndarray:
@@ -359,7 +366,7 @@ class Rows:
         if excess <= 0:
             return False
         L, c, k = self.L, self.c, self.lay.slots
-        left = left[np.lexsort((left, L[left]))][:excess]  # the shortest go first
+        left = left[order_by(L[left], self.lay.seq_len + 1)][:excess]  # the shortest go first
         cand = np.flatnonzero(self.rank >= 0)
         lo = CONSOLIDATE_RATIO * float(L[left].mean())
         cand = cand[(cand >= priority) & (L[cand] >= lo) & (L[cand] <= self.lay.seq_len // 2)]
@@ -367,7 +374,7 @@ class Rows:
             return False
         heavy_first = np.empty(self.lay.dp, np.int64)
         heavy_first[np.argsort(-self.rcost, kind="stable")] = np.arange(self.lay.dp)
-        cand = cand[np.argsort(heavy_first[self.rank[cand]], kind="stable")]  # costliest ranks first
+        cand = cand[order_by(heavy_first[self.rank[cand]], self.lay.dp)]  # costliest ranks first
         _, first = np.unique(self.rank[cand] * k + self.slot[cand], return_index=True)
         cand = cand[np.sort(first)]  # one per row, in the order above
         ends = np.cumsum(L[left])

@@ -19,7 +19,7 @@ import numpy as np
 
 from msdata_server.errors import ConfigError
 
-from ._rows import Rows
+from ._rows import Rows, order_by
 from .pack import next_fit
 from .partition import kk_partition
 
@@ -111,7 +111,7 @@ def place(
         return _arrival(lengths, costs, layout)
     st = Rows(lengths, costs, layout)
     n = lengths.size
-    desc = np.argsort(-lengths, kind="stable")
+    desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
     st.set_cap(desc, tolerance)
     st.monotone = bool(np.all(np.diff(costs[desc]) <= 0))
     # carry-over first, so that no piece is left over twice; best fit, which keeps whole rows free

@@ -24,6 +24,7 @@ import numpy as np
 
 from msdata_server.errors import BadSampleError, CheckpointError, ConfigError, ProtocolError
 
+from ._rows import order_by
 from .balance import Layout, method_of, place
 from .cost import make_cost
 from .mixture import Mixture
@@ -316,8 +317,8 @@ class Planner:
 
         left = p.rank < 0
         idx = np.flatnonzero(~left)
-        o = np.argsort(p.rank[idx] * cfg.layout.slots + p.slot[idx], kind="stable")  # by rank, row, arrival
-        idx = idx[o]
+        idx = idx[order_by(p.slot[idx], cfg.layout.slots)]  # by rank, then row, then arrival
+        idx = idx[order_by(p.rank[idx], cfg.dp)]
         rank, slot = p.rank[idx], p.slot[idx]
         micro = slot // cfg.rows
         bounds = np.searchsorted(rank * cfg.micro_batches + micro, np.arange(cfg.dp * cfg.micro_batches + 1))

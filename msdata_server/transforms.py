@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib
 import io
 import math
 import re
@@ -19,6 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ._imports import import_callable
 from .errors import BadSampleError, ConfigError
 from .sources.base import BadSample
 from .sources.order import make_rng
@@ -169,13 +169,7 @@ def load_transform(path: str | None) -> Callable:
     if path is None:
         return identity
     module, name, args = parse_transform_name(path)
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as e:
-        raise ConfigError(f"transform {path!r}: cannot import module {module!r} ({e}); is it installed?") from None
-    fn = getattr(mod, name, None)
-    if not callable(fn):
-        raise ConfigError(f"transform {path!r}: module {module!r} has no function {name!r}")
+    fn = import_callable("transform", path, module, name)
     if args is not None:
         try:
             pos, kw = _parse_args(args)

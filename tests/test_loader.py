@@ -18,32 +18,15 @@ from msdata_server import loader as loader_mod
 from msdata_server.errors import BadSampleError, ClosedError, ConfigError, MsdataError
 from msdata_server.loader import SourceLoader
 from msdata_server.pool import WorkerPool
+
 from msdata_server.sources import BadSample, ReadResult, open_source
 from msdata_server.sources.synthetic import SyntheticSource
 from msdata_server.transforms import byte_tokens
 
+from .aio import LOOPS, run
+
 BYTES = "msdata_server.transforms:byte_tokens"
 HERE = __name__  # transforms defined here are named "<this module>:<function>" (workers import it too)
-LOOPS = ["asyncio", "uvloop"]
-
-
-def run(coro, loop: str = "asyncio"):
-    """Run on asyncio or uvloop; fail on exceptions that nobody retrieved."""
-    errors = []
-
-    async def main():
-        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
-        return await coro
-
-    if loop == "uvloop":
-        import uvloop
-
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
-            out = r.run(main())
-    else:
-        out = asyncio.run(main())
-    assert not errors, f"unretrieved exceptions in the event loop: {errors}"
-    return out
 
 
 def synthetic(samples=2000, seed=11, name="syn"):

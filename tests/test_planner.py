@@ -436,7 +436,7 @@ def test_custom_cost_function(tmp_path, monkeypatch):
     assert plan.stats.cost.sum() == pytest.approx(2.0 * plan.length.sum())
     with pytest.raises(ConfigError, match="returned shape"):
         Planner(config(cost_fn="mycost:broken")).plan_step(View(MEDIANS))
-    with pytest.raises(ConfigError, match="cannot import 'nomodule'"):
+    with pytest.raises(ConfigError, match="cannot import module 'nomodule'"):
         Planner(config(cost_fn="nomodule:f"))
     with pytest.raises(ConfigError, match="no callable 'missing'"):
         Planner(config(cost_fn="mycost:missing"))

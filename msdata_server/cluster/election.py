@@ -60,6 +60,7 @@ class Membership:
         self.lease_id: int | None = None
         self.deadline = 0.0  # loop time before which lease_id is surely alive in etcd
         self.reachable = True
+        self._stale: set[int] = set()  # leases we dropped but etcd may still hold: revoked when it answers
         self._callbacks: list[Callable[[LeaseEvent], None]] = []
         self._watchdog: asyncio.TimerHandle | None = None
         self._tasks = TaskSet("membership")
@@ -154,14 +155,17 @@ class Membership:
             self._watchdog = None
         if why != "closing":
             log.warning("node %s lost its lease %x: %s", self.node_id, lease, why)
-            self._tasks.spawn(self._revoke_quietly(lease), name="revoke-lost-lease")
+            self._stale.add(lease)
         self._notify("lost")
 
-    async def _revoke_quietly(self, lease: int) -> None:
-        with suppress(EtcdError, TimeoutError):
-            await asyncio.wait_for(self.etcd.lease_revoke(lease), self.ttl)
+    async def _revoke_stale(self) -> None:
+        """Revoke dropped leases, so that the leader key a lost lease may still hold goes now, not at expiry."""
+        for lease in list(self._stale):
+            with suppress(EtcdError, TimeoutError):
+                await asyncio.wait_for(self.etcd.lease_revoke(lease), self.ttl / 3)
+                self._stale.discard(lease)
 
-    def _set_reachable(self, ok: bool, err: Exception | None = None) -> None:
+    def _set_reachable(self, ok: bool, err: object = None) -> None:
         if ok == self.reachable:
             return
         self.reachable = ok
@@ -176,11 +180,13 @@ class Membership:
         interval = self.ttl / 3
         retry = interval / 3
         while True:
+            if self._stale:
+                await self._revoke_stale()
             if self.lease_id is None:
                 try:
                     await asyncio.wait_for(self._acquire(), interval)
                 except (EtcdError, TimeoutError) as e:
-                    self._set_reachable(False, e)
+                    self._set_reachable(False, e if str(e) else "lease grant timed out")
                     await asyncio.sleep(retry)
                 continue
             await asyncio.sleep(interval if self.reachable else retry)
@@ -191,7 +197,7 @@ class Membership:
             try:
                 ttl = await asyncio.wait_for(self.etcd.lease_keepalive_once(lease), interval)
             except (EtcdError, TimeoutError) as e:
-                self._set_reachable(False, e or TimeoutError("keepalive timed out"))
+                self._set_reachable(False, e if str(e) else "keepalive timed out")
                 continue
             if lease != self.lease_id:
                 continue  # dropped while we waited: never revive it

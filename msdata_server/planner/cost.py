@@ -6,13 +6,13 @@ own function as "module:function", called with an int64 length array and returni
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from functools import partial
 
 import numpy as np
 
+from msdata_server._imports import import_callable
 from msdata_server.errors import ConfigError
 
 __all__ = ["CostFn", "attention_cost", "load_cost_fn", "make_cost"]
@@ -31,14 +31,7 @@ def load_cost_fn(path: str) -> CostFn:
     if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
         raise ConfigError(f"cost_fn={path!r} must look like 'package.module:function'")
     module_name, attr = path.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cost_fn={path!r}: cannot import {module_name!r} ({exc}); is it on sys.path?") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"cost_fn={path!r}: {module_name!r} has no callable {attr!r}")
-    return fn
+    return import_callable("cost_fn", path, module_name, attr)
 
 
 def _checked(fn: CostFn, name: str, lengths: np.ndarray) -> np.ndarray:

@@ -438,7 +438,7 @@ def test_custom_cost_function(tmp_path, monkeypatch):
         Planner(config(cost_fn="mycost:broken")).plan_step(View(MEDIANS))
     with pytest.raises(ConfigError, match="cannot import module 'nomodule'"):
         Planner(config(cost_fn="nomodule:f"))
-    with pytest.raises(ConfigError, match="no callable 'missing'"):
+    with pytest.raises(ConfigError, match="has no function 'missing'"):
         Planner(config(cost_fn="mycost:missing"))
 
 

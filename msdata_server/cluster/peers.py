@@ -1,0 +1,470 @@
+"""Authenticated TCP links between node servers.
+
+Frames as in msdata_client/wire.py: a 4-byte big-endian length and an orjson object with a string "t". A
+payload frame is such an object with ``"nbytes": n`` followed by n raw bytes (never pickle), which the receiver
+reads straight into one buffer. Before anything else both sides prove they hold the shared token: each sends a
+random nonce and answers the other's with HMAC-SHA256(token, role, both nonces, both ids), compared in constant
+time; the roles in the MAC stop a reflected answer. Flow control: a sender awaits drain once the transport
+buffers ``high_water`` bytes (payloads go in chunks, so it never holds more than high_water + CHUNK); a receiver
+stops reading while its handler has more than ``high_water`` bytes queued. A malformed frame closes that link only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import inspect
+import logging
+import os
+import struct
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+from msdata_client.wire import MAX_FRAME, decode, encode
+
+from ..errors import ClosedError, PeerLostError, ProtocolError
+
+__all__ = ["AuthError", "CHUNK", "HIGH_WATER", "MAX_PAYLOAD", "PeerLink", "PeerServer", "load_token"]
+
+log = logging.getLogger(__name__)
+
+HIGH_WATER = 8 << 20  # bytes: sender's transport buffer, receiver's queue of unhandled frames
+CHUNK = 1 << 20  # a payload is written in pieces of this size, awaiting drain in between
+MAX_PAYLOAD = 1 << 30  # a larger "nbytes" is a protocol error, not an allocation
+AUTH_TIMEOUT = 5.0
+_MAX_AUTH_FRAME = 4096  # nothing bigger is read from a peer that has not authenticated
+_PROTO = 1
+_LEN = struct.Struct(">I")
+
+Handler = Callable[[str, dict, memoryview | None], Awaitable[None] | None]
+
+
+class AuthError(ProtocolError):
+    """The other side does not hold our shared token (or does not speak the handshake)."""
+
+
+def load_token(path: str) -> bytes:
+    """The shared secret from [cluster] token_file (surrounding whitespace ignored); refuses an empty one."""
+    try:
+        with open(path, "rb") as f:
+            token = f.read().strip()
+    except OSError as e:
+        raise AuthError(f"cannot read [cluster] token_file {path!r}: {e}; create it with a shared secret") from None
+    if len(token) < 16:
+        raise AuthError(f"[cluster] token_file {path!r} holds {len(token)} bytes; use a secret of at least 16 "
+                        "(e.g. `head -c 32 /dev/urandom | base64 > token`)")
+    return token
+
+
+def _mac(token: bytes, role: bytes, *parts: bytes) -> bytes:
+    h = hmac.new(token, role, hashlib.sha256)
+    for p in parts:  # length-prefixed: no two part lists hash alike
+        h.update(_LEN.pack(len(p)) + p)
+    return h.digest()
+
+
+def _check_token(token: bytes | str) -> bytes:
+    token = token.encode() if isinstance(token, str) else bytes(token)
+    if not token:
+        raise AuthError("the shared token is empty; set [cluster] token_file to a file with a secret")
+    return token
+
+
+class PeerLink(asyncio.BufferedProtocol):
+    """One authenticated link, either side: ``send``/``send_payload``; what arrives goes to ``handler``.
+
+    Invariants: at most ``high_water + CHUNK`` bytes wait in the transport per link (senders await drain);
+    at most ``high_water`` + one frame of received frames wait for the handler before reading pauses.
+    """
+
+    def __init__(self, *, token: bytes | str, node_id: str, handler: Handler | None = None, server: bool,
+                 high_water: int = HIGH_WATER, max_payload: int = MAX_PAYLOAD, auth_timeout: float = AUTH_TIMEOUT,
+                 on_ready: Callable[[PeerLink], None] | None = None):
+        if high_water < CHUNK // 16:
+            raise ValueError(f"{high_water=} must be >= {CHUNK // 16}")
+        self.node_id = node_id
+        self.peer_id: str | None = None
+        self.authenticated = False
+        self.high_water = high_water
+        self.max_payload = max_payload
+        self._token = _check_token(token)
+        self._server = server
+        self._handler = handler
+        self._on_ready = on_ready
+        self._auth_timeout = auth_timeout
+        self._transport: asyncio.Transport | None = None
+        self._peername = "?"
+        self._nonce = os.urandom(32)
+        self._their_nonce = b""
+        self._step = 0
+        self._buf = bytearray()
+        self._scratch = memoryview(bytearray(1 << 16))
+        self._payload: bytearray | None = None
+        self._payload_mv: memoryview | None = None
+        self._payload_frame: dict | None = None
+        self._got = 0
+        self._inbox: deque[tuple[dict, memoryview | None, int]] = deque()
+        self._inbox_bytes = 0
+        self._inbox_ready = asyncio.Event()
+        self._reading_paused = False
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self._send_lock = asyncio.Lock()
+        self._consumer: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future[PeerLink] = self._loop.create_future()
+        self.closed: asyncio.Future[None] = self._loop.create_future()
+        self.error: Exception | None = None
+
+    def __repr__(self) -> str:
+        who = self.peer_id or "unauthenticated"
+        return f"<PeerLink {self.node_id}<->{who} {self._peername}>"
+
+    # ---- opening --------------------------------------------------------------------------------------
+    @classmethod
+    async def connect(cls, host: str, port: int, *, token: bytes | str, node_id: str, handler: Handler | None = None,
+                      high_water: int = HIGH_WATER, timeout: float = AUTH_TIMEOUT, **kw) -> PeerLink:
+        """Connect and authenticate; AuthError when the other side lacks our token, PeerLostError if it is gone."""
+        loop = asyncio.get_running_loop()
+        try:
+            _, link = await asyncio.wait_for(loop.create_connection(
+                lambda: cls(token=token, node_id=node_id, handler=handler, server=False, high_water=high_water,
+                            auth_timeout=timeout, **kw), host, port), timeout)
+        except (OSError, TimeoutError) as e:
+            raise PeerLostError(f"cannot connect to peer {host}:{port}: {e or 'timed out'}") from None
+        try:
+            return await asyncio.shield(link.ready)
+        except asyncio.CancelledError:
+            link.abort()
+            raise
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        transport.set_write_buffer_limits(high=self.high_water)
+        peer = transport.get_extra_info("peername")
+        self._peername = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self._timer = self._loop.call_later(self._auth_timeout, self._auth_expired)
+        if not self._server:
+            self._write(encode({"t": "hello", "v": _PROTO, "node": self.node_id, "nonce": self._nonce.hex()}))
+
+    def _auth_expired(self) -> None:
+        self._fail(AuthError(f"{self!r} did not complete authentication within {self._auth_timeout:g}s"))
+
+    def _auth_step(self, frame: dict) -> None:
+        """The handshake; any frame out of order is an AuthError."""
+        t = frame["t"]
+        if t == "error" and not self._server:
+            raise AuthError(f"peer {self._peername} refused us: {frame.get('message')}")
+        try:
+            if self._server and self._step == 0 and t == "hello":
+                if frame.get("v") != _PROTO:
+                    raise AuthError(f"peer speaks protocol {frame.get('v')!r}, we speak {_PROTO}: upgrade both")
+                self.peer_id = str(frame["node"])
+                self._their_nonce = bytes.fromhex(frame["nonce"])
+                mac = _mac(self._token, b"server", self._their_nonce, self._nonce, self._id_bytes())
+                self._write(encode({"t": "challenge", "v": _PROTO, "node": self.node_id, "nonce": self._nonce.hex(),
+                                    "mac": mac.hex()}))
+            elif not self._server and self._step == 0 and t == "challenge":
+                self.peer_id = str(frame["node"])
+                self._their_nonce = bytes.fromhex(frame["nonce"])
+                want = _mac(self._token, b"server", self._nonce, self._their_nonce, self._id_bytes())
+                if not hmac.compare_digest(want, bytes.fromhex(frame["mac"])):
+                    raise AuthError(f"peer {self._peername} ({self.peer_id!r}) does not hold our token: "
+                                    "check [cluster] token_file on both nodes")
+                mac = _mac(self._token, b"client", self._their_nonce, self._nonce, self._id_bytes())
+                self._write(encode({"t": "auth", "mac": mac.hex()}))
+            elif self._server and self._step == 1 and t == "auth":
+                want = _mac(self._token, b"client", self._nonce, self._their_nonce, self._id_bytes())
+                if not hmac.compare_digest(want, bytes.fromhex(frame["mac"])):
+                    self._write(encode({"t": "error", "message": "authentication failed"}))
+                    raise AuthError(f"peer {self._peername} (claims {self.peer_id!r}) does not hold our token: "
+                                    "check [cluster] token_file on both nodes")
+                self._write(encode({"t": "welcome"}))
+                self._authenticated()
+            elif not self._server and self._step == 1 and t == "welcome":
+                self._authenticated()
+            else:
+                raise AuthError(f"peer {self._peername} sent {t!r} before authenticating (step {self._step})")
+        except (KeyError, ValueError, TypeError) as e:
+            raise AuthError(f"peer {self._peername} sent a malformed handshake frame {t!r}: {e!r}") from None
+        self._step += 1
+
+    def _id_bytes(self) -> bytes:
+        server, client = (self.node_id, self.peer_id) if self._server else (self.peer_id, self.node_id)
+        return f"{server}\0{client}".encode()
+
+    def _authenticated(self) -> None:
+        self.authenticated = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._consumer = self._loop.create_task(self._consume(), name=f"peer-{self.peer_id}")
+        self._consumer.add_done_callback(self._consumer_done)
+        log.info("%r authenticated", self)
+        if self._on_ready is not None:
+            self._on_ready(self)
+        if not self.ready.done():
+            self.ready.set_result(self)
+
+    # ---- sending --------------------------------------------------------------------------------------
+    def _write(self, data: bytes | memoryview) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(data)
+
+    async def _drain(self) -> None:
+        if not self._can_write.is_set():
+            await self._can_write.wait()
+        if self.closed.done():
+            raise PeerLostError(f"{self!r} is closed{f': {self.error}' if self.error else ''}")
+
+    def _check_open(self) -> None:
+        if not self.authenticated:
+            raise ClosedError(f"{self!r} is not authenticated; use PeerLink.connect() or wait for ready")
+        if self.closed.done() or self._transport is None or self._transport.is_closing():
+            raise PeerLostError(f"{self!r} is closed{f': {self.error}' if self.error else ''}")
+
+    async def send(self, frame: dict) -> None:
+        """Send one control frame (a dict with a string "t"); waits while the link is above high water."""
+        if "nbytes" in frame:
+            raise ProtocolError('control frames must not carry "nbytes"; use send_payload')
+        data = encode(frame)
+        async with self._send_lock:
+            self._check_open()
+            self._write(data)
+            await self._drain()
+
+    async def send_payload(self, header: dict, buffer, *, copy: bool | None = None) -> None:
+        """Send a JSON header (gets "nbytes") and the buffer's raw bytes, in CHUNK pieces with drain between.
+
+        The transport may keep a reference to what it could not send yet; so a mutable buffer (anything but
+        bytes) is copied piece by piece unless ``copy=False``, which promises it stays unchanged until sent.
+        """
+        mv = memoryview(buffer)
+        if not mv.c_contiguous:
+            raise ProtocolError("send_payload needs a C-contiguous buffer; call numpy.ascontiguousarray first")
+        mv = mv.cast("B")
+        n = mv.nbytes
+        if n > self.max_payload:
+            raise ProtocolError(f"payload of {n} bytes exceeds max_payload={self.max_payload}; split it")
+        if copy is None:
+            copy = not isinstance(buffer, bytes)
+        head = encode({**header, "nbytes": n})
+        async with self._send_lock:
+            self._check_open()
+            self._write(head)
+            for off in range(0, n, CHUNK):
+                piece = mv[off:off + CHUNK]
+                self._write(bytes(piece) if copy else piece)
+                await self._drain()
+            if n == 0:
+                await self._drain()
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    # ---- receiving ------------------------------------------------------------------------------------
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._payload_mv is not None:
+            return self._payload_mv[self._got:]
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closed.done() or (self._transport is not None and self._transport.is_closing()):
+            return
+        try:
+            if self._payload_mv is not None:
+                self._got += nbytes
+                if self._got == len(self._payload_mv):
+                    frame, payload = self._payload_frame, self._payload_mv
+                    self._payload = self._payload_mv = self._payload_frame = None
+                    self._deliver(frame, payload)
+                else:
+                    return
+            else:
+                self._buf += self._scratch[:nbytes]
+            self._parse()
+        except ProtocolError as e:
+            self._fail(e)
+
+    def _parse(self) -> None:
+        buf = self._buf
+        while len(buf) >= 4 and not self._transport.is_closing():
+            (n,) = _LEN.unpack_from(buf)
+            limit = MAX_FRAME if self.authenticated else _MAX_AUTH_FRAME
+            if n > limit:
+                raise ProtocolError(f"frame length {n} exceeds {limit} bytes"
+                                    f"{'' if self.authenticated else ' before authentication'}: not an msdata peer?")
+            if len(buf) < 4 + n:
+                return
+            frame = decode(bytes(buf[4:4 + n]))
+            del buf[:4 + n]
+            if not self.authenticated:
+                if "nbytes" in frame:
+                    raise AuthError(f"peer {self._peername} sent a payload before authenticating")
+                self._auth_step(frame)
+                continue
+            if "nbytes" not in frame:
+                self._deliver(frame, None, n)
+                continue
+            size = frame["nbytes"]
+            if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= self.max_payload:
+                raise ProtocolError(f"payload frame announces nbytes={size!r}; must be an int in [0, {self.max_payload}]")
+            payload = bytearray(size)
+            take = min(len(buf), size)
+            payload[:take] = buf[:take]
+            del buf[:take]
+            if take == size:
+                self._deliver(frame, memoryview(payload))
+            else:  # the rest is received straight into the payload buffer (get_buffer)
+                self._payload, self._payload_mv, self._payload_frame, self._got = payload, memoryview(payload), frame, take
+                return
+
+    def _deliver(self, frame: dict, payload: memoryview | None, size: int = 0) -> None:
+        size += 0 if payload is None else len(payload)
+        self._inbox.append((frame, payload, size))
+        self._inbox_bytes += size
+        self._inbox_ready.set()
+        if self._inbox_bytes > self.high_water and not self._reading_paused:
+            self._reading_paused = True
+            self._transport.pause_reading()
+
+    async def _consume(self) -> None:
+        """Run the handler on each frame in order; reading resumes once the queue is below high_water/4."""
+        while True:
+            while not self._inbox:
+                if self.closed.done():
+                    return
+                self._inbox_ready.clear()
+                await self._inbox_ready.wait()
+            frame, payload, size = self._inbox.popleft()
+            if self._handler is None:
+                log.debug("%r: no handler; dropping a %r frame", self, frame.get("t"))
+            else:
+                r = self._handler(self.peer_id, frame, payload)
+                if inspect.isawaitable(r):
+                    await r
+            self._inbox_bytes -= size
+            if self._reading_paused and self._inbox_bytes <= self.high_water // 4 and not self.closed.done():
+                self._reading_paused = False
+                self._transport.resume_reading()
+
+    def _consumer_done(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        if (exc := task.exception()) is not None:
+            log.error("%r: the frame handler failed; closing the link", self, exc_info=exc)
+            self.error = exc
+            self.abort()
+
+    # ---- closing --------------------------------------------------------------------------------------
+    def _fail(self, exc: Exception) -> None:
+        """A bad frame or failed handshake: log it clearly, drop this link (and only it)."""
+        if self.error is None:
+            self.error = exc
+        log.warning("%r closed: %s", self, exc)
+        if not self.ready.done():
+            self.ready.set_exception(exc)
+        if self._transport is not None:
+            self._transport.close()  # flushes a refusal notice, then closes; reading has stopped mattering
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._payload_mv is not None and self.error is None:
+            self.error = ProtocolError(f"peer {self._peername} closed the link mid-payload: got {self._got} of "
+                                       f"{len(self._payload_mv)} announced bytes")
+            log.warning("%r: %s", self, self.error)
+        elif self._buf and self.error is None:
+            self.error = ProtocolError(f"peer {self._peername} closed the link inside a frame ({len(self._buf)} "
+                                       "bytes of it arrived)")
+            log.warning("%r: %s", self, self.error)
+        self._payload = self._payload_mv = self._payload_frame = None
+        if not self.ready.done():
+            err = self.error or PeerLostError(f"peer {self._peername} closed the link during authentication"
+                                              f"{f': {exc}' if exc else ''}")
+            self.ready.set_exception(err)
+        if self.ready.done() and not self.ready.cancelled():
+            self.ready.exception()  # retrieved: connect() reports it, a server side logs it
+        self._can_write.set()
+        self._inbox_ready.set()
+        if not self.closed.done():
+            self.closed.set_result(None)
+        log.debug("%r lost: %s", self, exc or self.error or "closed")
+
+    async def aclose(self) -> None:
+        """Close after sending what is buffered; waits (bounded) for the other side; idempotent."""
+        if self._transport is not None:
+            self._transport.close()
+        if self._consumer is not None and not self._consumer.done() and self._consumer is not asyncio.current_task():
+            self._consumer.cancel("link closing")
+        try:
+            await asyncio.wait_for(asyncio.shield(self.closed), AUTH_TIMEOUT)
+        except TimeoutError:
+            self.abort()
+            await self.closed
+        if self._consumer is not None and self._consumer is not asyncio.current_task():
+            await asyncio.gather(self._consumer, return_exceptions=True)
+
+
+class PeerServer:
+    """Accepts peer links on (host, port); each authenticated frame goes to ``handler(peer_id, frame, payload)``."""
+
+    def __init__(self, *, token: bytes | str, node_id: str, handler: Handler, high_water: int = HIGH_WATER,
+                 max_payload: int = MAX_PAYLOAD, auth_timeout: float = AUTH_TIMEOUT):
+        self._token = _check_token(token)
+        self.node_id = node_id
+        self.handler = handler
+        self.high_water = high_water
+        self.max_payload = max_payload
+        self.auth_timeout = auth_timeout
+        self.links: dict[str, PeerLink] = {}  # authenticated, by peer id (the latest link of each peer)
+        self._all: set[PeerLink] = set()
+        self._server: asyncio.Server | None = None
+        self.port: int | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen (loopback by default); returns the bound port (port 0: chosen by the OS)."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._make, host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("node %s accepts peer links on %s:%d", self.node_id, host, self.port)
+        return self.port
+
+    def _make(self) -> PeerLink:
+        link = PeerLink(token=self._token, node_id=self.node_id, handler=self.handler, server=True,
+                        high_water=self.high_water, max_payload=self.max_payload, auth_timeout=self.auth_timeout,
+                        on_ready=self._ready)
+        self._all.add(link)
+        link.closed.add_done_callback(lambda _f, link=link: self._gone(link))
+        return link
+
+    def _ready(self, link: PeerLink) -> None:
+        self.links[link.peer_id] = link
+
+    def _gone(self, link: PeerLink) -> None:
+        self._all.discard(link)
+        if self.links.get(link.peer_id) is link:
+            del self.links[link.peer_id]
+
+    async def aclose(self) -> None:
+        """Stop accepting and close every link (idempotent)."""
+        if self._server is not None:
+            self._server.close()
+        links = list(self._all)
+        await asyncio.gather(*(link.aclose() for link in links), return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None

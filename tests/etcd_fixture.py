@@ -28,6 +28,7 @@ def _reserve_port() -> int:
     """A free loopback port that stays free for a while: it is left in TIME_WAIT, so the kernel does not hand
     it to another bind(0), while etcd (SO_REUSEADDR) can still bind it."""
     with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the TIME_WAIT entry must allow reuse
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
         port = srv.getsockname()[1]
@@ -61,8 +62,7 @@ class EtcdServer:
                "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", f"t={peer}", "--heartbeat-interval", "50", "--election-timeout", "500"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     env=dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", "")))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         ready = threading.Event()
         proc = self.proc
 

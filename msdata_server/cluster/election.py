@@ -22,9 +22,9 @@ from typing import Literal
 
 import orjson
 
-from ..errors import ConfigError
+from ..errors import ClosedError, ConfigError
 from ..tasks import TaskSet
-from .etcd import Compare, Etcd, EtcdError, KV, Op
+from .etcd import Compare, Etcd, EtcdError, EtcdUnavailable, KV, Op
 
 __all__ = ["Fence", "LeaderElection", "Membership"]
 
@@ -37,9 +37,10 @@ Role = Literal["leader", "follower"]
 class Membership:
     """This node in the cluster: a lease of ``ttl`` seconds renewed every ttl/3 and ``{prefix}/nodes/{id}``.
 
-    Lease events go to ``on_change`` callbacks, synchronously: "unreachable" (a keepalive failed), "reachable"
-    (one succeeded again), "lost" (etcd says the lease is gone, or ``deadline`` nearly passed without a renewal:
-    the lease is dropped, revoked when etcd answers, and a new one is granted and registered: "granted").
+    Lease events go to ``on_change`` callbacks, synchronously: "unreachable" (etcd refused a keepalive, or two
+    in a row went unanswered), "reachable" (one succeeded again), "lost" (etcd says the lease is gone, or
+    ``deadline`` nearly passed without a renewal: the lease is dropped for good, revoked once etcd answers, and
+    a new one is granted and registered: "granted").
     """
 
     def __init__(self, etcd: Etcd, *, node_id: str, prefix: str = "/msdata", ttl: float = 3.0,
@@ -91,6 +92,8 @@ class Membership:
 
     async def start(self) -> None:
         """Grant the lease, register, start renewing. Raises EtcdUnavailable when etcd cannot be reached."""
+        if self._closed or self.lease_id is not None:
+            raise ClosedError(f"Membership of {self.node_id!r}: call start() once, before aclose()")
         await self._acquire()
         self._tasks.spawn(self._keepalive_loop(), name=f"lease-{self.node_id}")
 
@@ -176,9 +179,13 @@ class Membership:
         self._notify("reachable" if ok else "unreachable")
 
     async def _keepalive_loop(self) -> None:
+        """Renew every ttl/3; after a failure retry sooner. A refused connection (or etcd without a raft
+        leader) is "unreachable" at once; a slow answer only after the second miss, and the watchdog ends the
+        lease if no renewal lands in time."""
         loop = asyncio.get_running_loop()
         interval = self.ttl / 3
         retry = interval / 3
+        misses = 0
         while True:
             if self._stale:
                 await self._revoke_stale()
@@ -189,7 +196,7 @@ class Membership:
                     self._set_reachable(False, e if str(e) else "lease grant timed out")
                     await asyncio.sleep(retry)
                 continue
-            await asyncio.sleep(interval if self.reachable else retry)
+            await asyncio.sleep(retry if misses else interval)
             lease = self.lease_id
             if lease is None:
                 continue
@@ -197,8 +204,11 @@ class Membership:
             try:
                 ttl = await asyncio.wait_for(self.etcd.lease_keepalive_once(lease), interval)
             except (EtcdError, TimeoutError) as e:
-                self._set_reachable(False, e if str(e) else "keepalive timed out")
+                misses += 1
+                if isinstance(e, EtcdUnavailable) or misses > 1:
+                    self._set_reachable(False, e if str(e) else "keepalive timed out")
                 continue
+            misses = 0
             if lease != self.lease_id:
                 continue  # dropped while we waited: never revive it
             self._set_reachable(True)
@@ -234,10 +244,9 @@ class LeaderElection:
     # ---- public ---------------------------------------------------------------------------------------
     @property
     def role(self) -> Role:
-        """"leader" only while we hold the key under a lease that is surely alive (checked now)."""
-        if self._leading and not self.m.alive:
-            self._step_down("the lease is no longer surely alive")
-        return "leader" if self._leading else "follower"
+        """"leader" only while we hold the key under a lease that is surely alive (checked now, so a late
+        watchdog timer never stretches leadership)."""
+        return "leader" if self._leading and self.m.alive else "follower"
 
     @property
     def token(self) -> int | None:
@@ -248,6 +257,9 @@ class LeaderElection:
         self._callbacks.append(callback)
 
     async def start(self) -> None:
+        """Campaign in the background (waits for the membership's lease)."""
+        if self._closed or len(self._tasks):
+            raise ClosedError(f"LeaderElection of {self.node_id!r}: call start() once, before aclose()")
         self._tasks.spawn(self._run(), name=f"election-{self.node_id}")
 
     async def wait_leader(self) -> str:
@@ -262,7 +274,8 @@ class LeaderElection:
         return await self.txn_fenced([Op.put(key, value, lease=lease)])
 
     async def txn_fenced(self, ops: Sequence[Op]) -> bool:
-        """Run ops atomically only while we lead; False (nothing written) otherwise."""
+        """Run ops atomically only while we lead; False (nothing written) otherwise. EtcdError when etcd
+        cannot be reached: then whether it was written is unknown (read it back, or retry: it is fenced)."""
         token = self.token
         if token is None:
             return False

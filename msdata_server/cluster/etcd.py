@@ -80,6 +80,9 @@ def prefix_end(prefix: Key) -> bytes:
 
 def _range(key: Key, prefix: bool) -> dict:
     k = _b(key)
+    if prefix and not k:
+        k = b"\0"  # etcd's spelling of "every key": [\0, \0)
+        return {"key": _b64(k), "range_end": _b64(k)}
     req = {"key": _b64(k)}
     if prefix:
         req["range_end"] = _b64(prefix_end(k))
@@ -455,11 +458,12 @@ class Etcd:
     async def lease_keepalive_once(self, lease_id: int) -> float:
         """Renew the lease once; returns its TTL from now in seconds (<= 0: the lease is gone)."""
         status, data = await self._raw("/v3/lease/keepalive", {"ID": str(int(lease_id))})
-        line = data.split(b"\n", 1)[0]
-        obj = _decode("/v3/lease/keepalive", status, line)
+        obj = _decode("/v3/lease/keepalive", status, data.split(b"\n", 1)[0])
         if "error" in obj:
             raise _error("/v3/lease/keepalive", obj)
-        return float(obj.get("result", {}).get("TTL", 0))
+        if not isinstance(obj.get("result"), dict):  # never read "no answer" as "lease gone"
+            raise EtcdError(f"etcd answered a lease keepalive without a result: {data[:200]!r}")
+        return float(obj["result"].get("TTL", 0))
 
     # ---- watch ----------------------------------------------------------------------------------------
     async def watch(self, key: Key, *, prefix: bool = False, start_revision: int | None = None,

@@ -265,6 +265,65 @@ def pss(pids) -> int:
     return sum(proc_memory(p)["pss"] for p in pids)
 
 
+def _setpss_main(pids: list[int]) -> None:
+    """Print {pid: bytes}: PSS as if the given processes were alone on the machine.
+
+    Reads every resident page's frame number from /proc/PID/pagemap (needs root) and divides each page by the
+    number of mappings of it within this set only, so unrelated processes that share library pages (another
+    Python importing pyarrow, say) do not shrink the figures. Prints null without the privilege.
+    """
+    import numpy as np
+
+    frames, owners = [], []
+    for k, pid in enumerate(pids):
+        try:
+            with open(f"/proc/{pid}/smaps") as f:
+                ranges, cur = [], None
+                for line in f:
+                    head = line.split(None, 1)[0]
+                    if not head.endswith(":") or "-" in head:
+                        lo, hi = (int(x, 16) for x in head.split("-"))
+                        cur = [lo, hi, 0]
+                        ranges.append(cur)
+                    elif head == "Rss:":
+                        cur[2] = int(line.split()[1])
+            fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            for lo, hi, rss in ranges:
+                if rss == 0:
+                    continue
+                raw = os.pread(fd, (hi - lo) // 4096 * 8, lo // 4096 * 8)
+                e = np.frombuffer(raw, dtype=np.uint64)
+                pfn = e[(e >> np.uint64(63)) == 1] & np.uint64((1 << 55) - 1)
+                frames.append(pfn)
+                owners.append(np.full(len(pfn), k, dtype=np.int32))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    if not frames:
+        print("null")
+        return
+    pfn, own = np.concatenate(frames), np.concatenate(owners)
+    if pfn.size and not pfn.any():  # frame numbers are hidden without CAP_SYS_ADMIN
+        print("null")
+        return
+    _, inv, counts = np.unique(pfn, return_inverse=True, return_counts=True)
+    share = 4096.0 / counts[inv]
+    per = np.bincount(own, weights=share, minlength=len(pids))
+    print(json.dumps({str(pid): int(per[k]) for k, pid in enumerate(pids)}))
+
+
+def set_pss(pids: list[int]) -> dict[int, int] | None:
+    """_setpss_main in a child process (the driver imports no numpy); None where frames are not readable."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "setpss", *map(str, pids)],
+                         capture_output=True, text=True, cwd=ROOT)
+    got = json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else None
+    return {int(k): v for k, v in got.items()} if got else None
+
+
 class Lines:
     """Line-oriented stdout of several child processes, read without blocking on any one of them."""
 
@@ -420,6 +479,7 @@ def run_phase(kind: str, tr: Trainers, *, paths, workers: int, batches: int, seq
     stop_sent = False
     try:
         idle = {p.pid: pss(tree_pids(p.pid)) for p in tr.procs}  # the same processes, no loader
+        idle_set = set_pss([p.pid for p in tr.procs])
         job = _msdata_job(paths, ranks, seq_len) if kind == "msdata" else None
         if kind == "msdata":
             conf = os.path.join(sockdir, "node.toml")
@@ -448,6 +508,8 @@ def run_phase(kind: str, tr: Trainers, *, paths, workers: int, batches: int, seq
             samples.append((sum(per.values()) + sum(srv.values()), per, srv, trees))
             time.sleep(0.1)  # three samples of a steady state; the largest counts
         total, per, srv, trees = max(samples, key=lambda x: x[0])
+        every = [q for t in trees.values() for q in t] + list(srv)
+        loaded_set = set_pss(every) if idle_set is not None else None
         tr.send(["stop"] * ranks)
         stop_sent = True
         tr.lines.wait_all(tr.keys, "stopped", PHASE_TIMEOUT, logs)
@@ -457,6 +519,7 @@ def run_phase(kind: str, tr: Trainers, *, paths, workers: int, batches: int, seq
             "loader_pss": total - sum(idle.values()), "trainer_pss": sum(per.values()),
             "trainer_processes": sum(len(t) for t in trees.values()),
             "tokens": sum(json.loads(v)["tokens"] for v in ready.values()), "seconds_read": t_read,
+            "loader_set_pss": (sum(loaded_set.values()) - sum(idle_set.values())) if loaded_set else None,
         }
         if server is not None:
             out["server"] = _server_breakdown(server.pid, srv, status)
@@ -608,22 +671,24 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _ratio(row: dict) -> float | None:
-    if "baseline" in row and "msdata" in row and row["msdata"]["loader_pss"] > 0:
-        return row["baseline"]["loader_pss"] / row["msdata"]["loader_pss"]
-    return None
+def _ratio(row: dict, key: str = "loader_pss") -> float | None:
+    b, m = row.get("baseline", {}).get(key), row.get("msdata", {}).get(key)
+    return b / m if b is not None and m else None
 
 
 def _print_row(row: dict, header: bool) -> None:
     if header:
         print(f"\n{'S':>4} {'R':>3} {'W':>3} {'batches':>8} {'baseline MiB':>13} {'msdata MiB':>11} {'ratio':>7}"
-              f"   (loader PSS: total minus the same ranks idle)")
-    b = row.get("baseline", {}).get("loader_pss")
-    m = row.get("msdata", {}).get("loader_pss")
-    r = _ratio(row)
-    print(f"{row['S']:>4} {row['R']:>3} {row['W']:>3} {row['batches']:>8} "
-          f"{'-' if b is None else f'{b / MIB:.0f}':>13} {'-' if m is None else f'{m / MIB:.0f}':>11} "
-          f"{'-' if r is None else f'{r:.1f}x':>7}", flush=True)
+              f"   {'isolated: baseline':>19} {'msdata':>7} {'ratio':>7}")
+    cells = []
+    for key in ("loader_pss", "loader_set_pss"):
+        b = row.get("baseline", {}).get(key)
+        m = row.get("msdata", {}).get(key)
+        r = _ratio(row, key)
+        cells += ["-" if b is None else f"{b / MIB:.0f}", "-" if m is None else f"{m / MIB:.0f}",
+                  "-" if r is None else f"{r:.1f}x"]
+    print(f"{row['S']:>4} {row['R']:>3} {row['W']:>3} {row['batches']:>8} {cells[0]:>13} {cells[1]:>11} {cells[2]:>7}"
+          f"   {cells[3]:>19} {cells[4]:>7} {cells[5]:>7}", flush=True)
 
 
 def _print_scaling(results: list[dict], R: int) -> None:
@@ -646,13 +711,18 @@ def _summary(results: list[dict], R: int, W: int) -> dict:
         for kind in ("baseline", "msdata"):
             if kind in row:
                 rec[f"{kind}_mib"] = round(row[kind]["loader_pss"] / MIB, 1)
-        r = _ratio(row)
+                iso = row[kind].get("loader_set_pss")
+                rec[f"{kind}_isolated_mib"] = None if iso is None else round(iso / MIB, 1)
+        r, ri = _ratio(row), _ratio(row, "loader_set_pss")
         rec["ratio"] = None if r is None else round(r, 2)
+        rec["isolated_ratio"] = None if ri is None else round(ri, 2)
         out["rows"].append(rec)
         if row["S"] == 64 and row["R"] == R:
             out["memory_ratio_s64"] = rec["ratio"]
             out["msdata_mib_s64"] = rec.get("msdata_mib")
             out["baseline_mib_s64"] = rec.get("baseline_mib")
+            out["isolated_ratio_s64"] = rec["isolated_ratio"]
+            out["msdata_isolated_mib_s64"] = rec.get("msdata_isolated_mib")
     by_r = {row["R"]: row["msdata"]["loader_pss"] for row in results if row["S"] == 64 and "msdata" in row}
     if len(by_r) >= 2:
         lo, hi = min(by_r), max(by_r)
@@ -663,6 +733,8 @@ def _summary(results: list[dict], R: int, W: int) -> dict:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "gen":
         _gen_main(sys.argv[2], int(sys.argv[3]), *map(int, sys.argv[4:6]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "setpss":
+        _setpss_main([int(x) for x in sys.argv[2:]])
     elif len(sys.argv) > 1 and sys.argv[1] == "trainer":
         _trainer_main()
     else:

@@ -44,7 +44,9 @@ def _cmd_serve(args) -> int:
             await server.start()
             # the readiness signal: one JSON line on stdout (tests and supervisors wait for it)
             print(orjson.dumps({"event": "ready", "socket": cfg.node.socket, "pid": os.getpid(),
-                                "node": cfg.node.id, "role": server.role}).decode(), flush=True)
+                                "node": cfg.node.id, "role": server.role,
+                                "listen": server.cluster.listen if server.cluster is not None else None}).decode(),
+                  flush=True)
             await server.serve_forever()
             log.info("stop requested; draining")
         finally:

@@ -35,6 +35,7 @@ class NodeServer:
         self.tasks = TaskSet("node")
         self.endpoint = UnixEndpoint(config.node.socket, self._handle)
         self.pool = None
+        self.cluster = None  # a ClusterNode when node.toml has [cluster] (msdata_server.cluster.runtime)
         self.started = time.monotonic()
         self.ready = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -42,7 +43,7 @@ class NodeServer:
 
     @property
     def role(self) -> str:
-        return self.config.role
+        return self.cluster.role if self.cluster is not None else self.config.role
 
     async def start(self) -> None:
         """Clean up after a previous instance, bind the socket, start the pool and the accept loop."""
@@ -56,6 +57,11 @@ class NodeServer:
 
             self.pool = WorkerPool(cfg.workers, shm_prefix=cfg.shm_prefix)
             await self.pool.start()
+        if self.config.cluster is not None:
+            from .cluster.runtime import ClusterNode
+
+            self.cluster = ClusterNode(self.config)
+            await self.cluster.start()
         self.tasks.spawn(self.endpoint.serve(self.tasks), name="accept")
         self.ready.set()
         log.info("node %s serving on %s (role %s, %d workers)", cfg.id, cfg.socket, self.role, cfg.workers)
@@ -205,6 +211,7 @@ class NodeServer:
             "workers": self.pool.size if self.pool is not None else 0,
             "memory": {"server_pss": proc_memory()["pss"], "total_pss": mem["pss"], "total_uss": mem["uss"]},
             "jobs": [j.status() for j in self.jobs.values()],
+            **({"cluster": self.cluster.status()} if self.cluster is not None else {}),
         }
 
     # ---- shutdown --------------------------------------------------------------------------------------
@@ -233,6 +240,11 @@ class NodeServer:
             for conn in list(self.endpoint.conns):
                 conn.close()
             await self.tasks.cancel_all("node shutting down", timeout=timeout)
+            if self.cluster is not None:
+                try:
+                    await asyncio.wait_for(self.cluster.aclose(), timeout)
+                except (TimeoutError, MsdataError, OSError) as e:
+                    log.warning("leaving the cluster did not finish cleanly: %s", e)
             if self.pool is not None:
                 await self.pool.aclose()
         log.info("node %s stopped", self.config.node.id)

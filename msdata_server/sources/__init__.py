@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import Any
 
 from ..errors import ConfigError
@@ -41,6 +42,8 @@ _CLASSES = {cls: fmt for fmt, (_, cls) in _FORMAT_TABLE.items()}
 
 def _format_class(fmt: str) -> type[Source]:
     module, cls = _FORMAT_TABLE[fmt]
+    if fmt in ("arrow", "parquet"):
+        _prefer_returning_allocator()
     return getattr(importlib.import_module(f".{module}", __name__), cls)
 
 
@@ -56,26 +59,13 @@ def open_source(spec: Any, *, seed: int) -> Source:
     """Open the source a SourceSpec describes; ConfigError (naming source, path and fix) when it cannot."""
     if spec.format not in _FORMAT_TABLE:
         raise ConfigError(f"source {spec.name!r}: unknown format {spec.format!r}; use one of {sorted(_FORMAT_TABLE)}")
-    cls = _format_class(spec.format)
-    if spec.format in ("arrow", "parquet"):
-        _use_returning_allocator()
-    return cls(spec, seed=seed)
+    return _format_class(spec.format)(spec, seed=seed)
 
 
-def _use_returning_allocator() -> None:
-    """Read with Arrow's jemalloc pool, which gives freed decode buffers back to the OS: with its default
-    (mimalloc) a server reading 64 Parquet sources kept ~100 MiB more (bench/memory.py). Once per process;
-    an explicit ARROW_DEFAULT_MEMORY_POOL wins."""
-    global _ALLOCATOR_SET
-    if _ALLOCATOR_SET or os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
-        return
-    _ALLOCATOR_SET = True
-    import pyarrow as pa
-
-    try:
-        pa.set_memory_pool(pa.jemalloc_memory_pool())
-    except NotImplementedError:  # a pyarrow built without jemalloc: keep its default
-        pass
-
-
-_ALLOCATOR_SET = False
+def _prefer_returning_allocator() -> None:
+    """Before the first pyarrow import, make Arrow allocate with jemalloc, which gives freed decode buffers
+    back to the OS; with Arrow's default (mimalloc) a server reading 64 Parquet sources kept ~100 MiB more
+    (bench/memory.py). Only the environment variable also reaches Arrow's C++ allocations, so it must come
+    first; an explicit ARROW_DEFAULT_MEMORY_POOL wins."""
+    if "pyarrow" not in sys.modules:
+        os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "jemalloc")

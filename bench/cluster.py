@@ -1,6 +1,7 @@
 # .venv/bin/python bench/cluster.py [--quick]
 """Cluster benchmark: leader failover time with three real node servers and a real etcd, the cost of the
-fenced per-step planner-state write to etcd, and planner load (plans/s) at simulated dp 512 and 4096.
+fenced per-step planner-state write to etcd, planner load (plans/s) at simulated dp 512 and 4096, and the data
+path: steps/s and bytes/s of one job with a rank on each of three nodes vs the same job on one node.
 
 Failover: three `msdata-server serve` processes on loopback share an etcd (default lease 3 s); the leader is
 SIGKILLed (no goodbye: its lease must expire) and we time until a surviving node reports role "leader" and
@@ -155,6 +156,74 @@ def failover(ttl: float, rounds: int) -> list[float]:
     return out
 
 
+def data_path(steps: int) -> dict:
+    """steps/s and bytes/s of one job (dp 3, one rank per node) on three node servers vs the same job on one."""
+    import threading
+
+    sys.path.insert(0, str(ROOT))
+    from tests.conftest import ServerProc
+    from tests.e2e_util import small_job
+    from tests.etcd_fixture import EtcdServer
+    from tests.test_multinode import Cluster, wait_for
+
+    import msdata_client as msd
+
+    spec = small_job("bench", dp=3, seq_len=4096, micro_batches=4, samples=4000, seed=3, prefetch=2,
+                     median=(400.0, 900.0))
+    n = steps * spec.micro_batches
+
+    def run(endpoints: list[str]) -> tuple[float, int]:
+        nbytes, t0s, t1s, errs = [0] * 3, [0.0] * 3, [0.0] * 3, []
+
+        def body(r):
+            try:
+                with msd.DataClient(spec, endpoint=endpoints[r], rank=r, world_size=3, connect_timeout=60) as dc:
+                    for i in range(n):
+                        b = next(dc)
+                        if i == 0:
+                            t0s[r] = time.perf_counter()
+                        nbytes[r] += sum(v.numel() * v.element_size() for v in b.values())
+                        del b
+                    t1s[r] = time.perf_counter()
+            except BaseException as e:  # reported below
+                errs.append(e)
+
+        ts = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(3)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(300)
+        if errs:
+            raise errs[0]
+        return max(t1s) - min(t0s), sum(nbytes)
+
+    base = Path(tempfile.mkdtemp(prefix="msdb-"))
+    out = {}
+    try:
+        d1 = base / "one"
+        d1.mkdir()
+        one = ServerProc(str(d1), workers=0).start()  # as the cluster nodes
+        try:
+            secs, nb = run([one.socket] * 3)
+        finally:
+            one.stop()
+        out["one"] = {"steps_per_s": (steps - 1) / secs, "bytes_per_s": nb / secs}
+        etcd = EtcdServer(base).start()
+        (base / "c").mkdir()
+        c = Cluster(base / "c", etcd.url, 3)
+        try:
+            c.start()
+            wait_for(lambda: c.settled(set(c.nodes)), 30, "a leader")
+            secs, nb = run([c.nodes[f"node-{i}"].socket for i in range(3)])
+        finally:
+            c.stop()
+            etcd.stop()
+        out["three"] = {"steps_per_s": (steps - 1) / secs, "bytes_per_s": nb / secs}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return out
+
+
 async def state_write(state: bytes, n: int) -> float:
     """Median ms of put_fenced of one planner state through a real election (etcd on loopback)."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -209,13 +278,19 @@ def main() -> None:
     fo = failover(args.ttl, rounds)
     print(f"failover (3 nodes, lease {args.ttl:g} s, leader SIGKILLed -> new leader agreed): "
           + ", ".join(f"{x:.2f}s" for x in fo))
-    print("steps/s and bytes/s across nodes: not measured (the multi-node data path is not built yet)")
+    dpath = data_path(10 if args.quick else 30)
+    for k, label in (("one", "one node, 3 ranks"), ("three", "three nodes, 1 rank each")):
+        print(f"data path ({label}; dp 3, 16 KiB-token steps): {dpath[k]['steps_per_s']:.1f} steps/s, "
+              f"{dpath[k]['bytes_per_s'] / 2**20:.1f} MiB/s")
     print(json.dumps({"failover_s": round(statistics.median(fo), 3), "failover_max_s": round(max(fo), 3),
                       "lease_ttl_s": args.ttl, "plan_ms_dp512": round(res[512]["plan_ms"], 2),
                       "plan_ms_dp4096": round(res[4096]["plan_ms"], 2),
                       "plans_per_s_dp4096": round(res[4096]["plans_per_s"], 3),
                       "state_bytes_dp4096": res[4096]["state_bytes"], "state_write_ms": round(w, 3),
-                      "cross_node_steps_per_s": None}))
+                      "cross_node_steps_per_s": round(dpath["three"]["steps_per_s"], 2),
+                      "cross_node_bytes_per_s": round(dpath["three"]["bytes_per_s"]),
+                      "one_node_steps_per_s": round(dpath["one"]["steps_per_s"], 2),
+                      "one_node_bytes_per_s": round(dpath["one"]["bytes_per_s"])}))
 
 
 if __name__ == "__main__":

@@ -12,14 +12,22 @@ workers per rank. Both sides read the same files and deliver packed 4096-token r
 - msdata: one ``msdata-server serve`` (its transform worker pool included) serves the same R ranks
   (one job, S parquet sources, dp = R).
 
-Memory is the PSS (/proc/PID/smaps_rollup) summed over every process tree involved (trainers with their
-DataLoader workers, or server + pool zygote + pool workers + trainers), minus the PSS of the same R
-trainer processes measured after they imported torch and msdata_client and before they built a loader,
-so only the loaders' memory is compared. It is taken while everything is live and warmed up: each rank
-has read its batches (enough that every DataLoader worker drew from every source) and holds them.
+Memory is PSS summed over every process tree involved (trainers with their DataLoader workers, or server +
+pool zygote + pool workers + trainers), minus the PSS of the same R trainer processes measured just before,
+idle, after they imported torch and msdata_client and before they built a loader (or after they closed
+the previous one), so only the loaders' memory is compared. It is taken while everything is live and warmed
+up: each rank has read its batches (enough that every DataLoader worker drew from every source) and holds
+them; the msdata server has filled its read-ahead.
 
-The driver imports neither numpy, pyarrow nor torch, so it shares no library pages with the measured
-processes. The last line of output is one JSON object.
+PSS is reported two ways. smaps_rollup's PSS divides a page among every process on the machine that maps it,
+so any other Python that happens to run (a colleague's benchmark importing pyarrow) shrinks the server's
+share of library pages and moves the figures by tens of MiB. PSS within the measured set (from the page
+frame numbers in /proc/PID/pagemap, root only) divides a page only among the measured processes: the PSS
+they would show alone on the node. That one is the headline where it can be read; smaps_rollup otherwise.
+
+Trainer processes persist across phases (importing torch 8 times takes 20 s here); msdata phases run before
+baseline ones so that no trainer has pyarrow mapped when the server is measured; --fresh starts new ones
+every phase. The driver imports neither numpy, pyarrow nor torch. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -103,8 +111,9 @@ def _generate(data: str, n_sources: int) -> dict:
     """Run the generator in os.cpu_count() child processes (the driver imports no numpy or pyarrow)."""
     t0 = time.perf_counter()
     parts = max(1, min(os.cpu_count() or 1, 8))
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "gen", data, str(n_sources), str(i), str(parts)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for i in range(parts)]
+    cmd = [sys.executable, os.path.abspath(__file__), "gen", data, str(n_sources)]
+    procs = [subprocess.Popen([*cmd, str(i), str(parts)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=ROOT) for i in range(parts)]
     outs = [p.communicate() for p in procs]
     for p, (_, err) in zip(procs, outs):
         if p.returncode != 0:
@@ -343,7 +352,8 @@ class Lines:
             left = deadline - time.monotonic()
             events = self.sel.select(max(left, 0)) if left > 0 else []
             if not events:
-                raise RuntimeError(f"timed out waiting for {prefix!r} from {sorted(set(keys) - set(got))}" + _tails(logs))
+                missing = sorted(set(keys) - set(got))
+                raise RuntimeError(f"timed out waiting for {prefix!r} from {missing}" + _tails(logs))
             for sk, _ in events:
                 key, proc = sk.data
                 fd = sk.fileobj.fileno()
@@ -478,8 +488,9 @@ def run_phase(kind: str, tr: Trainers, *, paths, workers: int, batches: int, seq
     t0 = time.perf_counter()
     stop_sent = False
     try:
-        idle = {p.pid: pss(tree_pids(p.pid)) for p in tr.procs}  # the same processes, no loader
-        idle_set = set_pss([p.pid for p in tr.procs])
+        # the same processes with no loader: smaps_rollup PSS, and PSS within the measured set (see set_pss)
+        idle_roll = {p.pid: pss(tree_pids(p.pid)) for p in tr.procs}
+        idle_iso = set_pss([p.pid for p in tr.procs])
         job = _msdata_job(paths, ranks, seq_len) if kind == "msdata" else None
         if kind == "msdata":
             conf = os.path.join(sockdir, "node.toml")
@@ -503,29 +514,33 @@ def run_phase(kind: str, tr: Trainers, *, paths, workers: int, batches: int, seq
         samples = []
         for _ in range(3):
             trees = {p.pid: tree_pids(p.pid) for p in tr.procs}
-            per = {pid: pss(t) for pid, t in trees.items()}
-            srv = {pid: proc_memory(pid)["pss"] for pid in tree_pids(server.pid)} if server is not None else {}
-            samples.append((sum(per.values()) + sum(srv.values()), per, srv, trees))
+            srv_pids = tree_pids(server.pid) if server is not None else []
+            roll = {q: proc_memory(q)["pss"] for q in [q for t in trees.values() for q in t] + srv_pids}
+            samples.append((sum(roll.values()), roll, trees, srv_pids))
             time.sleep(0.1)  # three samples of a steady state; the largest counts
-        total, per, srv, trees = max(samples, key=lambda x: x[0])
-        every = [q for t in trees.values() for q in t] + list(srv)
-        loaded_set = set_pss(every) if idle_set is not None else None
+        total_roll, roll, trees, srv_pids = max(samples, key=lambda x: x[0])
+        iso = set_pss(list(roll)) if idle_iso is not None else None
         tr.send(["stop"] * ranks)
         stop_sent = True
         tr.lines.wait_all(tr.keys, "stopped", PHASE_TIMEOUT, logs)
+        # the headline: PSS within the measured set where frame numbers are readable (root), else smaps_rollup
+        per, idle = (iso, idle_iso) if iso is not None else (roll, idle_roll)
         out = {
             "kind": kind, "S": len(paths), "R": ranks, "W": workers if kind == "baseline" else None,
-            "batches": batches, "total_pss": total, "idle_pss": sum(idle.values()),
-            "loader_pss": total - sum(idle.values()), "trainer_pss": sum(per.values()),
+            "batches": batches, "method": "isolated" if iso is not None else "rollup",
+            "loader_pss": sum(per.values()) - sum(idle.values()),
+            "loader_pss_rollup": total_roll - sum(idle_roll.values()),
+            "loader_pss_isolated": None if iso is None else sum(iso.values()) - sum(idle_iso.values()),
+            "idle_pss": sum(idle.values()),
+            "trainer_pss": sum(per.get(q, 0) for t in trees.values() for q in t),
             "trainer_processes": sum(len(t) for t in trees.values()),
             "tokens": sum(json.loads(v)["tokens"] for v in ready.values()), "seconds_read": t_read,
-            "loader_set_pss": (sum(loaded_set.values()) - sum(idle_set.values())) if loaded_set else None,
         }
         if server is not None:
-            out["server"] = _server_breakdown(server.pid, srv, status)
+            out["server"] = _server_breakdown(server.pid, {q: per.get(q, 0) for q in srv_pids}, status)
         if verbose:
-            print(f"  [{tag}] server start {t_server:.1f}s, read {t_read:.1f}s, loader {out['loader_pss'] / MIB:.0f} MiB",
-                  flush=True)
+            print(f"  [{tag}] server start {t_server:.1f}s, read {t_read:.1f}s, "
+                  f"loader {out['loader_pss'] / MIB:.0f} MiB", flush=True)
         return out
     except BaseException:
         if not stop_sent:
@@ -575,7 +590,7 @@ def _fmt_breakdown(m: dict) -> str:
             f"{b['loader_payload_bytes'] / MIB:.0f} MiB in {b['loader_ready_samples']} samples, rings "
             f"{b['rings_bytes'] / MIB:.0f} MiB), zygote {b['zygote'] / MIB:.0f} MiB, pool workers [{ws}] MiB, "
             f"per rank {rank_each / MIB:.0f} MiB vs idle {idle_each / MIB:.0f} MiB "
-            f"(client side +{(rank_each - idle_each) / MIB:.1f} MiB)")
+            f"(client side {(rank_each - idle_each) / MIB:+.1f} MiB)")
 
 
 def _batches_for(S: int, W: int, seq_len: int, median: float, sigma: float) -> int:
@@ -678,17 +693,18 @@ def _ratio(row: dict, key: str = "loader_pss") -> float | None:
 
 def _print_row(row: dict, header: bool) -> None:
     if header:
-        print(f"\n{'S':>4} {'R':>3} {'W':>3} {'batches':>8} {'baseline MiB':>13} {'msdata MiB':>11} {'ratio':>7}"
-              f"   {'isolated: baseline':>19} {'msdata':>7} {'ratio':>7}")
+        print(f"\n{'':>20} {'PSS (smaps_rollup)':^33}   {'PSS within the measured set':^33}")
+        print(f"{'S':>4} {'R':>3} {'W':>3} {'batches':>8} {'baseline MiB':>13} {'msdata MiB':>11} {'ratio':>7}"
+              f"   {'baseline MiB':>13} {'msdata MiB':>11} {'ratio':>7}")
     cells = []
-    for key in ("loader_pss", "loader_set_pss"):
+    for key in ("loader_pss_rollup", "loader_pss_isolated"):
         b = row.get("baseline", {}).get(key)
         m = row.get("msdata", {}).get(key)
         r = _ratio(row, key)
         cells += ["-" if b is None else f"{b / MIB:.0f}", "-" if m is None else f"{m / MIB:.0f}",
                   "-" if r is None else f"{r:.1f}x"]
     print(f"{row['S']:>4} {row['R']:>3} {row['W']:>3} {row['batches']:>8} {cells[0]:>13} {cells[1]:>11} {cells[2]:>7}"
-          f"   {cells[3]:>19} {cells[4]:>7} {cells[5]:>7}", flush=True)
+          f"   {cells[3]:>13} {cells[4]:>11} {cells[5]:>7}", flush=True)
 
 
 def _print_scaling(results: list[dict], R: int) -> None:
@@ -710,19 +726,22 @@ def _summary(results: list[dict], R: int, W: int) -> dict:
         rec = {"S": row["S"], "R": row["R"], "W": row["W"], "batches": row["batches"]}
         for kind in ("baseline", "msdata"):
             if kind in row:
-                rec[f"{kind}_mib"] = round(row[kind]["loader_pss"] / MIB, 1)
-                iso = row[kind].get("loader_set_pss")
+                m = row[kind]
+                rec[f"{kind}_mib"] = round(m["loader_pss"] / MIB, 1)
+                rec[f"{kind}_rollup_mib"] = round(m["loader_pss_rollup"] / MIB, 1)
+                iso = m["loader_pss_isolated"]
                 rec[f"{kind}_isolated_mib"] = None if iso is None else round(iso / MIB, 1)
-        r, ri = _ratio(row), _ratio(row, "loader_set_pss")
-        rec["ratio"] = None if r is None else round(r, 2)
-        rec["isolated_ratio"] = None if ri is None else round(ri, 2)
+                out["method"] = m["method"]
+        for key, name in (("loader_pss", "ratio"), ("loader_pss_rollup", "rollup_ratio"),
+                          ("loader_pss_isolated", "isolated_ratio")):
+            r = _ratio(row, key)
+            rec[name] = None if r is None else round(r, 2)
         out["rows"].append(rec)
         if row["S"] == 64 and row["R"] == R:
             out["memory_ratio_s64"] = rec["ratio"]
             out["msdata_mib_s64"] = rec.get("msdata_mib")
             out["baseline_mib_s64"] = rec.get("baseline_mib")
-            out["isolated_ratio_s64"] = rec["isolated_ratio"]
-            out["msdata_isolated_mib_s64"] = rec.get("msdata_isolated_mib")
+            out["rollup_ratio_s64"] = rec["rollup_ratio"]
     by_r = {row["R"]: row["msdata"]["loader_pss"] for row in results if row["S"] == 64 and "msdata" in row}
     if len(by_r) >= 2:
         lo, hi = min(by_r), max(by_r)

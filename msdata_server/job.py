@@ -175,6 +175,7 @@ class Job:
             self._may_start.set()
         self._pcfg: PlannerConfig | None = None
         self.start_step = 0
+        self.remote = None  # cluster mode: the Run (msdata_server.cluster.jobs) that brings the leader's plans
 
     # ---- ranks --------------------------------------------------------------------------------------
     @property
@@ -221,6 +222,9 @@ class Job:
         if self.state == "running":
             self._welcome(rank)
             return
+        if self.node.cluster_jobs is not None:  # cluster: the leader starts the job once the whole mesh is in
+            self.node.cluster_jobs.changed()
+            return
         if len(self.conns) == self.mesh.world_size and all(not c.closed for c in self.conns.values()):
             await self._may_start.wait()
             async with self._start_lock:
@@ -239,6 +243,8 @@ class Job:
             for ring in list(g.rings.values()):
                 if ring.table.drop_reader(rank):
                     ring.freed.set()
+        if self.node.cluster_jobs is not None:
+            self.node.cluster_jobs.changed()
         log.info("job %s: rank %d disconnected (%d of %d still connected)", self.name, rank, self.connected, self.mesh.world_size)
 
     # ---- start ---------------------------------------------------------------------------------------
@@ -282,19 +288,24 @@ class Job:
             self.positions[r] = RankPosition(0, 0)
         return None
 
-    async def _start(self) -> None:
+    async def _start(self, cluster=None) -> None:
         spec = self.spec
         cfg = self.node.config.node
-        state = self._start_state()
+        if cluster is not None:  # the leader decided the start; its plans arrive over the peer links
+            state, self.remote, self.loaders = None, cluster, cluster.loaders
+            self.positions.update({r: p for r, p in cluster.positions.items() if r in self.positions})
+        else:
+            state = self._start_state()
         start = min(self.positions.values())
-        # sources open in a thread: opening many files must not stall the loop
-        sources = await asyncio.to_thread(lambda: [open_source(s, seed=spec.seed) for s in spec.sources])
-        self.loaders = [
-            SourceLoader(src, self.node.pool, transform=s.transform, seed=spec.seed)
-            for src, s in zip(sources, spec.sources)
-        ]
-        for ld in self.loaders:
-            await ld.start()
+        if cluster is None:
+            # sources open in a thread: opening many files must not stall the loop
+            sources = await asyncio.to_thread(lambda: [open_source(s, seed=spec.seed) for s in spec.sources])
+            self.loaders = [
+                SourceLoader(src, self.node.pool, transform=s.transform, seed=spec.seed)
+                for src, s in zip(sources, spec.sources)
+            ]
+            for ld in self.loaders:
+                await ld.start()
         ngroups = self.mesh.data_groups(spec.distribute)
         if spec.mix.schedule:
             mixture = Mixture.schedule([(st, dict(w)) for st, w in spec.mix.schedule], interpolate=spec.mix.interpolate)
@@ -305,16 +316,19 @@ class Job:
             rows=spec.rows, method=spec.balance.method, alpha=spec.balance.alpha, beta=spec.balance.beta,
             cost_fn=None if spec.balance.cost == "attention" else spec.balance.cost,
             long_docs=spec.long_docs, mixture=mixture)
-        self.planner = Planner(self._pcfg, state=state)
-        self.start_step = self.planner.step
+        if cluster is None:
+            self.planner = Planner(self._pcfg, state=state)
+            self.start_step = self.planner.step
+        else:
+            self.start_step = cluster.start_step
         cp = self.mesh.cp if spec.distribute != "world" else 1
         self._cp = cp
         est = _estimate_slot(spec, cp)
         for g in range(ngroups):
             grp = Group(index=g, readers=self.mesh.readers(g, spec.distribute),
                         queue=StepQueue(spec.prefetch_steps), committed=self.start_step - 1)
-            ring = await self._new_ring(grp, est)
-            grp.current = ring
+            if cluster is None or any(r in self.conns for r in grp.readers):  # cluster: groups read here
+                grp.current = await self._new_ring(grp, est)
             self.groups.append(grp)
         self.state = "running"
         self.started_at = time.monotonic()
@@ -323,9 +337,13 @@ class Job:
         for rank in sorted(self.conns):
             self._welcome(rank)
         self._started.set()
-        self.tasks.spawn(self._plan_loop(), name=f"{self.name}-planner")
+        if cluster is None:
+            self.tasks.spawn(self._plan_loop(), name=f"{self.name}-planner")
+        else:
+            self.node.cluster_jobs.started(cluster, self)
         for grp in self.groups:
-            self.tasks.spawn(self._construct_loop(grp), name=f"{self.name}-constructor-{grp.index}")
+            if grp.current is not None:
+                self.tasks.spawn(self._construct_loop(grp), name=f"{self.name}-constructor-{grp.index}")
 
     async def _new_ring(self, grp: Group, slot_size: int) -> ServerRing:
         cfg = self.node.config.node
@@ -374,6 +392,9 @@ class Job:
         """Use these weights from the first step not yet published to any rank (returned); steps planned past
         it are re-planned. Recorded in the planner state (and the node's checkpoint) before returning."""
         await self._started.wait()
+        if self.remote is not None:
+            raise ConfigError("set_mixture is not supported yet for jobs spread over a cluster; set the mixture "
+                              "schedule in the job definition ([mix] schedule)")
         async with self._plan_lock:
             cut = max(g.committed for g in self.groups) + 1
             base = self.planner.state_dict() if cut == self.planner.step else self.snapshots.get(cut)
@@ -401,6 +422,8 @@ class Job:
     async def state_at(self, step: int) -> dict:
         """The planner state at the start of ``step`` (for a rank's state_dict)."""
         await self._started.wait()
+        if self.remote is not None:
+            return await self.remote.state_at(step)
         async with self._plan_lock:
             if step == self.planner.step:
                 return self.planner.state_dict()
@@ -467,12 +490,17 @@ class Job:
         offs, lens = plan.offset[sl], plan.length[sl]
         readers = [r for r in grp.readers if (c := self.conns.get(r)) is not None and not c.closed and self.positions[r] <= pos]
         if not readers:
+            if self.remote is not None:
+                await self.loaders.skip(src, ords)
             self._done_pieces(src, ords)
             return
-        toks = []
-        for s, o, a, n in zip(src.tolist(), ords.tolist(), offs.tolist(), lens.tolist()):
-            doc = await self.loaders[s].tokens(o)
-            toks.append(doc[a : a + n])
+        if self.remote is not None:  # cluster: one batched request per owning node
+            toks = await self.loaders.fetch(src, ords, offs, lens)
+        else:
+            toks = []
+            for s, o, a, n in zip(src.tolist(), ords.tolist(), offs.tolist(), lens.tolist()):
+                doc = await self.loaders[s].tokens(o)
+                toks.append(doc[a : a + n])
         sids = np.empty(len(src), dtype=np.int64)
         for s in np.unique(src).tolist():
             sel = src == s

@@ -410,11 +410,16 @@ class SourceLoader:
             ready=self._ready,
             buffer_fill=self._ready / self.readahead if self.readahead else float(self._ready > 0),
             memory_bytes=self._memory,
-            bad_samples=dict(self._bad),
+            bad_samples=self._bad_counts(),
             errors=self._errors,
             inflight=self._inflight,
             cursor=self._global_batch(self._cursor) * self.batch,
         )
+
+    def _bad_counts(self) -> dict[str, int]:
+        """Bad samples by reason; files the source skipped at open never reach the loader, so add those."""
+        skipped = self.source.bad.snapshot().get("corrupt_file", 0)
+        return {**self._bad, "corrupt_file": skipped} if skipped else dict(self._bad)
 
     def __repr__(self) -> str:
         return f"SourceLoader({self.name!r}, partition={self.partition}, cursor={self._cursor})"

@@ -36,6 +36,7 @@ class NodeServer:
         self.endpoint = UnixEndpoint(config.node.socket, self._handle)
         self.pool = None
         self.cluster = None  # a ClusterNode when node.toml has [cluster] (msdata_server.cluster.runtime)
+        self.cluster_jobs = None  # its job layer (msdata_server.cluster.jobs.ClusterJobs)
         self.started = time.monotonic()
         self.ready = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -60,8 +61,12 @@ class NodeServer:
         if self.config.cluster is not None:
             from .cluster.runtime import ClusterNode
 
+            from .cluster.jobs import ClusterJobs
+
             self.cluster = ClusterNode(self.config)
             await self.cluster.start()
+            self.cluster_jobs = ClusterJobs(self)
+            await self.cluster_jobs.start()
         self.tasks.spawn(self.endpoint.serve(self.tasks), name="accept")
         self.ready.set()
         log.info("node %s serving on %s (role %s, %d workers)", cfg.id, cfg.socket, self.role, cfg.workers)
@@ -196,6 +201,8 @@ class NodeServer:
     def forget(self, job: Job) -> None:
         if self.jobs.get(job.name) is job:
             del self.jobs[job.name]
+        if self.cluster_jobs is not None:
+            self.cluster_jobs.changed()
 
     # ---- status ----------------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -240,6 +247,11 @@ class NodeServer:
             for conn in list(self.endpoint.conns):
                 conn.close()
             await self.tasks.cancel_all("node shutting down", timeout=timeout)
+            if self.cluster_jobs is not None:
+                try:
+                    await asyncio.wait_for(self.cluster_jobs.aclose(), timeout)
+                except (TimeoutError, MsdataError, OSError) as e:
+                    log.warning("closing the cluster job layer did not finish cleanly: %s", e)
             if self.cluster is not None:
                 try:
                     await asyncio.wait_for(self.cluster.aclose(), timeout)

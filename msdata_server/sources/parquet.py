@@ -81,14 +81,9 @@ class ParquetSource(FileSource):
                 out[k] = rec
         return out, nbytes
 
-    def trim(self) -> None:
-        """Drop the decoded row groups (a source read rarely would hold its window for nothing); skipped while
-        a read holds the lock, so the caller never blocks."""
-        if self._lock.acquire(blocking=False):
-            try:
-                self._groups.clear()
-            finally:
-                self._lock.release()
+    def _trim_locked(self) -> None:
+        self._groups.clear()  # a source read rarely would hold its decoded window for nothing
+        super()._trim_locked()
 
     def close(self) -> None:
         with self._lock:

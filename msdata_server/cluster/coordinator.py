@@ -1,0 +1,333 @@
+"""The leader's side of cluster jobs: the start barrier across nodes, one planner per job, plans to every node.
+
+From the nodes' reports the leader sees which ranks of which job are registered where. A new run starts when
+the whole mesh is registered (start state as on one node: states brought by ranks, else the etcd checkpoint
+when ranks resume, else the beginning). A run that nodes report as already running (the old leader died)
+resumes from the etcd state at or before the lowest step any node still lacks; plans are deterministic, so
+re-sent ones equal the old ones and nodes ignore them. The planner state of each step goes to etcd, fenced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+
+from msdata_client.graph import JobSpec
+
+from ..errors import CheckpointError, ClosedError, MsdataError, PeerLostError
+from ..planner import Mixture, Planner, PlannerConfig
+from ..tasks import TaskSet
+from .planwire import encode_plan
+from .statestore import EtcdStateStore
+
+__all__ = ["Coordinator", "JobCoordinator"]
+
+log = logging.getLogger(__name__)
+
+
+def planner_config(spec: JobSpec) -> PlannerConfig:
+    """The PlannerConfig of a job, exactly as Job builds it on a single node."""
+    if spec.mix.schedule:
+        mixture = Mixture.schedule([(st, dict(w)) for st, w in spec.mix.schedule], interpolate=spec.mix.interpolate)
+    else:
+        mixture = Mixture.constant(dict(spec.mix.weights))
+    return PlannerConfig(
+        sources=spec.source_names(), seq_len=spec.seq_len, dp=spec.mesh.data_groups(spec.distribute),
+        micro_batches=spec.micro_batches, rows=spec.rows, method=spec.balance.method, alpha=spec.balance.alpha,
+        beta=spec.balance.beta, cost_fn=None if spec.balance.cost == "attention" else spec.balance.cost,
+        long_docs=spec.long_docs, mixture=mixture)
+
+
+def _layout(spec: JobSpec) -> dict:
+    return {"mesh": spec.mesh.to_dict(), "micro_batches": spec.micro_batches, "rows": spec.rows}
+
+
+class Coordinator:
+    """All job coordinators of this node while it leads; the latest report of every node."""
+
+    def __init__(self, jobs):
+        self.jobs = jobs
+        self.reports: dict[str, dict] = {}  # node -> its latest "jobs" report
+        self.coords: dict[str, JobCoordinator] = {}
+        self.leading = False
+
+    def on_role(self, role: str) -> None:
+        leading = role == "leader"
+        if leading == self.leading:
+            return
+        self.leading = leading
+        if not leading:  # a leader that lost its lease stops planning at once
+            for c in list(self.coords.values()):
+                c.stop()
+            self.coords.clear()
+        else:
+            self.evaluate()
+
+    def members_changed(self) -> None:
+        live = set(self.jobs.live_nodes())
+        for nid in [n for n in self.reports if n not in live]:
+            del self.reports[nid]
+        for c in self.coords.values():
+            c.acked.set()  # a node that left no longer holds planning back
+        self.evaluate()
+
+    def on_frame(self, frame: dict) -> None:
+        if frame["t"] == "jobs":
+            self.reports[str(frame["node"])] = frame
+            self.evaluate()
+        elif frame["t"] == "ack":
+            c = self.coords.get(frame.get("digest"))
+            if c is not None:
+                c.ack(str(frame["node"]), int(frame["step"]))
+
+    def evaluate(self) -> None:
+        """Start, resume or end job runs from the latest reports (only while we lead)."""
+        if not self.leading:
+            return
+        by: dict[str, dict[str, dict]] = {}
+        for nid, rep in self.reports.items():
+            for j in rep.get("jobs", ()):
+                by.setdefault(j["digest"], {})[nid] = j
+        for digest, c in list(self.coords.items()):
+            if not any(j["ranks"] for j in by.get(digest, {}).values()):
+                c.stop(end=True)
+                del self.coords[digest]
+        for digest, per in by.items():
+            c = self.coords.get(digest)
+            if c is not None:
+                c.update(per)
+                continue
+            ranks = {int(r) for j in per.values() for r in j["ranks"]}
+            if not ranks:
+                continue
+            spec = JobSpec.from_dict(next(iter(per.values()))["spec"])
+            running = any(j["running"] for j in per.values())
+            live = set(self.jobs.live_nodes())
+            if running and not live <= set(self.reports):
+                continue  # resume only once every live node has told us what it holds
+            if not running and len(ranks) < spec.mesh.world_size:
+                continue  # the start barrier: the whole mesh, across nodes
+            c = self.coords[digest] = JobCoordinator(self, spec, digest)
+            c.tasks.spawn(c.run(per, resume=running), name=f"coordinate-{spec.name}")
+
+    async def aclose(self) -> None:
+        for c in list(self.coords.values()):
+            c.stop()
+            await c.tasks.cancel_all("closing")
+        self.coords.clear()
+
+
+class JobCoordinator:
+    """One job run on the leader: its planner (in a thread), plans to every node, states to etcd."""
+
+    def __init__(self, parent: Coordinator, spec: JobSpec, digest: str):
+        self.parent = parent
+        self.jobs = parent.jobs
+        self.spec = spec
+        self.digest = digest
+        self.tasks = TaskSet(f"coordinator {spec.name}", on_error=self._failed)
+        cl = self.jobs.cluster
+        self.store = EtcdStateStore(cl.etcd, cl.election, prefix=self.jobs.node.config.cluster.prefix, job=spec.name,
+                                    digest=digest, keep=32)
+        self.acks: dict[str, int] = {}
+        self.acked = asyncio.Event()
+        self.rank_nodes: dict[int, str] = {}
+        self.start_frame: dict | None = None
+        self._stopped = False
+        self._pending: set = set()
+        self.planned = 0  # the next step the main planner will send
+
+    def _failed(self, task, exc) -> None:
+        log.error("coordinator of %s failed: %s", self.spec.name, exc, exc_info=exc)
+
+    def stop(self, end: bool = False) -> None:
+        self._stopped = True
+        for fut in list(self._pending):
+            fut.cancel()
+        self.acked.set()
+        self.jobs.tasks.spawn(self.tasks.cancel_all("coordinator stopped"), name="coordinator-stop")
+        if end:
+            for nid in self.jobs.live_nodes():
+                self.jobs.tasks.spawn(self.jobs._quiet_send(nid, {"t": "jstop", "digest": self.digest}), name="jstop")
+
+    def ack(self, nid: str, step: int) -> None:
+        if step > self.acks.get(nid, -1):
+            self.acks[nid] = step
+            self.acked.set()
+
+    def update(self, per: dict[str, dict]) -> None:
+        """A later report: ranks that (re)joined on a node are told the run (a restarted follower rejoins)."""
+        if self.start_frame is None:
+            return
+        changed = False
+        for nid, j in per.items():
+            for r, info in j["ranks"].items():
+                if self.rank_nodes.get(int(r)) != nid:
+                    self.rank_nodes[int(r)] = nid
+                    changed = True
+            if j["ranks"] and not j["running"]:
+                changed = True
+        if changed:
+            self.tasks.spawn(self._rejoin(per), name="rejoin")
+
+    async def _rejoin(self, per: dict[str, dict]) -> None:
+        positions = dict(self.start_frame["positions"])
+        for j in per.values():
+            for r, info in j["ranks"].items():
+                if info.get("resume"):
+                    positions[str(r)] = info["pos"]
+        frame = {**self.start_frame, "rank_nodes": {str(r): n for r, n in self.rank_nodes.items()},
+                 "positions": positions, "token": self.token}
+        for nid, j in per.items():
+            if j["ranks"] and not j["running"]:
+                low = min(int(info["pos"][0]) for info in j["ranks"].values())
+                delay = 0.05
+                while not self._stopped:  # a node that restarted at once is linked again shortly
+                    try:
+                        await self.jobs.send(nid, frame)
+                        break
+                    except PeerLostError:
+                        await asyncio.sleep(delay)  # back-off until the link to the restarted node is up
+                        delay = min(2 * delay, 0.5)
+                await self._replay(nid, low)
+
+    @property
+    def token(self) -> int:
+        return int(self.jobs.cluster.election.token or 0)
+
+    # ---- start --------------------------------------------------------------------------------------------
+    async def _start_state(self, per: dict[str, dict], resume: bool) -> tuple[dict | None, dict[str, list[int]]]:
+        ranks = {int(r): info for j in per.values() for r, info in j["ranks"].items()}
+        positions = {r: list(info["pos"]) for r, info in ranks.items()}
+        if resume:  # the previous leader died: continue from the lowest step a node still lacks
+            lows = [int(j["next"]) for j in per.values() if j["running"] and j["next"] is not None and j["ranks"]]
+            low = min(lows) if lows else min(p[0] for p in positions.values())
+            found = await self.store.load_at_or_before(low)
+            if found is None:
+                raise CheckpointError(f"job {self.spec.name!r}: no planner state in etcd at or before step {low}")
+            return found[1], positions
+        given = {r: info["state"] for r, info in ranks.items() if info.get("state") is not None}
+        if given:
+            first = next(iter(given.values()))
+            for r, st in given.items():
+                if st["planner"] != first["planner"]:
+                    raise CheckpointError(f"ranks brought states of different positions (rank {r} at step "
+                                          f"{st['planner'].get('step')}, others at {first['planner'].get('step')}); "
+                                          "load the same checkpoint on every rank")
+            step = int(first["planner"]["step"])
+            for r in positions:
+                st = ranks[r].get("state")
+                same = st is not None and st.get("layout") == _layout(self.spec)
+                positions[r] = [step, int(st["position"]["micro"]) if same else 0]
+            await self.store.clear()
+            return first["planner"], positions
+        if any(info.get("resume") for info in ranks.values()):
+            low = min(tuple(positions[r]) for r, info in ranks.items() if info.get("resume"))
+            for r, info in ranks.items():
+                if not info.get("resume"):
+                    positions[r] = [low[0], 0]
+            found = await self.store.load_at_or_before(low[0])
+            return (found[1] if found else None), positions
+        await self.store.clear()
+        return None, {r: [0, 0] for r in positions}
+
+    async def run(self, per: dict[str, dict], resume: bool) -> None:
+        try:
+            state, positions = await self._start_state(per, resume)
+        except MsdataError as e:
+            log.error("job %s cannot start: %s", self.spec.name, e)
+            return
+        cfg = planner_config(self.spec)
+        planner = Planner(cfg, state=state)
+        self.rank_nodes = {int(r): nid for nid, j in per.items() for r in j["ranks"]}
+        live = self.jobs.live_nodes()
+        self.start_frame = {
+            "t": "jstart", "digest": self.digest, "spec": self.spec.to_dict(), "nparts": max(1, len(live)),
+            "start_step": planner.step, "positions": {str(r): p for r, p in positions.items()},
+            "cursor": planner.state_dict().get("cursor")}
+        if resume:  # keep the partition count of the run the nodes already hold
+            self.start_frame["nparts"] = self._nparts_of_nodes() or self.start_frame["nparts"]
+        frame = {**self.start_frame, "rank_nodes": {str(r): n for r, n in self.rank_nodes.items()},
+                 "token": self.token}
+        self.acks = {nid: planner.step - 1 for nid in set(self.rank_nodes.values())}
+        if resume:
+            for nid, j in per.items():
+                if j.get("fed") is not None and nid in self.acks:
+                    self.acks[nid] = max(self.acks[nid], int(j["fed"]))
+        for nid in live:
+            await self.jobs._quiet_send(nid, frame)
+        log.info("job %s: %s across %d node(s) from step %d (token %d)", self.spec.name,
+                 "resumed" if resume else "started", len(live), planner.step, self.token)
+        await self._plan_loop(planner)
+
+    def _nparts_of_nodes(self) -> int | None:
+        run = self.jobs.runs.get(self.digest)
+        return run.shard.nparts if run is not None else None
+
+    # ---- planning -------------------------------------------------------------------------------------------
+    async def _plan_loop(self, planner: Planner) -> None:
+        loop = asyncio.get_running_loop()
+        run = self.jobs.runs.get(self.digest)  # our own jstart went through the same handler, synchronously
+        if run is None:
+            raise ClosedError(f"job {self.spec.name}: this node did not take up the run it started")
+        view = _RemoteView(self, run, loop)
+        window = self.spec.prefetch_steps + 1
+        while not self._stopped:
+            step = planner.step
+            while not self._stopped and step > self._low_ack() + window:
+                self.acked.clear()
+                await self.acked.wait()
+            if self._stopped:
+                return
+            state = planner.state_dict()
+            if not await self.store.save(step, state):
+                log.warning("job %s: no longer leader at step %d; planning stops", self.spec.name, step)
+                return
+            plan = await asyncio.to_thread(planner.plan_step, view)
+            header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
+            header["state"] = state
+            self.planned = step + 1
+            for nid in self.jobs.live_nodes():
+                await self.jobs._quiet_send(nid, header, buf)
+
+    def _low_ack(self) -> int:
+        """The lowest step fed on a live node that has ranks of the job (a dead node never holds planning back)."""
+        live = set(self.jobs.live_nodes())
+        nodes = {n for n in self.rank_nodes.values() if n in live}
+        return min((self.acks.get(n, -1) for n in nodes), default=-(1 << 62))
+
+    async def _replay(self, nid: str, low: int) -> None:
+        """Re-plan steps [low, now) for a node that rejoined (deterministic: the same plans)."""
+        found = await self.store.load_at_or_before(low)
+        if found is None:
+            return
+        step, state = found
+        planner = Planner(planner_config(self.spec), state=state)
+        run = self.jobs.runs[self.digest]
+        view = _RemoteView(self, run, asyncio.get_running_loop())
+        while planner.step < self.planned and not self._stopped:
+            st = planner.state_dict()
+            plan = await asyncio.to_thread(planner.plan_step, view)
+            header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
+            header["state"] = st
+            await self.jobs._quiet_send(nid, header, buf)
+
+
+class _RemoteView:
+    """The planner's MetadataView on the leader: lengths asked of the partition owners (from the planner thread)."""
+
+    def __init__(self, coord: JobCoordinator, run, loop: asyncio.AbstractEventLoop):
+        self.coord, self.run, self.loop = coord, run, loop
+
+    def lengths(self, source: int, start: int, count: int):
+        if self.coord._stopped:
+            raise ClosedError("no longer leader")
+        fut = asyncio.run_coroutine_threadsafe(self.coord.jobs.fetch_lengths(self.run, source, start, count), self.loop)
+        self.coord._pending.add(fut)
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:
+            raise ClosedError("planning stopped") from None
+        finally:
+            self.coord._pending.discard(fut)

@@ -1,0 +1,378 @@
+"""The node side of cluster jobs: reports local ranks to the leader, starts runs when it says, feeds its plans.
+
+Every node pushes a report of its jobs (ranks, their positions and states, the next step it lacks) to the
+leader whenever it changes and whenever the leader changes. The leader's coordinators answer with ``jstart``
+and a stream of fenced ``plan`` frames; a node keeps the plans in step order, ignores duplicates (a new leader
+re-plans from an earlier step), hands them to its constructors, and serves its source partitions to peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from contextlib import suppress
+
+import numpy as np
+
+from msdata_client.graph import JobSpec
+
+from ..errors import CheckpointError, MsdataError, PeerLostError, ProtocolError
+from ..job import RankPosition
+from ..tasks import TaskSet
+from .planwire import decode_plan
+from .shard import BLOCK, JobShard, pack_docs
+
+__all__ = ["ClusterJobs", "Run"]
+
+log = logging.getLogger(__name__)
+
+_KEEP_STATES = 256  # planner states kept per run for state_dict() (kilobytes each)
+
+
+class _Loaders(list):
+    """Job.loaders in cluster mode: per-source proxies plus batched fetch/skip through the shard."""
+
+    def __init__(self, shard: JobShard):
+        super().__init__(shard.proxies)
+        self.fetch = shard.fetch
+        self.skip = shard.skip
+
+
+class Run:
+    """One job run as this node knows it: the shard, the plans received, the states that came with them."""
+
+    def __init__(self, jobs: ClusterJobs, spec: JobSpec, digest: str, frame: dict):
+        self.jobs = jobs
+        self.spec = spec
+        self.digest = digest
+        self.start_step = int(frame["start_step"])
+        self.positions = {int(r): RankPosition(int(p[0]), int(p[1])) for r, p in frame["positions"].items()}
+        self.group_nodes: dict[int, tuple[str, ...]] = {}
+        self.set_ranks(frame["rank_nodes"])
+        self.shard = JobShard(jobs, spec, digest, int(frame["nparts"]))
+        self.shard.cursor = frame.get("cursor")
+        self.loaders = _Loaders(self.shard)
+        self.plans: dict[int, object] = {}
+        self.early: dict[int, tuple] = {}
+        self.states: dict[int, dict] = {}
+        self.next_step = self.start_step  # the lowest step not yet received
+        self.fed = self.start_step - 1
+        self.arrived = asyncio.Event()
+        self.job = None
+
+    def set_ranks(self, rank_nodes: dict) -> None:
+        g: dict[int, set] = {}
+        for r, nid in rank_nodes.items():
+            g.setdefault(self.spec.mesh.group_of(int(r), self.spec.distribute), set()).add(str(nid))
+        self.group_nodes = {k: tuple(sorted(v)) for k, v in g.items()}
+
+    def add_plan(self, plan, state: dict | None) -> None:
+        if plan.step < self.next_step or plan.step in self.early:
+            return  # a re-sent plan (a new leader re-plans from an earlier step): identical, ignored
+        if plan.step > self.next_step + _KEEP_STATES:
+            log.warning("node %s: plan of step %d far past the missing step %d; dropped", self.jobs.node_id,
+                        plan.step, self.next_step)
+            return
+        self.early[plan.step] = (plan, state)  # a later step may overtake a re-sent one: keep it until its turn
+        while self.next_step in self.early:
+            plan, state = self.early.pop(self.next_step)
+            self.plans[plan.step] = plan
+            if state is not None:
+                self.states[plan.step] = state
+                self.shard.cursor = state.get("cursor")
+                for old in [s for s in self.states if s <= plan.step - _KEEP_STATES]:
+                    del self.states[old]
+            self.next_step = plan.step + 1
+            self.shard.add_refs(plan, self.group_nodes)
+        self.arrived.set()
+
+    async def state_at(self, step: int) -> dict:
+        """The planner state at the start of ``step`` (it comes with that step's plan)."""
+        while step not in self.states:
+            if step < min(self.states, default=step + 1) or self.job is None or self.job.state == "closed":
+                raise CheckpointError(f"the server no longer holds the state of step {step} (recent steps "
+                                      f"{min(self.states, default=0)}..{self.next_step - 1}); call state_dict() "
+                                      "at the position you checkpoint")
+            self.arrived.clear()
+            await self.arrived.wait()
+        return self.states[step]
+
+    async def feed(self, job) -> None:
+        """Hand plans in step order to the constructors of the groups read on this node; ack each step."""
+        local = [g for g in job.groups if g.current is not None]
+        step = self.start_step
+        while True:
+            while step not in self.plans:
+                self.arrived.clear()
+                await self.arrived.wait()
+            plan = self.plans[step]
+            job.steps_planned += 1
+            job._record_stats(plan)
+            for grp in local:
+                await grp.queue.put(plan, lambda: True)
+            del self.plans[step]
+            self.fed = step
+            self.jobs.ack(self)
+            step += 1
+
+
+class ClusterJobs:
+    """Per node: runs by digest, the report pushed to the leader, the peer frames of the job layer."""
+
+    def __init__(self, node):
+        self.node = node
+        self.cluster = node.cluster
+        self.node_id = node.config.node.id
+        self.pool = node.pool
+        self.runs: dict[str, Run] = {}
+        self.tasks = TaskSet("cluster-jobs")
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._dirty = asyncio.Event()
+        self._settled = asyncio.Event()
+        self.coordinator = None
+        self.timeout = max(5.0, 3 * node.config.cluster.lease_ttl)
+
+    async def start(self) -> None:
+        from .coordinator import Coordinator
+
+        self.coordinator = Coordinator(self)
+        self.cluster.handler = self.on_frame
+        self.cluster.election.on_change(self._on_role)
+        self.tasks.spawn(self._pusher(), name="job-reports")
+        self.tasks.spawn(self._members(), name="job-members")
+        self._dirty.set()
+
+    async def aclose(self) -> None:
+        await self.coordinator.aclose()
+        await self.tasks.cancel_all("cluster jobs closing")
+        for run in list(self.runs.values()):
+            await run.shard.aclose()
+        self.runs.clear()
+
+    # ---- membership and leadership ----------------------------------------------------------------------
+    def live_nodes(self) -> list[str]:
+        return sorted(set(self.cluster.members) | {self.node_id})
+
+    def _on_role(self, role, leader_id, token) -> None:
+        self._dirty.set()
+        self.coordinator.on_role(role)
+
+    async def _members(self) -> None:
+        ev = self.cluster.members_changed
+        while True:
+            await ev.wait()
+            ev.clear()
+            self._settled.set()
+            self._settled = asyncio.Event()
+            for run in list(self.runs.values()):
+                try:
+                    await run.shard.rebalance()
+                except MsdataError as e:
+                    log.warning("node %s: re-placing partitions of %s: %s", self.node_id, run.spec.name, e)
+            self.coordinator.members_changed()
+            self._dirty.set()
+
+    async def members_settle(self) -> None:
+        """Wait for the next membership change (or a lease period): a lost owner is replaced by then."""
+        with suppress(TimeoutError):
+            await asyncio.wait_for(self._settled.wait(), self.node.config.cluster.lease_ttl)
+
+    # ---- reports to the leader ----------------------------------------------------------------------------
+    def changed(self) -> None:
+        """A local rank came or went, or a job closed: the leader needs a new report."""
+        self._dirty.set()
+
+    def report(self) -> dict:
+        jobs = []
+        for job in list(self.node.jobs.values()) + list(self.node.pending.values()):
+            if job.state == "closed":
+                continue
+            ranks = {str(r): {"pos": [job.positions[r].step, job.positions[r].micro], "state": job.states.get(r),
+                              "resume": job.resuming.get(r, False)}
+                     for r, c in job.conns.items() if not c.closed}
+            run = self.runs.get(job.digest)
+            jobs.append({"name": job.name, "digest": job.digest, "spec": job.spec.to_dict(), "ranks": ranks,
+                         "running": run is not None, "next": run.next_step if run else None,
+                         "fed": run.fed if run else None})
+        return {"t": "jobs", "node": self.node_id, "jobs": jobs}
+
+    async def _pusher(self) -> None:
+        delay = 0.05
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            leader = self.cluster.leader_id
+            if leader is None:
+                await self._wait_leader()
+                self._dirty.set()
+                continue
+            try:
+                await self.send(leader, self.report())
+                delay = 0.05
+            except PeerLostError:
+                self._dirty.set()
+                await asyncio.sleep(delay)  # back-off until the link to the new leader is up
+                delay = min(delay * 2, 0.5)
+
+    async def _wait_leader(self) -> None:
+        with suppress(TimeoutError):
+            await asyncio.wait_for(self.cluster.election.wait_leader(), self.node.config.cluster.lease_ttl)
+
+    def ack(self, run: Run) -> None:
+        leader = self.cluster.leader_id
+        if leader is None:
+            return
+        self.tasks.spawn(self._quiet_send(leader, {"t": "ack", "digest": run.digest, "node": self.node_id,
+                                                   "step": run.fed}), name="ack")
+
+    async def _quiet_send(self, nid: str, frame: dict, payload=None) -> None:
+        with suppress(PeerLostError):
+            await self.send(nid, frame, payload)
+
+    # ---- transport ------------------------------------------------------------------------------------------
+    async def send(self, nid: str, frame: dict, payload=None) -> None:
+        if nid == self.node_id:
+            await self.on_frame(nid, frame, None if payload is None else memoryview(payload))
+        else:
+            await self.cluster.send(nid, frame, payload)
+
+    async def request(self, nid: str, frame: dict, payload=None) -> tuple[dict, memoryview | None]:
+        """Send a request and await its reply (PeerLostError/TimeoutError if the peer goes or is silent)."""
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        try:
+            await self.send(nid, {**frame, "id": rid, "from": self.node_id}, payload)
+            head, body = await asyncio.wait_for(fut, self.timeout)
+        finally:
+            self._waiting.pop(rid, None)
+        if head.get("error"):
+            raise PeerLostError(f"peer {nid} could not answer {frame.get('t')!r}: {head['error']}")
+        return head, body
+
+    async def _reply(self, frame: dict, head: dict, payload=None) -> None:
+        with suppress(PeerLostError):
+            await self.send(str(frame["from"]), {**head, "t": "rep", "id": frame["id"]}, payload)
+
+    # ---- frames ---------------------------------------------------------------------------------------------
+    async def on_frame(self, peer: str, frame: dict, payload) -> None:
+        t = frame.get("t")
+        try:
+            if t == "rep":
+                fut = self._waiting.get(frame.get("id"))
+                if fut is not None and not fut.done():
+                    fut.set_result((frame, None if payload is None else bytes(payload)))
+            elif t == "plan":
+                run = self.runs.get(frame.get("digest"))
+                if run is not None:
+                    run.add_plan(decode_plan(frame, payload), frame.get("state"))
+            elif t == "jstart":
+                self._jstart(frame)
+            elif t == "jstop":
+                run = self.runs.pop(frame.get("digest"), None)
+                if run is not None:
+                    self.tasks.spawn(run.shard.aclose(), name="shard-close")
+            elif t in ("len", "fetch"):
+                self.tasks.spawn(self._serve(frame), name=f"serve-{t}")
+            elif t == "skip":
+                run = self.runs.get(frame.get("digest"))
+                if run is not None:
+                    run.shard.unref(np.asarray(frame["s"], np.int64), np.asarray(frame["o"], np.int64))
+            elif t in ("jobs", "ack"):
+                self.coordinator.on_frame(frame)
+            else:
+                log.warning("node %s: unknown job frame %r from %s", self.node_id, t, peer)
+        except (KeyError, TypeError, ValueError, ProtocolError) as e:
+            log.warning("node %s: malformed %r frame from %s: %s", self.node_id, t, peer, e)
+
+    async def _serve(self, frame: dict) -> None:
+        run = self.runs.get(frame.get("digest"))
+        try:
+            if run is None:
+                raise PeerLostError(f"node {self.node_id} does not run job {str(frame.get('digest'))[:12]}")
+            if frame["t"] == "len":
+                s = int(frame["s"])
+                parts = [await run.shard.serve_lengths(s, int(a), int(n)) for a, n in frame["spans"]]
+                buf = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+                await self._reply(frame, {}, buf.astype("<i8", copy=False).tobytes())
+            else:
+                docs = await run.shard.serve_tokens(np.asarray(frame["s"], np.int64), np.asarray(frame["o"], np.int64))
+                head, buf = pack_docs(docs)
+                await self._reply(frame, head, buf)
+        except (MsdataError, KeyError, TypeError, ValueError) as e:
+            await self._reply(frame, {"error": f"{type(e).__name__}: {e}"})
+
+    def _jstart(self, frame: dict) -> None:
+        digest = str(frame["digest"])
+        run = self.runs.get(digest)
+        if run is not None:
+            run.set_ranks(frame["rank_nodes"])
+            job = self.node.jobs.get(run.spec.name)
+            if job is not None and job.digest == digest and job.state == "waiting":
+                self._start_job(run, job, frame)
+            return
+        spec = JobSpec.from_dict(frame["spec"])
+        run = self.runs[digest] = Run(self, spec, digest, frame)
+        self.tasks.spawn(run.shard.rebalance(), name="shard-open")
+        job = self.node.jobs.get(spec.name)
+        if job is not None and job.digest == digest and job.state == "waiting":
+            self._start_job(run, job, frame)
+
+    def _start_job(self, run: Run, job, frame: dict) -> None:
+        run.positions = {int(r): RankPosition(int(p[0]), int(p[1])) for r, p in frame["positions"].items()}
+        run.start_step = min((run.positions[r] for r in job.conns if r in run.positions),
+                             default=RankPosition(run.start_step, 0)).step
+        if run.next_step < run.start_step:
+            run.next_step = run.start_step
+        run.fed = run.start_step - 1
+
+        async def go():
+            async with job._start_lock:
+                if job.state == "waiting":
+                    run.job = job
+                    try:
+                        await job._start(cluster=run)
+                    except MsdataError as e:
+                        job.fail(str(e), kind=type(e).__name__)
+
+        self.tasks.spawn(go(), name=f"start-{job.name}")
+
+    def started(self, run: Run, job) -> None:
+        job.tasks.spawn(run.feed(job), name=f"{job.name}-plans")
+        self._dirty.set()
+
+    async def fetch_lengths(self, run: Run, s: int, start: int, count: int) -> np.ndarray:
+        """Lengths of [start, start+count) of source s, asked of the nodes that own the blocks (retrying)."""
+        shard = run.shard
+        while True:
+            pl = shard.placement()
+            spans: dict[str, list[list[int]]] = {}
+            pos, end = start, start + count
+            while pos < end:
+                hi = min(end, (pos // BLOCK + 1) * BLOCK)
+                spans.setdefault(pl[s][shard.part(pos)], []).append([pos, hi - pos])
+                pos = hi
+            try:
+                out = np.empty(count, dtype=np.int64)
+                res = await asyncio.gather(*(self._lengths_from(run, nid, s, sp) for nid, sp in spans.items()))
+                for (nid, sp), arr in zip(spans.items(), res):
+                    off = 0
+                    for a, n in sp:
+                        out[a - start : a - start + n] = arr[off : off + n]
+                        off += n
+                return out
+            except (PeerLostError, TimeoutError, ProtocolError) as e:
+                log.info("node %s: asking lengths: %s; retrying after placement settles", self.node_id, e)
+                await self.members_settle()
+
+    async def _lengths_from(self, run: Run, nid: str, s: int, spans: list) -> np.ndarray:
+        if nid == self.node_id:
+            return np.concatenate([await run.shard.serve_lengths(s, a, n) for a, n in spans])
+        _, body = await self.request(nid, {"t": "len", "digest": run.digest, "s": s, "spans": spans})
+        a = np.frombuffer(body or b"", dtype="<i8")
+        if len(a) != sum(n for _, n in spans):
+            raise ProtocolError(f"lengths reply of {len(a)} values for {sum(n for _, n in spans)} asked")
+        return a
+

@@ -1,0 +1,279 @@
+"""A job's source partitions on one node, and the view of all partitions that its constructors build from.
+
+Each source is split into ``nparts`` loader partitions by block (``SourceLoader(partition=(k, n))``); the
+partition -> node map is ``place_sources`` over the live members. A node serves any partition it is asked for
+(opening its loader on first use), so nodes that briefly disagree on placement still get every payload. The
+owner frees a payload once every planned occurrence of it was fetched or skipped (counted per building node).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+
+from ..errors import BadSampleError, PeerLostError, ProtocolError
+from ..loader import SourceLoader
+from ..sources import open_source
+from .placement import place_sources
+
+__all__ = ["BLOCK", "JobShard"]
+
+log = logging.getLogger(__name__)
+
+BLOCK = 64  # SourceLoader's default batch: the unit partitions are dealt in
+
+
+class _SourceName:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def close(self) -> None:  # the shard owns the real sources
+        pass
+
+
+class _SourceProxy:
+    """What Job's status and shutdown see of a source in cluster mode (the shard owns the loaders)."""
+
+    def __init__(self, shard: JobShard, s: int):
+        self.shard, self.s = shard, s
+        self.source = _SourceName(shard.spec.sources[s].name)
+
+    def statistics(self) -> dict:
+        parts = sorted(k for (s, k) in self.shard.loaders if s == self.s)
+        return {"partitions_here": len(parts), "nparts": self.shard.nparts}
+
+    async def aclose(self) -> None:
+        pass
+
+    def release(self, ordinals) -> None:  # payload lifetime is counted by the shard (fetch/skip)
+        pass
+
+    def sample_ids(self, ordinals) -> np.ndarray:
+        return self.shard.sample_ids(self.s, ordinals)
+
+
+class JobShard:
+    """Loaders of the partitions this node hosts for one job run, and batched access to all partitions."""
+
+    def __init__(self, jobs, spec, digest: str, nparts: int):
+        self.jobs = jobs  # the node's ClusterJobs (rpc, members, pool)
+        self.spec = spec
+        self.digest = digest
+        self.nparts = nparts
+        self.loaders: dict[tuple[int, int], SourceLoader] = {}
+        self._sources: dict[tuple[int, int], object] = {}
+        self._ids_src: dict[int, object] = {}  # one opened source per source for sample ids
+        self._opening: dict[tuple[int, int], asyncio.Task] = {}
+        self.refs: dict[tuple[int, int], int] = {}
+        self.cursor: list[int] | None = None  # where new loaders seek to (a recent planner position)
+        self.proxies = [_SourceProxy(self, s) for s in range(len(spec.sources))]
+        self.closed = False
+
+    # ---- placement --------------------------------------------------------------------------------------
+    def part(self, ordinal: int) -> int:
+        return (int(ordinal) // BLOCK) % self.nparts
+
+    def placement(self) -> list[list[str]]:
+        return place_sources([self.nparts] * len(self.spec.sources), self.jobs.live_nodes())
+
+    def owner(self, s: int, k: int) -> str:
+        return self.placement()[s][k]
+
+    async def rebalance(self) -> None:
+        """Open the loaders of the partitions placed here; close those placed elsewhere."""
+        me = self.jobs.node_id
+        pl = self.placement()
+        for s, row in enumerate(pl):
+            for k, nid in enumerate(row):
+                if nid == me:
+                    await self.loader(s, k)
+        for (s, k) in list(self.loaders):
+            if pl[s][k] != me:
+                ld = self.loaders.pop((s, k))
+                src = self._sources.pop((s, k))
+                await ld.aclose()
+                src.close()
+
+    async def loader(self, s: int, k: int) -> SourceLoader:
+        ld = self.loaders.get((s, k))
+        if ld is not None:
+            return ld
+        t = self._opening.get((s, k))
+        if t is None:
+            t = self._opening[(s, k)] = asyncio.ensure_future(self._open(s, k))
+        try:
+            return await asyncio.shield(t)
+        finally:
+            if t.done():
+                self._opening.pop((s, k), None)
+
+    async def _open(self, s: int, k: int) -> SourceLoader:
+        sp = self.spec.sources[s]
+        src = await asyncio.to_thread(open_source, sp, seed=self.spec.seed)
+        ld = SourceLoader(src, self.jobs.pool, transform=sp.transform, seed=self.spec.seed, batch=BLOCK,
+                          partition=(k, self.nparts))
+        if self.cursor is not None and self.cursor[s] > 0:
+            ld.seek(int(self.cursor[s]))
+        await ld.start()
+        if self.closed:
+            await ld.aclose()
+            src.close()
+            raise PeerLostError("job shard closed")
+        self.loaders[(s, k)] = ld
+        self._sources[(s, k)] = src
+        log.debug("node %s: opened partition %d/%d of %s", self.jobs.node_id, k, self.nparts, sp.name)
+        return ld
+
+    def sample_ids(self, s: int, ordinals) -> np.ndarray:
+        src = self._ids_src.get(s)
+        if src is None:
+            src = self._ids_src[s] = open_source(self.spec.sources[s], seed=self.spec.seed)
+        return src.sample_ids(np.asarray(ordinals, dtype=np.int64))
+
+    # ---- serving (the owner side) -------------------------------------------------------------------------
+    async def serve_lengths(self, s: int, start: int, count: int) -> np.ndarray:
+        """Lengths of [start, start+count): any span; each block from its partition's loader."""
+        out = np.empty(count, dtype=np.int64)
+        end = start + count
+        pos = start
+        while pos < end:
+            hi = min(end, (pos // BLOCK + 1) * BLOCK)
+            ld = await self.loader(s, self.part(pos))
+            out[pos - start : hi - start] = await ld.lengths(pos, hi - pos)
+            pos = hi
+        return out
+
+    async def serve_tokens(self, src: np.ndarray, ords: np.ndarray) -> list[np.ndarray]:
+        """Whole documents of these (source, ordinal) occurrences; each served occurrence drops one reference."""
+        out = []
+        for s, o in zip(src.tolist(), ords.tolist()):
+            ld = await self.loader(s, self.part(o))
+            try:
+                out.append(await ld.tokens(o))
+            except BadSampleError:
+                out.append(np.zeros(0, dtype=np.int64))
+        self.unref(src, ords)
+        return out
+
+    def add_refs(self, plan, group_nodes: dict[int, tuple[str, ...]]) -> None:
+        """A new plan: each occurrence of a piece owned here is fetched (or skipped) once per building node."""
+        me = self.jobs.node_id
+        pl = self.placement()
+        for s, o, g in zip(plan.source.tolist(), plan.ordinal.tolist(), plan.dp.tolist()):
+            if pl[s][self.part(o)] != me:
+                continue
+            n = len(group_nodes.get(int(g), ()))
+            if n == 0:
+                continue
+            key = (s, o)
+            v = self.refs.get(key, 0) + n
+            self._set_ref(key, v)
+
+    def unref(self, src, ords) -> None:
+        for s, o in zip(np.asarray(src).tolist(), np.asarray(ords).tolist()):
+            key = (s, o)
+            self._set_ref(key, self.refs.get(key, 0) - 1)
+
+    def _set_ref(self, key: tuple[int, int], v: int) -> None:
+        if v > 0:
+            self.refs[key] = v
+            return
+        if v == 0:
+            self.refs.pop(key, None)
+        else:
+            self.refs[key] = v  # fetched before its plan arrived: the plan's count brings it back to 0
+        s, o = key
+        ld = self.loaders.get((s, self.part(o)))
+        if ld is not None:
+            ld.release(np.array([o], dtype=np.int64))
+
+    # ---- fetching (the builder side) ----------------------------------------------------------------------
+    async def fetch(self, src: np.ndarray, ords: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
+        """Token slices of a micro-batch's pieces: one batched request per owning node, local ones in process."""
+        n = len(src)
+        docs: list = [None] * n
+        while True:
+            pl = self.placement()
+            by: dict[str, list[int]] = {}
+            for i, (s, o) in enumerate(zip(src.tolist(), ords.tolist())):
+                if docs[i] is None:
+                    by.setdefault(pl[s][self.part(o)], []).append(i)
+            if not by:
+                break
+            results = await asyncio.gather(*(self._fetch_from(nid, idx, src, ords) for nid, idx in by.items()),
+                                           return_exceptions=True)
+            lost = None
+            for (nid, idx), r in zip(by.items(), results):
+                if isinstance(r, (PeerLostError, TimeoutError, ProtocolError)):
+                    lost = r
+                    continue
+                if isinstance(r, BaseException):
+                    raise r
+                for i, d in zip(idx, r):
+                    docs[i] = d
+            if lost is not None:
+                log.info("node %s: fetching payloads: %s; retrying after placement settles", self.jobs.node_id, lost)
+                await self.jobs.members_settle()
+        return [d[a : a + m] for d, a, m in zip(docs, offs.tolist(), lens.tolist())]
+
+    async def _fetch_from(self, nid: str, idx: list[int], src: np.ndarray, ords: np.ndarray) -> list[np.ndarray]:
+        s_sel, o_sel = src[idx].astype(np.int64), ords[idx].astype(np.int64)
+        if nid == self.jobs.node_id:
+            return await self.serve_tokens(s_sel, o_sel)
+        head, payload = await self.jobs.request(nid, {"t": "fetch", "digest": self.digest, "s": s_sel.tolist(),
+                                                       "o": o_sel.tolist()})
+        return split_docs(head, payload)
+
+    async def skip(self, src: np.ndarray, ords: np.ndarray) -> None:
+        """Occurrences this node was to build but will not (no reader at that position): drop their references."""
+        pl = self.placement()
+        by: dict[str, list[int]] = {}
+        for i, (s, o) in enumerate(zip(src.tolist(), ords.tolist())):
+            by.setdefault(pl[s][self.part(o)], []).append(i)
+        for nid, idx in by.items():
+            if nid == self.jobs.node_id:
+                self.unref(src[idx], ords[idx])
+            else:
+                try:
+                    await self.jobs.send(nid, {"t": "skip", "digest": self.digest, "s": src[idx].tolist(),
+                                               "o": ords[idx].tolist()})
+                except PeerLostError:
+                    pass  # the owner is gone: its payloads went with it
+
+    async def aclose(self) -> None:
+        self.closed = True
+        for t in self._opening.values():
+            t.cancel()
+        for (key, ld) in list(self.loaders.items()):
+            await ld.aclose()
+            self._sources.pop(key).close()
+        self.loaders.clear()
+        for src in self._ids_src.values():
+            src.close()
+        self._ids_src.clear()
+
+
+def pack_docs(docs: list[np.ndarray]) -> tuple[dict, bytes]:
+    """Documents as one int32 buffer plus their lengths (a payload frame)."""
+    lens = [int(len(d)) for d in docs]
+    buf = np.concatenate([np.asarray(d, dtype=np.int32) for d in docs]) if docs else np.zeros(0, np.int32)
+    return {"lens": lens, "dtype": "<i4"}, buf.astype("<i4", copy=False).tobytes()
+
+
+def split_docs(head: dict, payload) -> list[np.ndarray]:
+    try:
+        lens = [int(x) for x in head["lens"]]
+        a = np.frombuffer(memoryview(payload) if payload is not None else b"", dtype=np.dtype(head["dtype"]))
+        if sum(lens) != len(a) or any(n < 0 for n in lens):
+            raise ValueError(f"lengths {sum(lens)} do not match a payload of {len(a)} tokens")
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"malformed fetch reply: {e}") from None
+    out, off = [], 0
+    for n in lens:
+        out.append(a[off : off + n].copy())
+        off += n
+    return out

@@ -27,7 +27,14 @@ def _setup_logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _lean_arrow() -> None:
+    """Arrow's jemalloc pool returns freed decode buffers to the OS (the default kept 75-100 MiB of them);
+    it must be chosen before pyarrow is first imported. An explicit setting wins."""
+    os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "jemalloc")
+
+
 def _cmd_serve(args) -> int:
+    _lean_arrow()
     import uvloop
 
     from .node import NodeServer
@@ -137,6 +144,7 @@ def _cmd_cleanup(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    _lean_arrow()
     from .demo import run_demo
 
     _setup_logging(args.log_level or "WARNING")

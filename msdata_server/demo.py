@@ -199,7 +199,7 @@ def _run(root: str, steps: int) -> int:
             st = asyncio.run_coroutine_threadsafe(_status(server), loop).result()
             if st.get("jobs"):
                 status = st
-            pids = [os.getpid()] + list(server.pool.pids() if server.pool is not None else [])
+            pids = [os.getpid()] + (server.pool.pids() + server.pool.helper_pids() if server.pool is not None else [])
             peak_pss = max(peak_pss, tree_memory(pids)["pss"])
             lo = min(progress.values())
             if not status:

@@ -207,7 +207,7 @@ class NodeServer:
     # ---- status ----------------------------------------------------------------------------------------
     def status(self) -> dict:
         cfg = self.config.node
-        pids = [os.getpid()] + (list(self.pool.pids()) if self.pool is not None and hasattr(self.pool, "pids") else [])
+        pids = [os.getpid()] + (self.pool.pids() + self.pool.helper_pids() if self.pool is not None else [])
         mem = tree_memory(pids)
         return {
             "node": cfg.id,

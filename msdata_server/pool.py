@@ -601,6 +601,11 @@ class WorkerPool:
         """Process ids of the live workers (for tests and status)."""
         return sorted(w.pid for w in self._workers if w.pid is not None and not w.stopping)
 
+    def helper_pids(self) -> list[int]:
+        """Process ids of the pool's other processes (the forkserver), for memory accounting."""
+        proc = getattr(self._launcher, "proc", None)
+        return [proc.pid] if proc is not None and proc.poll() is None else []
+
 
 def _frame(payload: bytes) -> bytes:
     """A multiprocessing.Connection frame, so the worker can use recv_bytes."""

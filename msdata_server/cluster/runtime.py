@@ -52,6 +52,7 @@ class ClusterNode:
         self._tasks = TaskSet("cluster")
         self._dialing: dict[str, asyncio.Task] = {}
         self.members_changed = asyncio.Event()
+        self.on_link: list[Callable[[str], None]] = []  # called with the peer's id whenever a link to it is up
         self._closed = False
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -197,6 +198,8 @@ class ClusterNode:
             self.links[nid] = link
             link.closed.add_done_callback(lambda _f, nid=nid, link=link: self._link_gone(nid, link))
             log.info("node %s: linked to peer %s at %s", self.node_id, nid, listen)
+            for cb in list(self.on_link):  # frames sent while the link was down are lost: let the job layer resend
+                cb(nid)
             return
 
     def _link_gone(self, nid: str, link: PeerLink) -> None:

@@ -43,7 +43,7 @@ _STATE_KEYS = frozenset(
 )
 _CARRY_KEYS = ("source", "ordinal", "offset", "length")
 
-MIN_CHUNK, MAX_CHUNK = 256, 1 << 16  # ordinals per MetadataView.lengths call
+MIN_CHUNK, MAX_CHUNK = 64, 1 << 16  # ordinals per MetadataView.lengths call (the loaders hold what was asked)
 MAX_SKIPPED = 1 << 20  # consecutive empty (bad) samples before a source is declared broken
 
 

@@ -106,6 +106,9 @@ class DataClient:
         self._received = False  # a batch arrived: reconnects continue from our position (resume)
         self._pending: deque[dict] = deque()  # batch notices that arrived while waiting for a reply
         self._req_id = 0
+        # Release notices wake the server: send them in small groups (a quarter of the ring), and always
+        # before this rank waits for the server, so no slot stays taken while anyone waits for it.
+        self._release_batch = 1
         self.node: str | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -263,7 +266,6 @@ class DataClient:
             self._connect()
         if self._pending:
             return self._make_batch(self._pending.popleft())
-        self._flush_releases()
         while True:
             frame = self._recv_frame()
             t = frame["t"]
@@ -277,6 +279,7 @@ class DataClient:
         if fin is None:
             raise ValueError("release() takes a batch that this DataClient yielded")
         fin()
+        self._flush_releases()
 
     def _make_batch(self, frame: dict) -> Batch:
         ring, slot = int(frame["ring"]), int(frame["slot"])
@@ -308,7 +311,8 @@ class DataClient:
         if gen != self._gen or self._closed:
             return  # that connection is gone: the server already took the slot back
         self._releases.append((ring, slot, gen))
-        self._flush_releases()
+        if len(self._releases) >= self._release_batch:
+            self._flush_releases()
 
     def _flush_releases(self) -> None:
         # A finalizer may run inside another send on this thread: never block on the lock, the holder flushes.
@@ -360,6 +364,7 @@ class DataClient:
                 self._rings[int(r["id"])] = RingMap(fd, size)
             finally:
                 os.close(fd)  # the mapping holds the segment; the descriptor is no longer needed
+            self._release_batch = max(1, int(r["slots"]) // 4)
 
     # ---- connection ----------------------------------------------------------------------------------------
     def _recv_frame(self, on_reconnect=None) -> dict:
@@ -367,6 +372,7 @@ class DataClient:
             frame = self._reader.next_frame()
             if frame is not None:
                 return frame
+            self._flush_releases()  # about to wait: the server gets our releases first
             try:
                 recv_into_reader(self._sock, self._reader)
             except (PeerLostError, OSError) as e:

@@ -193,6 +193,7 @@ def _peer_addr(srv: ServerProc) -> tuple[str, int]:
 
 def test_peer_with_wrong_token_is_rejected(etcd_server, cluster_factory):  # noqa: F811
     c = cluster_factory(etcd_server.url, n=1).start()
+    wait_for(lambda: c.settled({"node-0"}), 30, "the only node to lead")  # else it may answer as a follower
     srv = c.nodes["node-0"]
     host, port = _peer_addr(srv)
     good = c.token_file.read_text().strip()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from .e2e_util import run_ranks, small_job
-from .etcd_fixture import etcd_server  # noqa: F401  (fixture)
+from .etcd_fixture import etcd_server, fresh_etcd  # noqa: F401  (fixtures)
 from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
 
 NODES = 3
@@ -176,6 +176,122 @@ def test_follower_restart_its_rank_reconnects_and_continues(etcd_server, cluster
     for r in range(3):
         assert got[r] == want[r], f"rank {r} saw other batches than an uninterrupted run"
     assert vi in range(3)
+
+
+def _paused_ranks(c, spec, n: int, before: int, *, connect_timeout: float = 60):
+    """One rank per node (rank r on node-r), each pausing after ``before`` batches until ``go`` is set."""
+    import msdata_client as msd
+
+    from .e2e_util import batch_record
+
+    got: dict[int, list] = {r: [] for r in range(NODES)}
+    errs: dict[int, BaseException] = {}
+    paused = threading.Barrier(NODES)
+    go = threading.Event()
+
+    def body(r):
+        try:
+            dc = msd.DataClient(spec, endpoint=c.nodes[f"node-{r}"].socket, rank=r, world_size=NODES,
+                                connect_timeout=connect_timeout)
+            for i in range(n):
+                if i == before:
+                    paused.wait(60)
+                    go.wait(120)
+                b = next(dc)
+                got[r].append(batch_record(b))
+                del b
+            dc.close()
+        except BaseException as e:  # reported to the test
+            errs[r] = e
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(NODES)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: all(len(got[r]) == before for r in range(NODES)), 60, "every rank at the pause")
+    return got, errs, go, threads
+
+
+def _send_peer_frame(srv, token: str, frame: dict) -> None:
+    """Connect to a node's peer port as an outside peer holding the token, send one frame, leave."""
+    import asyncio
+
+    from msdata_server.cluster.peers import PeerLink
+
+    host, _, port = srv.ready["listen"].rpartition(":")
+
+    async def main():
+        link = await PeerLink.connect(host, int(port), token=token, node_id="tester")
+        await link.send(frame)
+        await link.aclose()
+
+    asyncio.run(main())
+
+
+def test_plans_lost_on_a_broken_link_are_sent_again(etcd_server, cluster_factory, server_factory,  # noqa: F811
+                                                     monkeypatch):
+    """The leader's link to a follower breaks mid-run and the next plans to it are lost (an injected fault):
+    the follower asks for the step it lacks, the leader re-sends, and every rank gets exactly the batches of an
+    uninterrupted run."""
+    monkeypatch.setenv("MSDATA_TEST_FAULTS", "1")
+    spec = small_job("relink", dp=3, samples=400, seed=3, prefetch=1)
+    n, before = 12 * spec.micro_batches, 3 * spec.micro_batches
+    want = run_ranks(spec, server_factory().start().socket, n)
+
+    c = cluster_factory(etcd_server.url).start()
+    leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
+    victim = next(nid for nid in sorted(c.nodes) if nid != leader)
+    got, errs, go, threads = _paused_ranks(c, spec, n, before)
+    lead = c.nodes[leader]
+    _send_peer_frame(lead, c.token_file.read_text().strip(),
+                     {"t": "fault", "node": victim, "drop_plans": 4, "close": True})
+    wait_for(lambda: "test fault: next 4 plan(s)" in lead.log(), 30, "the leader to take the fault")
+    go.set()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a rank hung after plans to its node were lost"
+    assert not errs, errs
+    for r in range(NODES):
+        assert got[r] == want[r], f"rank {r} saw other batches than an uninterrupted run"
+    log = lead.log()
+    assert log.count("dropped the plan of step") == 4, "the fault did not drop the plans it was told to"
+    assert f"to {victim}" in log and "re-sending the plans of steps" in log
+
+
+def test_etcd_restart_during_a_job_one_planner_and_exact_data(fresh_etcd, cluster_factory,  # noqa: F811
+                                                              server_factory):
+    """etcd goes away mid-run (SIGKILL) and comes back: never two leaders (sampled all along), the planner
+    resumes from the fenced etcd states, and every rank gets exactly the batches of an uninterrupted run."""
+    import signal
+
+    from .test_multinode import TTL
+
+    spec = small_job("etcdgone", dp=3, samples=400, seed=13, prefetch=1)
+    n, before = 10 * spec.micro_batches, 3 * spec.micro_batches
+    want = run_ranks(spec, server_factory().start().socket, n)
+
+    c = cluster_factory(fresh_etcd.url).start()
+    wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
+    got, errs, go, threads = _paused_ranks(c, spec, n, before)
+    fresh_etcd.stop(signal.SIGKILL)
+    go.set()  # the ranks run on what was planned, then wait
+
+    def leaders() -> list[str]:
+        lead = [nid for nid, st in c.statuses().items() if st["role"] == "leader"]
+        assert len(lead) <= 1, f"two leaders at once: {lead}"
+        return lead
+
+    wait_for(lambda: not leaders(), 3 * TTL, "the leader to step down while etcd is away")
+    for _ in range(10):  # etcd is still down: nobody may plan
+        assert not leaders()
+    fresh_etcd.start()
+    while any(t.is_alive() for t in threads):  # sample roles until every rank is done
+        leaders()
+        threads[0].join(0.05)
+        assert not errs, errs
+    assert not errs, errs
+    for r in range(NODES):
+        assert got[r] == want[r], f"rank {r} saw other batches than an uninterrupted run"
+    assert any("job etcdgone: resumed" in srv.log() for srv in c.nodes.values()), "no leader resumed the job"
 
 
 def test_job_layer_modules_all_sorted_and_torch_free():

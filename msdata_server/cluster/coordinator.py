@@ -80,6 +80,20 @@ class Coordinator:
             c = self.coords.get(frame.get("digest"))
             if c is not None:
                 c.ack(str(frame["node"]), int(frame["step"]))
+        elif frame["t"] == "need":
+            c = self.coords.get(frame.get("digest"))
+            if c is not None:
+                c.ack(str(frame["node"]), int(frame["fed"]))
+                c.resend(str(frame["node"]), int(frame["step"]))
+
+    def link_up(self, nid: str) -> None:
+        """Our link to a node is (back) up: it may have missed a start or plans meanwhile; send them again."""
+        if not self.leading:
+            return
+        for digest, c in self.coords.items():
+            per = {n: j for n, rep in self.reports.items() for j in rep.get("jobs", ()) if j["digest"] == digest}
+            c.update(per)
+            c.resend(nid, c.acks.get(nid, c._low_ack()) + 1)
 
     def evaluate(self) -> None:
         """Start, resume or end job runs from the latest reports (only while we lead)."""
@@ -137,6 +151,8 @@ class JobCoordinator:
         self._stopped = False
         self._pending: set = set()
         self.planned = 0  # the next step the main planner will send
+        self.sent: dict[int, tuple[dict, bytes]] = {}  # encoded plans not yet fed on every live node (to re-send)
+        self._resending: dict[str, asyncio.Task] = {}
 
     def _failed(self, task, exc) -> None:
         log.error("coordinator of %s failed: %s", self.spec.name, exc, exc_info=exc)
@@ -191,6 +207,24 @@ class JobCoordinator:
                         await asyncio.sleep(delay)  # back-off until the link to the restarted node is up
                         delay = min(2 * delay, 0.5)
                 await self._replay(nid, low)
+
+    def resend(self, nid: str, step: int) -> None:
+        """Send a node the plans of [step, planned) again (it lost some): from memory, else re-planned."""
+        if self._stopped or self.start_frame is None or step >= self.planned or nid in self._resending:
+            return
+        t = self.tasks.spawn(self._resend(nid, max(step, 0)), name=f"resend-{nid}")
+        self._resending[nid] = t
+        t.add_done_callback(lambda _t: self._resending.pop(nid, None))
+
+    async def _resend(self, nid: str, step: int) -> None:
+        end = self.planned
+        log.info("job %s: re-sending the plans of steps %d..%d to %s", self.spec.name, step, end - 1, nid)
+        for s in range(step, end):
+            kept = self.sent.get(s)
+            if kept is None:  # no longer in memory (or planned by an earlier leader): re-plan from etcd
+                await self._replay(nid, s)
+                return
+            await self.jobs._quiet_send(nid, *kept)
 
     @property
     def token(self) -> int:
@@ -281,12 +315,23 @@ class JobCoordinator:
             if self._stopped:
                 return
             state = planner.state_dict()
-            if not await self.store.save(step, state):
+            # the fenced etcd write overlaps the planning (no plan leaves before its state is stored)
+            saving = asyncio.ensure_future(self.store.save(step, state))
+            try:
+                plan = await asyncio.to_thread(planner.plan_step, view)
+            except BaseException:
+                saving.cancel()
+                await asyncio.gather(saving, return_exceptions=True)
+                raise
+            if not await saving:
                 log.warning("job %s: no longer leader at step %d; planning stops", self.spec.name, step)
                 return
-            plan = await asyncio.to_thread(planner.plan_step, view)
             header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
             header["state"] = state
+            self.sent[step] = (header, buf)
+            low = self._low_ack()
+            for old in [s for s in self.sent if s <= low]:
+                del self.sent[old]
             self.planned = step + 1
             for nid in self.jobs.live_nodes():
                 await self.jobs._quiet_send(nid, header, buf)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from contextlib import suppress
 
 import numpy as np
@@ -105,7 +106,10 @@ class Run:
         while True:
             while step not in self.plans:
                 self.arrived.clear()
-                await self.arrived.wait()
+                try:  # a plan lost on a broken link: after a quiet while, tell the leader what we lack
+                    await asyncio.wait_for(self.arrived.wait(), self.jobs.probe)
+                except TimeoutError:
+                    self.jobs.need(self)
             plan = self.plans[step]
             job.steps_planned += 1
             job._record_stats(plan)
@@ -133,6 +137,9 @@ class ClusterJobs:
         self._settled = asyncio.Event()
         self.coordinator = None
         self.timeout = max(5.0, 3 * node.config.cluster.lease_ttl)
+        self.probe = node.config.cluster.lease_ttl / 2  # how long a node waits for a plan before asking again
+        self._faults = os.environ.get("MSDATA_TEST_FAULTS") == "1"  # tests inject lost frames (see on_frame)
+        self._drop_plans: dict[str, int] = {}
 
     async def start(self) -> None:
         from .coordinator import Coordinator
@@ -140,6 +147,7 @@ class ClusterJobs:
         self.coordinator = Coordinator(self)
         self.cluster.handler = self.on_frame
         self.cluster.election.on_change(self._on_role)
+        self.cluster.on_link.append(self._link_up)
         self.tasks.spawn(self._pusher(), name="job-reports")
         self.tasks.spawn(self._members(), name="job-members")
         self._dirty.set()
@@ -158,6 +166,15 @@ class ClusterJobs:
     def _on_role(self, role, leader_id, token) -> None:
         self._dirty.set()
         self.coordinator.on_role(role)
+
+    def _link_up(self, nid: str) -> None:
+        """A link came (back) up; frames sent while it was down are lost, so both sides catch up."""
+        self.coordinator.link_up(nid)  # the leader re-sends the plans that node may lack
+        if nid == self.cluster.leader_id:  # a follower reports again and says which step it lacks
+            self._dirty.set()
+            for run in list(self.runs.values()):
+                if run.job is not None:
+                    self.need(run)
 
     async def _members(self) -> None:
         ev = self.cluster.members_changed
@@ -220,6 +237,14 @@ class ClusterJobs:
         with suppress(TimeoutError):
             await asyncio.wait_for(self.cluster.election.wait_leader(), self.node.config.cluster.lease_ttl)
 
+    def need(self, run: Run) -> None:
+        """Tell the leader the lowest step this node lacks and the last it fed (it re-sends what is missing)."""
+        leader = self.cluster.leader_id
+        if leader is None:
+            return
+        self.tasks.spawn(self._quiet_send(leader, {"t": "need", "digest": run.digest, "node": self.node_id,
+                                                   "step": run.next_step, "fed": run.fed}), name="need")
+
     def ack(self, run: Run) -> None:
         leader = self.cluster.leader_id
         if leader is None:
@@ -233,6 +258,10 @@ class ClusterJobs:
 
     # ---- transport ------------------------------------------------------------------------------------------
     async def send(self, nid: str, frame: dict, payload=None) -> None:
+        if self._drop_plans and frame.get("t") == "plan" and self._drop_plans.get(nid, 0) > 0:
+            self._drop_plans[nid] -= 1  # an injected fault: this plan is lost on the way
+            log.warning("node %s: test fault: dropped the plan of step %s to %s", self.node_id, frame.get("step"), nid)
+            return
         if nid == self.node_id:
             await self.on_frame(nid, frame, None if payload is None else memoryview(payload))
         else:
@@ -280,8 +309,16 @@ class ClusterJobs:
                 run = self.runs.get(frame.get("digest"))
                 if run is not None:
                     run.shard.unref(np.asarray(frame["s"], np.int64), np.asarray(frame["o"], np.int64))
-            elif t in ("jobs", "ack"):
+            elif t in ("jobs", "ack", "need"):
                 self.coordinator.on_frame(frame)
+            elif t == "fault" and self._faults:  # tests only (MSDATA_TEST_FAULTS=1): lose plans, break a link
+                nid = str(frame["node"])
+                self._drop_plans[nid] = int(frame.get("drop_plans", 0))
+                link = self.cluster.links.get(nid)
+                if frame.get("close") and link is not None:
+                    self.tasks.spawn(link.aclose(), name="fault-close")
+                log.warning("node %s: test fault: next %d plan(s) to %s dropped%s", self.node_id,
+                            self._drop_plans[nid], nid, ", link closed" if frame.get("close") else "")
             else:
                 log.warning("node %s: unknown job frame %r from %s", self.node_id, t, peer)
         except (KeyError, TypeError, ValueError, ProtocolError) as e:

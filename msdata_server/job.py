@@ -392,9 +392,8 @@ class Job:
         """Use these weights from the first step not yet published to any rank (returned); steps planned past
         it are re-planned. Recorded in the planner state (and the node's checkpoint) before returning."""
         await self._started.wait()
-        if self.remote is not None:
-            raise ConfigError("set_mixture is not supported yet for jobs spread over a cluster; set the mixture "
-                              "schedule in the job definition ([mix] schedule)")
+        if self.remote is not None:  # cluster: the leader cuts at the first step no node has taken up
+            return await self.node.cluster_jobs.set_mixture(self.remote, weights)
         async with self._plan_lock:
             cut = max(g.committed for g in self.groups) + 1
             base = self.planner.state_dict() if cut == self.planner.step else self.snapshots.get(cut)
@@ -477,6 +476,8 @@ class Job:
         scratch: dict = {}
         while True:
             plan = await grp.queue.get()
+            if self.remote is not None and not await self.remote.take(plan):
+                continue  # cluster: a mixture change cut this step while it waited at the gate
             grp.committed = plan.step  # from here on this step is built as planned, whatever happens
             key = plan.dp.astype(np.int64) * mb + plan.micro
             for m in range(mb):

@@ -320,3 +320,44 @@ def test_fetch_reply_codec_round_trip_and_malformed():
         split_docs({**head, "lens": [5, 0, 4]}, memoryview(buf))
     with pytest.raises(ProtocolError):
         split_docs({"dtype": "<i4"}, memoryview(buf))
+
+
+def test_set_mixture_across_nodes_cuts_everywhere_and_survives_resume(etcd_server, cluster_factory,  # noqa: F811
+                                                                      server_factory):
+    """A rank calls set_mixture mid-run: the leader cuts at the first step no constructor on any node took up,
+    every rank on every node sees only source a from cut+2 on, TP peers stay identical, and a run resumed from
+    a state saved after the change (on the cluster and on one node, the same batches) keeps it."""
+    spec = small_job("mixc", dp=3, tp=2, samples=400, seed=9, prefetch=4)
+    steps, at = 12, 3
+    n = steps * spec.micro_batches
+    c = cluster_factory(etcd_server.url).start()
+    wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
+    saved: dict = {}
+    got = run_spread(c, spec, n, spread(spec.mesh.world_size), saved=saved,
+                     mixture=(at * spec.micro_batches, {"a": 1.0, "b": 0.0}))
+    e = saved["mixture_step"]
+    assert at <= e and e + 2 < steps, f"cut at step {e}"
+    world = spec.mesh.world_size
+    for r in range(world):
+        assert [rec["step"] for rec in got[r]] == [s for s in range(steps) for _ in range(spec.micro_batches)]
+        after = [rec for rec in got[r] if rec["step"] >= e + 2]
+        assert after and all(src == 0 for rec in after for src, _ in rec["ids"]), f"rank {r} saw b after the cut"
+        grp = spec.mesh.group_of(r, spec.distribute)
+        peers = [q for q in range(world) if spec.mesh.group_of(q, spec.distribute) == grp]
+        assert len(peers) == 2 and all(got[q] == got[r] for q in peers), f"rank {r} and TP peers {peers} disagree"
+    assert any(src == 1 for r in range(world) for rec in got[r] if rec["step"] < e for src, _ in rec["ids"])
+    assert saved[0]["planner"]["mixture"] != spec.to_dict()["mix"]  # the override is in the state
+    assert sum("mixture {'a': 1.0, 'b': 0.0} from step" in srv.log() for srv in c.nodes.values()) == 1
+    # a resume from the state saved after the change keeps it: the cluster and one node give the same batches
+    states = {r: saved[r] for r in range(world)}
+    m = 3 * spec.micro_batches
+    # a new run of the same job: wait until every node has let the old run go (else the leader takes the new
+    # ranks for a rejoin of the old run; a known limit of the job layer, not of set_mixture)
+    wait_for(lambda: all("the run of job mixc ended" in srv.log() for srv in c.nodes.values()), 30,
+             "every node to end the first run")
+    again = run_spread(c, spec, m, spread(world), states=states)
+    alone = run_ranks(spec, server_factory().start().socket, m, states=states)
+    for r in range(world):
+        assert again[r] == alone[r], f"rank {r}: the resumed run differs between three nodes and one"
+        assert again[r][0]["step"] == steps
+        assert all(src == 0 for rec in again[r] for src, _ in rec["ids"])

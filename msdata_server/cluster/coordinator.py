@@ -153,6 +153,11 @@ class JobCoordinator:
         self.planned = 0  # the next step the main planner will send
         self.sent: dict[int, tuple[dict, bytes]] = {}  # encoded plans not yet fed on every live node (to re-send)
         self._resending: dict[str, asyncio.Task] = {}
+        self.planner: Planner | None = None
+        self._plan_lock = asyncio.Lock()  # one step planned and sent, or one mixture change, at a time
+        self.gen = 0  # mixture changes so far (plans carry it; nodes drop plans of an older one)
+        self.states: dict[int, dict] = {}  # recent planner states by step (a mixture change re-plans from one)
+        self.mix_states: dict[int, dict] = {}  # cut -> the state with that change (a replay switches to it)
 
     def _failed(self, task, exc) -> None:
         log.error("coordinator of %s failed: %s", self.spec.name, exc, exc_info=exc)
@@ -307,34 +312,88 @@ class JobCoordinator:
             raise ClosedError(f"job {self.spec.name}: this node did not take up the run it started")
         view = _RemoteView(self, run, loop)
         window = self.spec.prefetch_steps + 1
+        self.planner = planner
         while not self._stopped:
-            step = planner.step
-            while not self._stopped and step > self._low_ack() + window:
+            while not self._stopped and self.planner.step > self._low_ack() + window:
                 self.acked.clear()
                 await self.acked.wait()
             if self._stopped:
                 return
-            state = planner.state_dict()
-            # the fenced etcd write overlaps the planning (no plan leaves before its state is stored)
-            saving = asyncio.ensure_future(self.store.save(step, state))
+            async with self._plan_lock:
+                if not await self._plan_one(view):
+                    return
+
+    async def _plan_one(self, view) -> bool:
+        """Plan, record and send one step (under the plan lock); False once we no longer lead."""
+        planner = self.planner
+        step = planner.step
+        state = planner.state_dict()
+        # the fenced etcd write overlaps the planning (no plan leaves before its state is stored)
+        saving = asyncio.ensure_future(self.store.save(step, state))
+        try:
+            plan = await asyncio.to_thread(planner.plan_step, view)
+        except BaseException:
+            saving.cancel()
+            await asyncio.gather(saving, return_exceptions=True)
+            raise
+        if not await saving:
+            log.warning("job %s: no longer leader at step %d; planning stops", self.spec.name, step)
+            return False
+        header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
+        header["state"], header["gen"] = state, self.gen
+        self.sent[step] = (header, buf)
+        self.states[step] = state
+        for old in [s for s in self.states if s <= step - 256]:
+            del self.states[old]
+        low = self._low_ack()
+        for old in [s for s in self.sent if s <= low]:
+            del self.sent[old]
+        self.planned = step + 1
+        for nid in self.jobs.live_nodes():
+            await self.jobs._quiet_send(nid, header, buf)
+        return True
+
+    async def set_mixture(self, weights: dict) -> int:
+        """Change the mixture from the first step no constructor on any node has taken up (returned): hold every
+        node, cut there, re-plan from that step's state (recorded in etcd first); nodes drop their later plans."""
+        async with self._plan_lock:
+            if self._stopped or self.planner is None:
+                raise PeerLostError(f"job {self.spec.name}: not planning here (starting or leader changed); retry")
+            nodes = self.jobs.live_nodes()
+            frame: dict = {"t": "mixcut", "digest": self.digest, "cut": None, "token": self.token}
             try:
-                plan = await asyncio.to_thread(planner.plan_step, view)
-            except BaseException:
-                saving.cancel()
-                await asyncio.gather(saving, return_exceptions=True)
-                raise
-            if not await saving:
-                log.warning("job %s: no longer leader at step %d; planning stops", self.spec.name, step)
-                return
-            header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
-            header["state"] = state
-            self.sent[step] = (header, buf)
-            low = self._low_ack()
-            for old in [s for s in self.sent if s <= low]:
-                del self.sent[old]
-            self.planned = step + 1
-            for nid in self.jobs.live_nodes():
-                await self.jobs._quiet_send(nid, header, buf)
+                replies = await asyncio.gather(*(self.jobs.request(n, {"t": "mixhold", "digest": self.digest})
+                                                 for n in nodes))
+                cut = min(max(int(h["committed"]) for h, _ in replies) + 1, self.planner.step)
+                base = self.planner.state_dict() if cut == self.planner.step else self.states.get(cut)
+                if base is None:
+                    raise CheckpointError(f"job {self.spec.name}: no planner state of step {cut} on the leader "
+                                          f"(it holds {min(self.states, default=0)}..{self.planner.step})")
+                planner = Planner(planner_config(self.spec), state=base)
+                planner.set_mixture(cut, weights)  # ConfigError for unknown sources or bad weights: nothing changed
+                state = planner.state_dict()
+                if not await self.store.save_cut(cut, state, self.planner.step):
+                    raise PeerLostError(f"job {self.spec.name}: no longer leader; set_mixture not applied, retry")
+                dropped = self.planner.step - cut
+                self.gen += 1
+                self.planner, self.planned = planner, cut
+                for s in [s for s in self.sent if s >= cut]:
+                    del self.sent[s]
+                for s in [s for s in self.states if s >= cut]:
+                    del self.states[s]
+                self.states[cut] = self.mix_states[cut] = state
+                for s in [s for s in self.mix_states if s > cut]:
+                    del self.mix_states[s]
+                for n in self.acks:
+                    self.acks[n] = min(self.acks[n], cut - 1)
+                frame.update(cut=cut, gen=self.gen)
+            finally:  # release every node (with the cut, or without one when the change failed)
+                for n in nodes:
+                    await self.jobs._quiet_send(n, frame)
+        self.acked.set()
+        log.info("job %s: mixture %s from step %d (%d planned step(s) re-planned)", self.spec.name, weights, cut,
+                 dropped)
+        return cut
 
     def _low_ack(self) -> int:
         """The lowest step fed on a live node that has ranks of the job (a dead node never holds planning back)."""
@@ -351,11 +410,14 @@ class JobCoordinator:
         planner = Planner(planner_config(self.spec), state=state)
         run = self.jobs.runs[self.digest]
         view = _RemoteView(self, run, asyncio.get_running_loop())
+        gen = self.gen  # a mixture change meanwhile makes these plans stale (nodes drop them)
         while planner.step < self.planned and not self._stopped:
+            if planner.step in self.mix_states and planner.step > step:  # a mixture change from this step on
+                planner = Planner(planner_config(self.spec), state=self.mix_states[planner.step])
             st = planner.state_dict()
             plan = await asyncio.to_thread(planner.plan_step, view)
             header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
-            header["state"] = st
+            header["state"], header["gen"] = st, gen
             await self.jobs._quiet_send(nid, header, buf)
 
 

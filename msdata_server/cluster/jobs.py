@@ -18,7 +18,7 @@ import numpy as np
 
 from msdata_client.graph import JobSpec
 
-from ..errors import CheckpointError, MsdataError, PeerLostError, ProtocolError
+from ..errors import CheckpointError, ConfigError, MsdataError, PeerLostError, ProtocolError
 from ..job import RankPosition
 from ..tasks import TaskSet
 from .planwire import decode_plan
@@ -61,6 +61,14 @@ class Run:
         self.fed = self.start_step - 1
         self.arrived = asyncio.Event()
         self.job = None
+        # mixture changes (set_mixture): plans of an older (token, gen) are dropped; a cut drops plans >= cut
+        self.gen_key = (0, 0)
+        self.epoch = 0
+        self.cuts: list[tuple[int, int]] = []  # (epoch, cut) of each change this node applied
+        self.holding: asyncio.Event | None = None  # constructors take up no new step while the leader cuts
+        self.feed_next = self.start_step
+        self.feeding = None  # the plan feed() is handing to the group queues
+        self.gated: dict[int, object] = {}  # plans constructors hold at the gate (take) during a hold
 
     def set_ranks(self, rank_nodes: dict) -> None:
         g: dict[int, set] = {}
@@ -68,7 +76,9 @@ class Run:
             g.setdefault(self.spec.mesh.group_of(int(r), self.spec.distribute), set()).add(str(nid))
         self.group_nodes = {k: tuple(sorted(v)) for k, v in g.items()}
 
-    def add_plan(self, plan, state: dict | None) -> None:
+    def add_plan(self, plan, state: dict | None, key: tuple[int, int] = (0, 0)) -> None:
+        if key < self.gen_key:
+            return  # planned before a mixture change: its steps were planned again
         if plan.step < self.next_step or plan.step in self.early:
             return  # a re-sent plan (a new leader re-plans from an earlier step): identical, ignored
         if plan.step > self.next_step + _KEEP_STATES:
@@ -102,23 +112,92 @@ class Run:
     async def feed(self, job) -> None:
         """Hand plans in step order to the constructors of the groups read on this node; ack each step."""
         local = [g for g in job.groups if g.current is not None]
-        step = self.start_step
+        self.feed_next = self.start_step
         while True:
-            while step not in self.plans:
+            while self.feed_next not in self.plans:
                 self.arrived.clear()
                 try:  # a plan lost on a broken link: after a quiet while, tell the leader what we lack
                     await asyncio.wait_for(self.arrived.wait(), self.jobs.probe)
                 except TimeoutError:
                     self.jobs.need(self)
-            plan = self.plans[step]
+            step = self.feed_next
+            plan, epoch = self.plans.pop(step), self.epoch
+            self.feeding = plan
             job.steps_planned += 1
             job._record_stats(plan)
+            ok = True
             for grp in local:
-                await grp.queue.put(plan, lambda: True)
-            del self.plans[step]
+                if not await grp.queue.put(plan, lambda: not self.stale(plan, epoch)):
+                    ok = False  # a mixture change cut this step: feed_next went back to the cut
+                    break
+            self.feeding = None
+            if not ok or self.stale(plan, epoch):
+                continue
             self.fed = step
+            self.feed_next = step + 1
             self.jobs.ack(self)
-            step += 1
+
+    # ---- mixture changes (the leader cuts at the first step no constructor on any node has taken up) -------
+    def stale(self, plan, epoch: int) -> bool:
+        """Whether a plan held since ``epoch`` was cut by a later mixture change."""
+        return any(e > epoch and plan.step >= c for e, c in self.cuts)
+
+    async def take(self, plan) -> bool:
+        """A constructor's gate before it takes up a step: waits out a hold; False if the step was cut."""
+        epoch = self.epoch
+        if self.holding is None:
+            return True
+        self.gated[id(plan)] = plan
+        try:
+            while self.holding is not None:
+                await self.holding.wait()
+        finally:
+            self.gated.pop(id(plan), None)
+        return not self.stale(plan, epoch)
+
+    def hold(self) -> int:
+        """Stop constructors taking up new steps (until the cut or a timeout); the newest step taken up here."""
+        if self.holding is None:
+            ev = self.holding = asyncio.Event()
+            asyncio.get_running_loop().call_later(self.jobs.timeout, self._release, ev)
+        job = self.job
+        if job is None or not job.groups:
+            return self.start_step - 1
+        return max(g.committed for g in job.groups)
+
+    def _release(self, ev: asyncio.Event) -> None:
+        if self.holding is ev:
+            self.holding = None
+        ev.set()
+
+    def cut(self, cut: int | None, key: tuple[int, int]) -> None:
+        """Apply a mixture change: drop every plan of steps >= cut (re-planned by the leader), then release."""
+        if cut is not None and key > self.gen_key:
+            self.gen_key = key
+            self.epoch += 1
+            self.cuts.append((self.epoch, cut))
+            del self.cuts[:-16]
+            dropped = {id(p): p for s, p in self.plans.items() if s >= cut}
+            for s in [s for s in self.plans if s >= cut]:
+                del self.plans[s]
+            for s in [s for s in self.early if s >= cut]:
+                del self.early[s]  # never counted (add_refs runs when a plan takes its turn)
+            for s in [s for s in self.states if s >= cut]:
+                del self.states[s]
+            for grp in (self.job.groups if self.job is not None else ()):
+                dropped.update({id(p): p for p in grp.queue.drop_from(cut)})
+            for p in [self.feeding, *self.gated.values()]:
+                if p is not None and p.step >= cut:
+                    dropped[id(p)] = p
+            for p in dropped.values():
+                self.shard.drop_refs(p, self.group_nodes)
+            self.next_step = min(self.next_step, cut)
+            self.fed = min(self.fed, cut - 1)
+            self.feed_next = min(self.feed_next, cut)
+            log.info("node %s: job %s: mixture change from step %d (%d planned step(s) dropped)", self.jobs.node_id,
+                     self.spec.name, cut, len(dropped))
+        if self.holding is not None:
+            self._release(self.holding)
 
 
 class ClusterJobs:
@@ -296,12 +375,14 @@ class ClusterJobs:
             elif t == "plan":
                 run = self.runs.get(frame.get("digest"))
                 if run is not None:
-                    run.add_plan(decode_plan(frame, payload), frame.get("state"))
+                    run.add_plan(decode_plan(frame, payload), frame.get("state"),
+                                 (int(frame.get("token") or 0), int(frame.get("gen", 0))))
             elif t == "jstart":
                 self._jstart(frame)
             elif t == "jstop":
                 run = self.runs.pop(frame.get("digest"), None)
                 if run is not None:
+                    log.info("node %s: the run of job %s ended", self.node_id, run.spec.name)
                     self.tasks.spawn(run.shard.aclose(), name="shard-close")
             elif t in ("len", "fetch"):
                 self.tasks.spawn(self._serve(frame), name=f"serve-{t}")
@@ -309,6 +390,16 @@ class ClusterJobs:
                 run = self.runs.get(frame.get("digest"))
                 if run is not None:
                     run.shard.unref(np.asarray(frame["s"], np.int64), np.asarray(frame["o"], np.int64))
+            elif t == "mixhold":  # the leader cuts for a mixture change: hold, say the newest step taken up
+                run = self.runs.get(frame.get("digest"))
+                await self._reply(frame, {"committed": run.hold() if run is not None else -1})
+            elif t == "mixcut":
+                run = self.runs.get(frame.get("digest"))
+                if run is not None:
+                    cut = frame.get("cut")
+                    run.cut(None if cut is None else int(cut), (int(frame.get("token") or 0), int(frame.get("gen", 0))))
+            elif t == "mix":
+                self.tasks.spawn(self._serve_mix(frame), name="serve-mix")
             elif t in ("jobs", "ack", "need"):
                 self.coordinator.on_frame(frame)
             elif t == "fault" and self._faults:  # tests only (MSDATA_TEST_FAULTS=1): lose plans, break a link
@@ -323,6 +414,28 @@ class ClusterJobs:
                 log.warning("node %s: unknown job frame %r from %s", self.node_id, t, peer)
         except (KeyError, TypeError, ValueError, ProtocolError) as e:
             log.warning("node %s: malformed %r frame from %s: %s", self.node_id, t, peer, e)
+
+    async def set_mixture(self, run: Run, weights: dict) -> int:
+        """A rank's set_mixture: the leader's coordinator cuts, re-plans and records it; returns the cut step."""
+        leader = self.cluster.leader_id
+        if leader is None:
+            raise PeerLostError("set_mixture: the cluster has no leader right now (etcd unreachable?); retry shortly")
+        head, _ = await self.request(leader, {"t": "mix", "digest": run.digest, "weights": weights})
+        if head.get("refused"):
+            raise ConfigError(head["refused"])
+        return int(head["step"])
+
+    async def _serve_mix(self, frame: dict) -> None:
+        c = self.coordinator.coords.get(frame.get("digest")) if self.coordinator.leading else None
+        try:
+            if c is None:
+                raise PeerLostError(f"node {self.node_id} does not coordinate job {str(frame.get('digest'))[:12]} "
+                                    "(the leader changed); retry")
+            await self._reply(frame, {"step": await c.set_mixture(dict(frame["weights"]))})
+        except ConfigError as e:
+            await self._reply(frame, {"refused": str(e)})
+        except (MsdataError, KeyError, TypeError, ValueError) as e:
+            await self._reply(frame, {"error": f"{type(e).__name__}: {e}"})
 
     async def _serve(self, frame: dict) -> None:
         run = self.runs.get(frame.get("digest"))

@@ -173,6 +173,15 @@ class JobShard:
             v = self.refs.get(key, 0) + n
             self._set_ref(key, v)
 
+    def drop_refs(self, plan, group_nodes: dict[int, tuple[str, ...]]) -> None:
+        """A plan cut by a mixture change (never built): take back what add_refs counted for it."""
+        me = self.jobs.node_id
+        pl = self.placement()
+        for s, o, g in zip(plan.source.tolist(), plan.ordinal.tolist(), plan.dp.tolist()):
+            n = len(group_nodes.get(int(g), ()))
+            if n and pl[s][self.part(o)] == me:
+                self._set_ref((s, o), self.refs.get((s, o), 0) - n)
+
     def unref(self, src, ords) -> None:
         for s, o in zip(np.asarray(src).tolist(), np.asarray(ords).tolist()):
             key = (s, o)

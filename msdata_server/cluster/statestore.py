@@ -40,6 +40,14 @@ class EtcdStateStore:
             ops.append(Op.delete(self._key(step - self.keep)))
         return await self.election.txn_fenced(ops)
 
+    async def save_cut(self, step: int, state: dict, end: int) -> bool:
+        """A mixture change at ``step``: write its state and delete the old plan's states of (step, end)."""
+        if self.election is None:
+            return False
+        ops = [Op.put(self._key(step), orjson.dumps(state))]
+        ops += [Op.delete(self._key(s)) for s in range(max(step + 1, end - self.keep), end)]
+        return await self.election.txn_fenced(ops)
+
     async def steps(self) -> list[int]:
         return [int(kv.key.decode()[len(self.base):]) for kv in await self.etcd.get(self.base, prefix=True)]
 

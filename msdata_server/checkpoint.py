@@ -10,7 +10,9 @@ import re
 
 import orjson
 
-__all__ = ["StateStore"]
+from .errors import CheckpointError
+
+__all__ = ["StateStore", "start_from_states"]
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +75,25 @@ class StateStore:
             except FileNotFoundError:
                 pass
         self._steps = []
+
+
+def start_from_states(states: dict, layout: dict) -> tuple[dict, dict[int, tuple[int, int]]]:
+    """Where a job starts when ranks brought states (``states``: rank -> state or None, at least one given).
+
+    Every given state must hold the same planner position (else CheckpointError for every rank); ranks that
+    brought none adopt it. Returns the planner state and each rank's (step, micro): a rank keeps its micro-batch
+    only when its state was saved under this same layout (another layout restarts the step).
+    """
+    given = {r: st for r, st in states.items() if st is not None}
+    first = next(iter(given.values()))
+    for r, st in given.items():
+        if st["planner"] != first["planner"]:
+            raise CheckpointError(f"ranks brought states of different positions (rank {r} at step "
+                                  f"{st['planner'].get('step')}, others at {first['planner'].get('step')}); "
+                                  "load the same checkpoint on every rank")
+    step = int(first["planner"]["step"])
+    positions = {}
+    for r, st in states.items():
+        same = st is not None and st.get("layout") == layout
+        positions[r] = (step, int(st["position"]["micro"]) if same else 0)
+    return first["planner"], positions

@@ -24,7 +24,7 @@ from msdata_client.ring import HEADER_SIZE, FieldLayout, SlotTable, layout_field
 
 from .constructor import MicroBatchPieces, build_micro_batch, count_segments, field_specs
 from .errors import CheckpointError, ClosedError, ConfigError, MsdataError, RingFullError
-from .checkpoint import StateStore
+from .checkpoint import StateStore, start_from_states
 from .loader import SourceLoader
 from .planner import Mixture, Planner, PlannerConfig
 from .shm import Segment, create_segment
@@ -254,22 +254,11 @@ class Job:
     def _start_state(self) -> dict | None:
         """Where the job starts: a state the ranks brought (all that bring one must agree), else the node's own
         checkpoint when ranks reconnect after a restart, else the beginning. Sets every rank's position."""
-        given = {r: st for r, st in self.states.items() if st is not None}
-        if given:
-            first = next(iter(given.values()))
-            for r, st in given.items():
-                if st["planner"] != first["planner"]:
-                    raise CheckpointError(f"ranks brought states of different positions (rank {r} at step "
-                                          f"{st['planner'].get('step')}, others at {first['planner'].get('step')}); "
-                                          "load the same checkpoint on every rank")
-            step = int(first["planner"]["step"])
-            for r in self.positions:
-                st = self.states.get(r)
-                same = st is not None and st.get("layout") == self._layout()
-                micro = int(st["position"]["micro"]) if same else 0  # another layout restarts the step
-                self.positions[r] = RankPosition(step, micro)
+        if any(st is not None for st in self.states.values()):
+            planner, positions = start_from_states({r: self.states.get(r) for r in self.positions}, self._layout())
+            self.positions.update({r: RankPosition(*p) for r, p in positions.items()})
             self.store.clear()
-            return first["planner"]
+            return planner
         if any(self.resuming.values()):
             resumed = [p for r, p in self.positions.items() if self.resuming[r]]
             low = min(resumed)

@@ -15,6 +15,7 @@ import logging
 
 from msdata_client.graph import JobSpec
 
+from ..checkpoint import start_from_states
 from ..errors import CheckpointError, ClosedError, MsdataError, PeerLostError
 from ..planner import Mixture, Planner, PlannerConfig
 from ..tasks import TaskSet
@@ -246,21 +247,11 @@ class JobCoordinator:
             if found is None:
                 raise CheckpointError(f"job {self.spec.name!r}: no planner state in etcd at or before step {low}")
             return found[1], positions
-        given = {r: info["state"] for r, info in ranks.items() if info.get("state") is not None}
-        if given:
-            first = next(iter(given.values()))
-            for r, st in given.items():
-                if st["planner"] != first["planner"]:
-                    raise CheckpointError(f"ranks brought states of different positions (rank {r} at step "
-                                          f"{st['planner'].get('step')}, others at {first['planner'].get('step')}); "
-                                          "load the same checkpoint on every rank")
-            step = int(first["planner"]["step"])
-            for r in positions:
-                st = ranks[r].get("state")
-                same = st is not None and st.get("layout") == _layout(self.spec)
-                positions[r] = [step, int(st["position"]["micro"]) if same else 0]
+        if any(info.get("state") is not None for info in ranks.values()):
+            planner, starts = start_from_states({r: ranks[r].get("state") for r in positions}, _layout(self.spec))
+            positions.update({r: list(p) for r, p in starts.items()})
             await self.store.clear()
-            return first["planner"], positions
+            return planner, positions
         if any(info.get("resume") for info in ranks.values()):
             low = min(tuple(positions[r]) for r, info in ranks.items() if info.get("resume"))
             for r, info in ranks.items():

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from workloads import COST, TEXT4, SyntheticLengths  # noqa: E402
 
+from msdata_client.wire import request  # noqa: E402
 from msdata_server.planner import Mixture, Planner, PlannerConfig  # noqa: E402
 
 SEQ, MICRO = 16384, 4
@@ -65,23 +66,11 @@ def _etcd_cmd(d: Path, cport: int, pport: int) -> list[str]:
 
 
 def _status(sock: str) -> dict | None:
-    import socket
-
-    from msdata_client.wire import FrameReader, encode, recv_into_reader
-
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(5)
+    """The server's status over its Unix socket (None while it is down)."""
     try:
-        s.connect(sock)
-        s.sendall(encode({"t": "status"}))
-        r = FrameReader()
-        while (f := r.next_frame()) is None:
-            recv_into_reader(s, r)
-        return f["status"]
+        return request(sock, {"t": "status"}, timeout=5)["status"]
     except OSError:
         return None
-    finally:
-        s.close()
 
 
 def failover(ttl: float, rounds: int) -> list[float]:

@@ -24,6 +24,7 @@ __all__ = [
     "decode",
     "encode",
     "recv_into_reader",
+    "request",
 ]
 
 PROTOCOL_VERSION = 1
@@ -98,3 +99,17 @@ def recv_into_reader(sock: socket.socket, reader: FrameReader, bufsize: int = 1 
             os.close(fd)
         raise PeerLostError("the server closed the connection")
     reader.feed(data, fds)
+
+
+def request(path: str, frame: dict, *, timeout: float = 10.0) -> dict:
+    """One blocking request/reply on a server's Unix socket (status and tools); OSError if nobody answers."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    with s:
+        s.connect(path)
+        s.sendall(encode(frame))
+        reader = FrameReader()
+        while (reply := reader.next_frame()) is None:
+            recv_into_reader(s, reader)
+        reader.close_fds()
+        return reply

@@ -64,21 +64,14 @@ def _cmd_serve(args) -> int:
 
 
 def _cmd_status(args) -> int:
-    from msdata_client.wire import FrameReader, encode, recv_into_reader
+    from msdata_client.wire import request
 
     endpoint = args.endpoint or os.environ.get(ENDPOINT_ENV) or default_endpoint()
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
     try:
-        s.connect(endpoint)
+        f = request(endpoint, {"t": "status"})
     except OSError as e:
         print(f"msdata-server status: no server at {endpoint!r} ({e}); is `msdata-server serve` running?", file=sys.stderr)
         return 2
-    with s:
-        s.sendall(encode({"t": "status"}))
-        r = FrameReader()
-        while (f := r.next_frame()) is None:
-            recv_into_reader(s, r)
     st = f.get("status", {})
     if args.json:
         print(orjson.dumps(st).decode())

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from msdata_client.wire import FrameReader, encode, recv_into_reader
+from msdata_client.wire import request
 from msdata_server.cluster.peers import AuthError, PeerLink
 from msdata_server.cluster.placement import place, place_sources
 from msdata_server.errors import ConfigError
@@ -30,19 +30,10 @@ TTL = 2.0
 
 def node_status(sock: str) -> dict | None:
     """The server's status over its Unix socket (None while it is down)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(5)
     try:
-        s.connect(sock)
-        s.sendall(encode({"t": "status"}))
-        r = FrameReader()
-        while (f := r.next_frame()) is None:
-            recv_into_reader(s, r)
-        return f["status"]
+        return request(sock, {"t": "status"}, timeout=5)["status"]
     except OSError:
         return None
-    finally:
-        s.close()
 
 
 def wait_for(cond, timeout: float, what: str):

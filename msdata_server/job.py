@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -176,6 +177,7 @@ class Job:
         self._pcfg: PlannerConfig | None = None
         self.start_step = 0
         self.remote = None  # cluster mode: the Run (msdata_server.cluster.jobs) that brings the leader's plans
+        self.inst = uuid.uuid4().hex[:16]  # this registration of the job on this node (the leader tells runs apart)
 
     # ---- ranks --------------------------------------------------------------------------------------
     @property

@@ -120,7 +120,7 @@ def test_leader_sigkill_mid_run_loses_and_repeats_nothing(etcd_server, cluster_f
     log = c.nodes[new[0]].log()
     import re
 
-    m = re.search(r"job failover: resumed across 2 node\(s\) from step (\d+)", log)
+    m = re.search(r"job failover: resumed run \w+ across 2 node\(s\) from step (\d+)", log)
     assert m is not None, "the new leader never took the job over"
     assert int(m.group(1)) < 14, "the new leader had nothing left to plan: the test did not exercise failover"
     assert took < 30 * TTL
@@ -353,13 +353,62 @@ def test_set_mixture_across_nodes_cuts_everywhere_and_survives_resume(etcd_serve
     # a resume from the state saved after the change keeps it: the cluster and one node give the same batches
     states = {r: saved[r] for r in range(world)}
     m = 3 * spec.micro_batches
-    # a new run of the same job: wait until every node has let the old run go (else the leader takes the new
-    # ranks for a rejoin of the old run; a known limit of the job layer, not of set_mixture)
-    wait_for(lambda: all("the run of job mixc ended" in srv.log() for srv in c.nodes.values()), 30,
-             "every node to end the first run")
+    # a new run of the same job, registered at once (nodes may still hold the old run when its ranks come)
     again = run_spread(c, spec, m, spread(world), states=states)
     alone = run_ranks(spec, server_factory().start().socket, m, states=states)
     for r in range(world):
         assert again[r] == alone[r], f"rank {r}: the resumed run differs between three nodes and one"
         assert again[r][0]["step"] == steps
         assert all(src == 0 for rec in again[r] for src, _ in rec["ids"])
+
+
+def test_a_new_run_waits_for_the_old_runs_last_rank_and_starts_from_its_states(etcd_server, cluster_factory,  # noqa: F811
+                                                                                server_factory):
+    """Run 1 ends on two nodes while its rank 0 is still connected on the third; the next run's ranks (bringing
+    run 1's states) register there meanwhile. They are not taken for ranks rejoining run 1: the new run starts
+    when rank 0 of run 1 leaves, from the states it brought, with the batches of the same resume on one node."""
+    import msdata_client as msd
+
+    from .e2e_util import batch_record
+    from .test_multinode import node_status
+
+    spec = small_job("rerun", dp=3, samples=400, seed=5)
+    mb = spec.micro_batches
+    n, m = 3 * mb, 2 * mb
+    c = cluster_factory(etcd_server.url).start()
+    wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
+    sock = {r: c.nodes[f"node-{r}"].socket for r in range(3)}
+    held, leave, first0 = threading.Event(), threading.Event(), {}
+
+    def old_rank0():
+        with msd.DataClient(spec, endpoint=sock[0], rank=0, world_size=3, connect_timeout=30) as dc:
+            first0["recs"] = [batch_record(next(dc)) for _ in range(n)]
+            first0["state"] = dc.state_dict()
+            held.set()
+            leave.wait(60)
+
+    t0 = threading.Thread(target=old_rank0, daemon=True)
+    t0.start()
+    saved: dict = {}
+    run_spread(c, spec, n, {1: [1], 2: [2]}, saved=saved)
+    assert held.wait(60)
+    states = {0: first0["state"], 1: saved[1], 2: saved[2]}
+    # the next run's ranks 1 and 2 register (with states) while run 1's rank 0 is still there
+    out: dict = {}
+    nxt = threading.Thread(target=lambda: out.update(run_spread(c, spec, m, {1: [1], 2: [2]}, states=states)),
+                           daemon=True)
+    nxt.start()
+    for r in (1, 2):
+        wait_for(lambda r=r: any(j["name"] == "rerun" and j["state"] == "waiting" and j["ranks"] == [r]
+                                 for j in (node_status(sock[r]) or {}).get("jobs", ())), 30,
+                 f"the next run's rank {r} to register")
+    assert not out
+    leave.set()
+    t0.join(30)
+    out.update(run_spread(c, spec, m, {0: [0]}, states=states))
+    nxt.join(90)
+    assert not nxt.is_alive()
+    alone = run_ranks(spec, server_factory().start().socket, m, states=states)
+    for r in range(3):
+        assert out[r][0]["step"] == n // mb, f"rank {r} did not start where run 1 left off"
+        assert out[r] == alone[r], f"rank {r}: the next run differs from the same resume on one node"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import uuid
 
 from msdata_client.graph import JobSpec
 
@@ -40,6 +41,20 @@ def planner_config(spec: JobSpec) -> PlannerConfig:
         long_docs=spec.long_docs, mixture=mixture)
 
 
+def _resuming(entry: dict) -> bool:
+    """A registration whose ranks reconnect mid-run (their node server restarted): it rejoins the run."""
+    return any(info.get("resume") for info in entry["ranks"].values())
+
+
+def _pick(entries: list[tuple[str, dict]], keep) -> dict[str, dict]:
+    """At most one entry per node among those kept (the one with the most ranks)."""
+    per: dict[str, dict] = {}
+    for nid, j in entries:
+        if keep(j) and (nid not in per or len(j["ranks"]) > len(per[nid]["ranks"])):
+            per[nid] = j
+    return per
+
+
 def _layout(spec: JobSpec) -> dict:
     return {"mesh": spec.mesh.to_dict(), "micro_batches": spec.micro_batches, "rows": spec.rows}
 
@@ -51,6 +66,7 @@ class Coordinator:
         self.jobs = jobs
         self.reports: dict[str, dict] = {}  # node -> its latest "jobs" report
         self.coords: dict[str, JobCoordinator] = {}
+        self.ended: dict[str, JobCoordinator] = {}  # the last run of a job that ended (a new run waits for it)
         self.leading = False
 
     def on_role(self, role: str) -> None:
@@ -62,6 +78,7 @@ class Coordinator:
             for c in list(self.coords.values()):
                 c.stop()
             self.coords.clear()
+            self.ended.clear()
         else:
             self.evaluate()
 
@@ -77,54 +94,75 @@ class Coordinator:
         if frame["t"] == "jobs":
             self.reports[str(frame["node"])] = frame
             self.evaluate()
-        elif frame["t"] == "ack":
-            c = self.coords.get(frame.get("digest"))
-            if c is not None:
-                c.ack(str(frame["node"]), int(frame["step"]))
+            return
+        c = self.coords.get(frame.get("digest"))
+        if c is None or frame.get("run") != c.run_id:
+            return  # about a run that ended (or another leader's): nothing to do
+        if frame["t"] == "ack":
+            c.ack(str(frame["node"]), int(frame["step"]))
         elif frame["t"] == "need":
-            c = self.coords.get(frame.get("digest"))
-            if c is not None:
-                c.ack(str(frame["node"]), int(frame["fed"]))
-                c.resend(str(frame["node"]), int(frame["step"]))
+            c.ack(str(frame["node"]), int(frame["fed"]))
+            c.resend(str(frame["node"]), int(frame["step"]))
 
     def link_up(self, nid: str) -> None:
         """Our link to a node is (back) up: it may have missed a start or plans meanwhile; send them again."""
         if not self.leading:
             return
+        by = self._entries()
         for digest, c in self.coords.items():
-            per = {n: j for n, rep in self.reports.items() for j in rep.get("jobs", ()) if j["digest"] == digest}
-            c.update(per)
+            c.update(c.own(by.get(digest, [])))
             c.resend(nid, c.acks.get(nid, c._low_ack()) + 1)
 
-    def evaluate(self) -> None:
-        """Start, resume or end job runs from the latest reports (only while we lead)."""
-        if not self.leading:
-            return
-        by: dict[str, dict[str, dict]] = {}
+    def _entries(self) -> dict[str, list[tuple[str, dict]]]:
+        """Every node's job entries by digest (a node may hold two of one job: a run and the next one waiting)."""
+        by: dict[str, list[tuple[str, dict]]] = {}
         for nid, rep in self.reports.items():
             for j in rep.get("jobs", ()):
-                by.setdefault(j["digest"], {})[nid] = j
+                by.setdefault(j["digest"], []).append((nid, j))
+        return by
+
+    def evaluate(self) -> None:
+        """Start, resume or end job runs from the latest reports (only while we lead).
+
+        A run is told apart from the next run of the same job by the job registrations (``inst``) it started
+        with, those that rejoined it (their ranks reconnect with ``resume``), and the run id nodes attach to
+        them. A new run (fresh registrations) waits until no node has ranks of the old one left."""
+        if not self.leading:
+            return
+        by = self._entries()
         for digest, c in list(self.coords.items()):
-            if not any(j["ranks"] for j in by.get(digest, {}).values()):
+            if not any(j["ranks"] for j in c.own(by.get(digest, [])).values()):
                 c.stop(end=True)
                 del self.coords[digest]
-        for digest, per in by.items():
+                self.ended[digest] = c
+        live = set(self.jobs.live_nodes())
+        for digest, entries in by.items():
             c = self.coords.get(digest)
             if c is not None:
-                c.update(per)
+                c.update(c.own(entries, adopt=True))
                 continue
+            runs = sorted({str(j["run"]) for _, j in entries if j.get("run") and j["ranks"]})
+            if runs:  # a run in progress whose leader died: resume it once every live node has reported
+                if not live <= set(self.reports):
+                    continue
+                if len(runs) > 1:
+                    log.warning("job %s: nodes report ranks of %d runs (%s); resuming %s", entries[0][1]["name"],
+                                len(runs), runs, runs[0])
+                rid = runs[0]
+                per = _pick(entries, lambda j: j.get("run") == rid or (not j.get("run") and _resuming(j)))
+                resume = True
+            else:
+                rid = uuid.uuid4().hex[:16]
+                per = _pick(entries, lambda j: not j.get("run") and bool(j["ranks"]))
+                resume = False
             ranks = {int(r) for j in per.values() for r in j["ranks"]}
             if not ranks:
                 continue
             spec = JobSpec.from_dict(next(iter(per.values()))["spec"])
-            running = any(j["running"] for j in per.values())
-            live = set(self.jobs.live_nodes())
-            if running and not live <= set(self.reports):
-                continue  # resume only once every live node has told us what it holds
-            if not running and len(ranks) < spec.mesh.world_size:
+            if not resume and len(ranks) < spec.mesh.world_size:
                 continue  # the start barrier: the whole mesh, across nodes
-            c = self.coords[digest] = JobCoordinator(self, spec, digest)
-            c.tasks.spawn(c.run(per, resume=running), name=f"coordinate-{spec.name}")
+            c = self.coords[digest] = JobCoordinator(self, spec, digest, rid, per)
+            c.tasks.spawn(c.run(per, resume=resume, after=self.ended.pop(digest, None)), name=f"coordinate-{spec.name}")
 
     async def aclose(self) -> None:
         for c in list(self.coords.values()):
@@ -136,11 +174,14 @@ class Coordinator:
 class JobCoordinator:
     """One job run on the leader: its planner (in a thread), plans to every node, states to etcd."""
 
-    def __init__(self, parent: Coordinator, spec: JobSpec, digest: str):
+    def __init__(self, parent: Coordinator, spec: JobSpec, digest: str, run_id: str, per: dict[str, dict]):
         self.parent = parent
         self.jobs = parent.jobs
         self.spec = spec
         self.digest = digest
+        self.run_id = run_id
+        self.insts: dict[str, set[str]] = {nid: {str(j["inst"])} for nid, j in per.items()}  # registrations in it
+        self._closed = asyncio.Event()
         self.tasks = TaskSet(f"coordinator {spec.name}", on_error=self._failed)
         cl = self.jobs.cluster
         self.store = EtcdStateStore(cl.etcd, cl.election, prefix=self.jobs.node.config.cluster.prefix, job=spec.name,
@@ -168,10 +209,28 @@ class JobCoordinator:
         for fut in list(self._pending):
             fut.cancel()
         self.acked.set()
-        self.jobs.tasks.spawn(self.tasks.cancel_all("coordinator stopped"), name="coordinator-stop")
+
+        async def wind_down():
+            try:
+                await self.tasks.cancel_all("coordinator stopped")
+            finally:
+                self._closed.set()
+
+        self.jobs.tasks.spawn(wind_down(), name="coordinator-stop")
         if end:
+            frame = {"t": "jstop", "digest": self.digest, "run": self.run_id}
             for nid in self.jobs.live_nodes():
-                self.jobs.tasks.spawn(self.jobs._quiet_send(nid, {"t": "jstop", "digest": self.digest}), name="jstop")
+                self.jobs.tasks.spawn(self.jobs._quiet_send(nid, frame), name="jstop")
+
+    def own(self, entries: list[tuple[str, dict]], adopt: bool = False) -> dict[str, dict]:
+        """The nodes' entries that belong to this run; with ``adopt``, registrations that rejoin it (ranks that
+        reconnect after their node server restarted) become part of it. Fresh ones are the next run's."""
+        if adopt:
+            for nid, j in entries:
+                if not j.get("run") and j["ranks"] and _resuming(j):
+                    self.insts.setdefault(nid, set()).add(str(j["inst"]))
+        return _pick(entries, lambda j: j.get("run") == self.run_id)  \
+            | _pick([(n, j) for n, j in entries if str(j.get("inst")) in self.insts.get(n, ())], lambda j: True)
 
     def ack(self, nid: str, step: int) -> None:
         if step > self.acks.get(nid, -1):
@@ -200,7 +259,7 @@ class JobCoordinator:
                 if info.get("resume"):
                     positions[str(r)] = info["pos"]
         frame = {**self.start_frame, "rank_nodes": {str(r): n for r, n in self.rank_nodes.items()},
-                 "positions": positions, "token": self.token}
+                 "positions": positions, "token": self.token, "insts": self._insts()}
         for nid, j in per.items():
             if j["ranks"] and not j["running"]:
                 low = min(int(info["pos"][0]) for info in j["ranks"].values())
@@ -262,7 +321,12 @@ class JobCoordinator:
         await self.store.clear()
         return None, {r: [0, 0] for r in positions}
 
-    async def run(self, per: dict[str, dict], resume: bool) -> None:
+    def _insts(self) -> dict[str, list[str]]:
+        return {nid: sorted(v) for nid, v in self.insts.items()}
+
+    async def run(self, per: dict[str, dict], resume: bool, after: JobCoordinator | None = None) -> None:
+        if after is not None:  # the previous run of this job winds down first (its last etcd writes included)
+            await after._closed.wait()
         try:
             state, positions = await self._start_state(per, resume)
         except MsdataError as e:
@@ -273,13 +337,14 @@ class JobCoordinator:
         self.rank_nodes = {int(r): nid for nid, j in per.items() for r in j["ranks"]}
         live = self.jobs.live_nodes()
         self.start_frame = {
-            "t": "jstart", "digest": self.digest, "spec": self.spec.to_dict(), "nparts": max(1, len(live)),
+            "t": "jstart", "digest": self.digest, "run": self.run_id, "spec": self.spec.to_dict(),
+            "nparts": max(1, len(live)),
             "start_step": planner.step, "positions": {str(r): p for r, p in positions.items()},
             "cursor": planner.state_dict().get("cursor")}
         if resume:  # keep the partition count of the run the nodes already hold
             self.start_frame["nparts"] = self._nparts_of_nodes() or self.start_frame["nparts"]
         frame = {**self.start_frame, "rank_nodes": {str(r): n for r, n in self.rank_nodes.items()},
-                 "token": self.token}
+                 "token": self.token, "insts": self._insts()}
         self.acks = {nid: planner.step - 1 for nid in set(self.rank_nodes.values())}
         if resume:
             for nid, j in per.items():
@@ -287,19 +352,19 @@ class JobCoordinator:
                     self.acks[nid] = max(self.acks[nid], int(j["fed"]))
         for nid in live:
             await self.jobs._quiet_send(nid, frame)
-        log.info("job %s: %s across %d node(s) from step %d (token %d)", self.spec.name,
-                 "resumed" if resume else "started", len(live), planner.step, self.token)
+        log.info("job %s: %s run %s across %d node(s) from step %d (token %d)", self.spec.name,
+                 "resumed" if resume else "started", self.run_id, len(live), planner.step, self.token)
         await self._plan_loop(planner)
 
     def _nparts_of_nodes(self) -> int | None:
         run = self.jobs.runs.get(self.digest)
-        return run.shard.nparts if run is not None else None
+        return run.shard.nparts if run is not None and run.id == self.run_id else None
 
     # ---- planning -------------------------------------------------------------------------------------------
     async def _plan_loop(self, planner: Planner) -> None:
         loop = asyncio.get_running_loop()
         run = self.jobs.runs.get(self.digest)  # our own jstart went through the same handler, synchronously
-        if run is None:
+        if run is None or run.id != self.run_id:
             raise ClosedError(f"job {self.spec.name}: this node did not take up the run it started")
         view = _RemoteView(self, run, loop)
         window = self.spec.prefetch_steps + 1
@@ -331,7 +396,7 @@ class JobCoordinator:
             log.warning("job %s: no longer leader at step %d; planning stops", self.spec.name, step)
             return False
         header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
-        header["state"], header["gen"] = state, self.gen
+        header["state"], header["gen"], header["run"] = state, self.gen, self.run_id
         self.sent[step] = (header, buf)
         self.states[step] = state
         for old in [s for s in self.states if s <= step - 256]:
@@ -351,9 +416,10 @@ class JobCoordinator:
             if self._stopped or self.planner is None:
                 raise PeerLostError(f"job {self.spec.name}: not planning here (starting or leader changed); retry")
             nodes = self.jobs.live_nodes()
-            frame: dict = {"t": "mixcut", "digest": self.digest, "cut": None, "token": self.token}
+            frame: dict = {"t": "mixcut", "digest": self.digest, "run": self.run_id, "cut": None, "token": self.token}
             try:
-                replies = await asyncio.gather(*(self.jobs.request(n, {"t": "mixhold", "digest": self.digest})
+                replies = await asyncio.gather(*(self.jobs.request(n, {"t": "mixhold", "digest": self.digest,
+                                                                       "run": self.run_id})
                                                  for n in nodes))
                 cut = min(max(int(h["committed"]) for h, _ in replies) + 1, self.planner.step)
                 base = self.planner.state_dict() if cut == self.planner.step else self.states.get(cut)
@@ -399,7 +465,9 @@ class JobCoordinator:
             return
         step, state = found
         planner = Planner(planner_config(self.spec), state=state)
-        run = self.jobs.runs[self.digest]
+        run = self.jobs.runs.get(self.digest)
+        if run is None or run.id != self.run_id:
+            return
         view = _RemoteView(self, run, asyncio.get_running_loop())
         gen = self.gen  # a mixture change meanwhile makes these plans stale (nodes drop them)
         while planner.step < self.planned and not self._stopped:
@@ -408,7 +476,7 @@ class JobCoordinator:
             st = planner.state_dict()
             plan = await asyncio.to_thread(planner.plan_step, view)
             header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
-            header["state"], header["gen"] = st, gen
+            header["state"], header["gen"], header["run"] = st, gen, self.run_id
             await self.jobs._quiet_send(nid, header, buf)
 
 

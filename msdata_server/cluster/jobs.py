@@ -47,11 +47,13 @@ class Run:
         self.jobs = jobs
         self.spec = spec
         self.digest = digest
+        self.id = str(frame["run"])  # one run of the job: plans, acks and payload requests name it
+        self.inst: str | None = None  # the local registration (Job.inst) this run feeds, once started here
         self.start_step = int(frame["start_step"])
         self.positions = {int(r): RankPosition(int(p[0]), int(p[1])) for r, p in frame["positions"].items()}
         self.group_nodes: dict[int, tuple[str, ...]] = {}
         self.set_ranks(frame["rank_nodes"])
-        self.shard = JobShard(jobs, spec, digest, int(frame["nparts"]))
+        self.shard = JobShard(jobs, spec, digest, int(frame["nparts"]), run=self.id)
         self.shard.cursor = frame.get("cursor")
         self.loaders = _Loaders(self.shard)
         self.plans: dict[int, object] = {}
@@ -212,6 +214,7 @@ class ClusterJobs:
         self.tasks = TaskSet("cluster-jobs")
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future] = {}
+        self._runs_changed = asyncio.Event()  # set (and replaced) whenever a run starts here
         self._dirty = asyncio.Event()
         self._settled = asyncio.Event()
         self.coordinator = None
@@ -289,9 +292,10 @@ class ClusterJobs:
                               "resume": job.resuming.get(r, False)}
                      for r, c in job.conns.items() if not c.closed}
             run = self.runs.get(job.digest)
+            mine = run is not None and run.inst == job.inst  # this registration is part of that run
             jobs.append({"name": job.name, "digest": job.digest, "spec": job.spec.to_dict(), "ranks": ranks,
-                         "running": run is not None, "next": run.next_step if run else None,
-                         "fed": run.fed if run else None})
+                         "inst": job.inst, "run": run.id if mine else None, "running": mine,
+                         "next": run.next_step if mine else None, "fed": run.fed if mine else None})
         return {"t": "jobs", "node": self.node_id, "jobs": jobs}
 
     async def _pusher(self) -> None:
@@ -321,15 +325,16 @@ class ClusterJobs:
         leader = self.cluster.leader_id
         if leader is None:
             return
-        self.tasks.spawn(self._quiet_send(leader, {"t": "need", "digest": run.digest, "node": self.node_id,
-                                                   "step": run.next_step, "fed": run.fed}), name="need")
+        self.tasks.spawn(self._quiet_send(leader, {"t": "need", "digest": run.digest, "run": run.id,
+                                                   "node": self.node_id, "step": run.next_step, "fed": run.fed}),
+                         name="need")
 
     def ack(self, run: Run) -> None:
         leader = self.cluster.leader_id
         if leader is None:
             return
-        self.tasks.spawn(self._quiet_send(leader, {"t": "ack", "digest": run.digest, "node": self.node_id,
-                                                   "step": run.fed}), name="ack")
+        self.tasks.spawn(self._quiet_send(leader, {"t": "ack", "digest": run.digest, "run": run.id,
+                                                   "node": self.node_id, "step": run.fed}), name="ack")
 
     async def _quiet_send(self, nid: str, frame: dict, payload=None) -> None:
         with suppress(PeerLostError):
@@ -373,28 +378,27 @@ class ClusterJobs:
                 if fut is not None and not fut.done():
                     fut.set_result((frame, None if payload is None else bytes(payload)))
             elif t == "plan":
-                run = self.runs.get(frame.get("digest"))
+                run = self._run(frame)
                 if run is not None:
                     run.add_plan(decode_plan(frame, payload), frame.get("state"),
                                  (int(frame.get("token") or 0), int(frame.get("gen", 0))))
             elif t == "jstart":
                 self._jstart(frame)
             elif t == "jstop":
-                run = self.runs.pop(frame.get("digest"), None)
+                run = self._run(frame)
                 if run is not None:
-                    log.info("node %s: the run of job %s ended", self.node_id, run.spec.name)
-                    self.tasks.spawn(run.shard.aclose(), name="shard-close")
+                    self._end_run(run, "every rank left")
             elif t in ("len", "fetch"):
                 self.tasks.spawn(self._serve(frame), name=f"serve-{t}")
             elif t == "skip":
-                run = self.runs.get(frame.get("digest"))
+                run = self._run(frame)
                 if run is not None:
                     run.shard.unref(np.asarray(frame["s"], np.int64), np.asarray(frame["o"], np.int64))
             elif t == "mixhold":  # the leader cuts for a mixture change: hold, say the newest step taken up
-                run = self.runs.get(frame.get("digest"))
+                run = self._run(frame)
                 await self._reply(frame, {"committed": run.hold() if run is not None else -1})
             elif t == "mixcut":
-                run = self.runs.get(frame.get("digest"))
+                run = self._run(frame)
                 if run is not None:
                     cut = frame.get("cut")
                     run.cut(None if cut is None else int(cut), (int(frame.get("token") or 0), int(frame.get("gen", 0))))
@@ -420,7 +424,7 @@ class ClusterJobs:
         leader = self.cluster.leader_id
         if leader is None:
             raise PeerLostError("set_mixture: the cluster has no leader right now (etcd unreachable?); retry shortly")
-        head, _ = await self.request(leader, {"t": "mix", "digest": run.digest, "weights": weights})
+        head, _ = await self.request(leader, {"t": "mix", "digest": run.digest, "run": run.id, "weights": weights})
         if head.get("refused"):
             raise ConfigError(head["refused"])
         return int(head["step"])
@@ -428,7 +432,7 @@ class ClusterJobs:
     async def _serve_mix(self, frame: dict) -> None:
         c = self.coordinator.coords.get(frame.get("digest")) if self.coordinator.leading else None
         try:
-            if c is None:
+            if c is None or c.run_id != frame.get("run"):
                 raise PeerLostError(f"node {self.node_id} does not coordinate job {str(frame.get('digest'))[:12]} "
                                     "(the leader changed); retry")
             await self._reply(frame, {"step": await c.set_mixture(dict(frame["weights"]))})
@@ -437,11 +441,41 @@ class ClusterJobs:
         except (MsdataError, KeyError, TypeError, ValueError) as e:
             await self._reply(frame, {"error": f"{type(e).__name__}: {e}"})
 
-    async def _serve(self, frame: dict) -> None:
+    def _run(self, frame: dict) -> Run | None:
+        """The run a frame is about (None: a run that ended here, or one not started here yet)."""
         run = self.runs.get(frame.get("digest"))
+        return run if run is not None and run.id == frame.get("run") else None
+
+    async def _await_run(self, frame: dict) -> Run | None:
+        """The run a peer asks about; its start may still be on the way from the leader: wait a little."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.probe
+        while (run := self._run(frame)) is None and loop.time() < end:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._runs_changed.wait(), end - loop.time())
+        return run
+
+    def _set_run(self, run: Run) -> None:
+        self.runs[run.digest] = run
+        self._runs_changed.set()
+        self._runs_changed = asyncio.Event()
+
+    def _end_run(self, run: Run, why: str) -> None:
+        if self.runs.get(run.digest) is run:
+            del self.runs[run.digest]
+        log.info("node %s: the run of job %s ended (%s)", self.node_id, run.spec.name, why)
+        job = run.job
+        if job is not None and job.state != "closed" and job.remote is run:
+            job.fail(f"the run of job {run.spec.name!r} this rank belonged to ended on the cluster ({why}); "
+                     "register again for a new run")
+        self.tasks.spawn(run.shard.aclose(), name="shard-close")
+
+    async def _serve(self, frame: dict) -> None:
+        run = await self._await_run(frame)
         try:
             if run is None:
-                raise PeerLostError(f"node {self.node_id} does not run job {str(frame.get('digest'))[:12]}")
+                raise PeerLostError(f"node {self.node_id} does not run job {str(frame.get('digest'))[:12]} "
+                                    f"(run {frame.get('run')})")
             if frame["t"] == "len":
                 s = int(frame["s"])
                 parts = [await run.shard.serve_lengths(s, int(a), int(n)) for a, n in frame["spans"]]
@@ -455,22 +489,26 @@ class ClusterJobs:
             await self._reply(frame, {"error": f"{type(e).__name__}: {e}"})
 
     def _jstart(self, frame: dict) -> None:
-        digest = str(frame["digest"])
+        """Start (or, for ranks that rejoin, continue) a run; a new run of a job replaces the ended one here."""
+        digest, rid = str(frame["digest"]), str(frame["run"])
         run = self.runs.get(digest)
-        if run is not None:
+        if run is not None and run.id != rid:
+            self._end_run(run, f"run {rid} of the job started")
+            run = None
+        if run is None:
+            run = Run(self, JobSpec.from_dict(frame["spec"]), digest, frame)
+            self._set_run(run)
+            self.tasks.spawn(run.shard.rebalance(), name="shard-open")
+        else:
             run.set_ranks(frame["rank_nodes"])
-            job = self.node.jobs.get(run.spec.name)
-            if job is not None and job.digest == digest and job.state == "waiting":
+        insts = set(frame.get("insts", {}).get(self.node_id, ()))
+        for job in (self.node.jobs.get(run.spec.name), self.node.pending.get(run.spec.name)):
+            if job is not None and job.digest == digest and job.inst in insts and job.state == "waiting":
                 self._start_job(run, job, frame)
-            return
-        spec = JobSpec.from_dict(frame["spec"])
-        run = self.runs[digest] = Run(self, spec, digest, frame)
-        self.tasks.spawn(run.shard.rebalance(), name="shard-open")
-        job = self.node.jobs.get(spec.name)
-        if job is not None and job.digest == digest and job.state == "waiting":
-            self._start_job(run, job, frame)
+                break
 
     def _start_job(self, run: Run, job, frame: dict) -> None:
+        run.inst = job.inst
         run.positions = {int(r): RankPosition(int(p[0]), int(p[1])) for r, p in frame["positions"].items()}
         run.start_step = min((run.positions[r] for r in job.conns if r in run.positions),
                              default=RankPosition(run.start_step, 0)).step
@@ -520,7 +558,7 @@ class ClusterJobs:
     async def _lengths_from(self, run: Run, nid: str, s: int, spans: list) -> np.ndarray:
         if nid == self.node_id:
             return np.concatenate([await run.shard.serve_lengths(s, a, n) for a, n in spans])
-        _, body = await self.request(nid, {"t": "len", "digest": run.digest, "s": s, "spans": spans})
+        _, body = await self.request(nid, {"t": "len", "digest": run.digest, "run": run.id, "s": s, "spans": spans})
         a = np.frombuffer(body or b"", dtype="<i8")
         if len(a) != sum(n for _, n in spans):
             raise ProtocolError(f"lengths reply of {len(a)} values for {sum(n for _, n in spans)} asked")

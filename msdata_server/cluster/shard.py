@@ -59,10 +59,11 @@ class _SourceProxy:
 class JobShard:
     """Loaders of the partitions this node hosts for one job run, and batched access to all partitions."""
 
-    def __init__(self, jobs, spec, digest: str, nparts: int):
+    def __init__(self, jobs, spec, digest: str, nparts: int, run: str):
         self.jobs = jobs  # the node's ClusterJobs (rpc, members, pool)
         self.spec = spec
         self.digest = digest
+        self.run = run  # the run id peers' requests name
         self.nparts = nparts
         self.loaders: dict[tuple[int, int], SourceLoader] = {}
         self._sources: dict[tuple[int, int], object] = {}
@@ -233,7 +234,8 @@ class JobShard:
         s_sel, o_sel = src[idx].astype(np.int64), ords[idx].astype(np.int64)
         if nid == self.jobs.node_id:
             return await self.serve_tokens(s_sel, o_sel)
-        head, payload = await self.jobs.request(nid, {"t": "fetch", "digest": self.digest, "s": s_sel.tolist(),
+        head, payload = await self.jobs.request(nid, {"t": "fetch", "digest": self.digest, "run": self.run,
+                                                       "s": s_sel.tolist(),
                                                        "o": o_sel.tolist()})
         return split_docs(head, payload)
 
@@ -248,7 +250,8 @@ class JobShard:
                 self.unref(src[idx], ords[idx])
             else:
                 try:
-                    await self.jobs.send(nid, {"t": "skip", "digest": self.digest, "s": src[idx].tolist(),
+                    await self.jobs.send(nid, {"t": "skip", "digest": self.digest, "run": self.run,
+                                               "s": src[idx].tolist(),
                                                "o": ords[idx].tolist()})
                 except PeerLostError:
                     pass  # the owner is gone: its payloads went with it

@@ -462,37 +462,89 @@ class Job:
 
     # ---- constructing ---------------------------------------------------------------------------------
     async def _construct_loop(self, grp: Group) -> None:
-        spec = self.spec
-        mb = spec.micro_batches
+        if self.remote is not None:
+            return await self._construct_remote(grp)
         scratch: dict = {}
         while True:
             plan = await grp.queue.get()
-            if self.remote is not None and not await self.remote.take(plan):
-                continue  # cluster: a mixture change cut this step while it waited at the gate
             grp.committed = plan.step  # from here on this step is built as planned, whatever happens
-            key = plan.dp.astype(np.int64) * mb + plan.micro
-            for m in range(mb):
-                lo, hi = np.searchsorted(key, [grp.index * mb + m, grp.index * mb + m + 1])
-                await self._build_one(grp, plan, m, slice(int(lo), int(hi)), scratch)
+            for m, sl in self._micro_slices(grp, plan):
+                src, ords = plan.source[sl], plan.ordinal[sl]
+                readers = self._readers(grp, RankPosition(plan.step, m))
+                if not readers:
+                    self._done_pieces(src, ords)
+                    continue
+                toks = []
+                for s, o, a, n in zip(src.tolist(), ords.tolist(), plan.offset[sl].tolist(), plan.length[sl].tolist()):
+                    doc = await self.loaders[s].tokens(o)
+                    toks.append(doc[a : a + n])
+                await self._build_one(grp, plan, m, sl, toks, readers, scratch)
 
-    async def _build_one(self, grp: Group, plan, m: int, sl: slice, scratch: dict) -> None:
+    async def _construct_remote(self, grp: Group) -> None:
+        """Cluster: a step's payloads are fetched (one request per owning node) while the step before is built."""
+        staged: asyncio.Queue = asyncio.Queue(1)
+        pending: set[asyncio.Future] = set()
+
+        async def fetcher():
+            while True:
+                plan = await grp.queue.get()
+                if not await self.remote.take(plan):
+                    continue  # a mixture change cut this step while it waited at the gate
+                grp.committed = plan.step  # from here on this step is built as planned, whatever happens
+                want, skip = [], []
+                for m, sl in self._micro_slices(grp, plan):
+                    (want if self._readers(grp, RankPosition(plan.step, m)) else skip).append((m, sl))
+                if skip:
+                    src = np.concatenate([plan.source[sl] for _, sl in skip])
+                    ords = np.concatenate([plan.ordinal[sl] for _, sl in skip])
+                    await self.loaders.skip(src, ords)
+                    self._done_pieces(src, ords)
+                fut = None
+                if want:
+                    cat = [np.concatenate([getattr(plan, k)[sl] for _, sl in want])
+                           for k in ("source", "ordinal", "offset", "length")]
+                    fut = asyncio.ensure_future(self.loaders.fetch(*cat))
+                    pending.add(fut)
+                    fut.add_done_callback(pending.discard)
+                await staged.put((plan, want, fut))
+
+        feeding = self.tasks.spawn(fetcher(), name=f"{self.name}-fetch-{grp.index}")
+        scratch: dict = {}
+        try:
+            while True:
+                plan, want, fut = await staged.get()
+                toks = await fut if fut is not None else []
+                at = 0
+                for m, sl in want:
+                    n = sl.stop - sl.start
+                    part, at = toks[at : at + n], at + n
+                    readers = self._readers(grp, RankPosition(plan.step, m))
+                    if readers:
+                        await self._build_one(grp, plan, m, sl, part, readers, scratch)
+                    else:  # its readers left meanwhile
+                        self._done_pieces(plan.source[sl], plan.ordinal[sl])
+        finally:
+            feeding.cancel()
+            for f in list(pending):
+                f.cancel()
+
+    def _micro_slices(self, grp: Group, plan):
+        """(micro-batch, slice of the plan) of this group's micro-batches of a step, in order."""
+        mb = self.spec.micro_batches
+        key = plan.dp.astype(np.int64) * mb + plan.micro
+        for m in range(mb):
+            lo, hi = np.searchsorted(key, [grp.index * mb + m, grp.index * mb + m + 1])
+            yield m, slice(int(lo), int(hi))
+
+    def _readers(self, grp: Group, pos: RankPosition) -> list[int]:
+        """The group's ranks that read the micro-batch at pos (connected, and not resuming past it)."""
+        return [r for r in grp.readers if (c := self.conns.get(r)) is not None and not c.closed and self.positions[r] <= pos]
+
+    async def _build_one(self, grp: Group, plan, m: int, sl: slice, toks: list, readers: list[int],
+                         scratch: dict) -> None:
         spec = self.spec
         pos = RankPosition(plan.step, m)
         src, ords = plan.source[sl], plan.ordinal[sl]
-        offs, lens = plan.offset[sl], plan.length[sl]
-        readers = [r for r in grp.readers if (c := self.conns.get(r)) is not None and not c.closed and self.positions[r] <= pos]
-        if not readers:
-            if self.remote is not None:
-                await self.loaders.skip(src, ords)
-            self._done_pieces(src, ords)
-            return
-        if self.remote is not None:  # cluster: one batched request per owning node
-            toks = await self.loaders.fetch(src, ords, offs, lens)
-        else:
-            toks = []
-            for s, o, a, n in zip(src.tolist(), ords.tolist(), offs.tolist(), lens.tolist()):
-                doc = await self.loaders[s].tokens(o)
-                toks.append(doc[a : a + n])
         sids = np.empty(len(src), dtype=np.int64)
         for s in np.unique(src).tolist():
             sel = src == s

@@ -37,7 +37,8 @@ __all__ = ["Batch", "DataClient"]
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 2
-_ERRORS = {"ConfigError": ConfigError, "CheckpointError": CheckpointError, "ProtocolError": ProtocolError}
+_ERRORS = {"ConfigError": ConfigError, "CheckpointError": CheckpointError, "ProtocolError": ProtocolError,
+           "PeerLostError": PeerLostError}  # refusals a rank can act on (PeerLostError: retry)
 
 
 class Batch(dict):

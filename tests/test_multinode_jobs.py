@@ -412,3 +412,135 @@ def test_a_new_run_waits_for_the_old_runs_last_rank_and_starts_from_its_states(e
     for r in range(3):
         assert out[r][0]["step"] == n // mb, f"rank {r} did not start where run 1 left off"
         assert out[r] == alone[r], f"rank {r}: the next run differs from the same resume on one node"
+
+
+def _ranks_off_the_leader(c, spec, n: int, pause_at: int, rank0, node_of: dict[int, int]):
+    """One rank per node (rank r on node node_of[r], rank 2 with the leader); each pauses after ``pause_at`` batches until ``go``.
+    ``rank0(dc, i)`` runs before rank 0 reads batch i (its set_mixture calls)."""
+    import msdata_client as msd
+
+    from .e2e_util import batch_record
+
+    got: dict[int, list] = {r: [] for r in range(NODES)}
+    errs: dict[int, BaseException] = {}
+    go = threading.Event()
+
+    def body(r):
+        try:
+            # rank 2 is on the leader's node: once it is killed, give up reconnecting soon
+            dc = msd.DataClient(spec, endpoint=c.nodes[f"node-{node_of[r]}"].socket, rank=r, world_size=NODES,
+                                connect_timeout=2 if r == 2 else 60)
+            for i in range(n):
+                if r == 0:
+                    rank0(dc, i)
+                if i == pause_at:
+                    go.wait(120)
+                b = next(dc)
+                got[r].append(batch_record(b))
+                del b
+            dc.close()
+        except BaseException as e:  # reported to the test
+            errs[r] = e
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(NODES)]
+    for t in threads:
+        t.start()
+    return got, errs, go, threads
+
+
+def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(etcd_server, cluster_factory,  # noqa: F811
+                                                                     server_factory):
+    """Bad weights are refused to the rank alone (the run goes on); a valid change cuts at step e; then the
+    leader is SIGKILLed. The ranks on the surviving nodes get the batches of an unchanged run before e and,
+    from e on, those of the same job resumed on one node from the state of step e: the new leader planned
+    with the changed mixture, and no document was lost or delivered twice."""
+    import pytest
+
+    import msdata_client as msd
+
+    spec = small_job("mixfail", dp=3, samples=3000, seed=13, prefetch=1)
+    mb = spec.micro_batches
+    steps, pause = 14, 8
+    n = steps * mb
+    want_pre = run_ranks(spec, server_factory().start().socket, n)
+    c = cluster_factory(etcd_server.url).start()
+    leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
+    li = int(leader.split("-")[1])
+    node_of = {r: (li + 1 + r) % NODES for r in range(NODES)}  # rank 2 shares the leader's node and dies with it
+    info: dict = {}
+
+    def rank0(dc, i):
+        if i == 2 * mb:
+            with pytest.raises(msd.errors.ConfigError, match="must not all be 0"):
+                dc.set_mixture({"a": 0.0, "b": 0.0})
+            info["cut"] = dc.set_mixture({"a": 1.0, "b": 0.0})
+        if "cut" in info and i == info["cut"] * mb:
+            info["state"] = dc.state_dict()  # the planner state at the start of step e (with the change)
+
+    got, errs, go, threads = _ranks_off_the_leader(c, spec, n, pause * mb, rank0, node_of)
+    wait_for(lambda: all(len(got[r]) == pause * mb for r in range(NODES)) or errs, 90, "every rank at the pause")
+    assert not errs, errs
+    e = info["cut"]
+    assert 2 <= e < pause - 1, f"cut at step {e}"
+    c.nodes[leader].kill()
+    go.set()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a rank on a surviving node hung after the leader died"
+    assert set(errs) <= {2}, errs
+    new, _ = wait_for(lambda: c.settled(set(c.nodes) - {leader}), 30, "a new leader")
+    assert "job mixfail: resumed run" in c.nodes[new].log()
+    post = run_ranks(spec, server_factory().start().socket, (steps - e) * mb, states={0: info["state"]})
+    for r in (0, 1):
+        assert len(got[r]) == n
+        assert got[r][: e * mb] == want_pre[r][: e * mb], f"rank {r} differs from the unchanged run before the cut"
+        assert got[r][e * mb :] == post[r], f"rank {r} differs from the changed mixture after the failover"
+        assert all(src == 0 for rec in got[r][(e + 2) * mb :] for src, _ in rec["ids"])
+
+
+def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(etcd_server, cluster_factory,  # noqa: F811
+                                                                            server_factory, monkeypatch):
+    """The leader stalls with every node held for a mixture change (an injected fault) and is SIGKILLed there.
+    The rank that asked gets a PeerLostError (retry), the held nodes go on after their hold expires, the new
+    leader continues, and the surviving ranks get exactly the batches of a run without the change."""
+    import pytest
+
+    import msdata_client as msd
+
+    from .test_multinode import TTL
+
+    monkeypatch.setenv("MSDATA_TEST_FAULTS", "1")
+    spec = small_job("mixstall", dp=3, samples=3000, seed=17, prefetch=1)
+    mb = spec.micro_batches
+    n = 12 * mb
+    want = run_ranks(spec, server_factory().start().socket, n)
+    c = cluster_factory(etcd_server.url).start()
+    leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
+    li = int(leader.split("-")[1])
+    node_of = {r: (li + 1 + r) % NODES for r in range(NODES)}
+    lead = c.nodes[leader]
+    _send_peer_frame(lead, c.token_file.read_text().strip(), {"t": "fault", "node": leader, "stall_mix": True})
+    wait_for(lambda: "test fault: next 0 plan(s)" in lead.log(), 30, "the leader to take the fault")
+    info: dict = {}
+
+    def rank0(dc, i):
+        if i == 3 * mb:
+            t0 = time.monotonic()
+            with pytest.raises(msd.errors.PeerLostError) as ei:
+                dc.set_mixture({"a": 1.0, "b": 0.0})
+            info["error"], info["wait"] = str(ei.value), time.monotonic() - t0
+
+    import time
+
+    got, errs, go, threads = _ranks_off_the_leader(c, spec, n, 0, rank0, node_of)
+    go.set()
+    wait_for(lambda: "the mixture change stalls with every node held" in lead.log() or errs, 60,
+             "the leader to stall in the change")
+    lead.kill()
+    for t in threads:
+        t.join(120)
+        assert not t.is_alive(), "a rank on a surviving node hung after the leader died in a mixture change"
+    assert set(errs) <= {2}, errs
+    assert "broke before it answered" in info["error"] and info["wait"] < 30 * TTL, info
+    for r in (0, 1):
+        assert got[r] == want[r], f"rank {r} saw other batches than a run without the change"

@@ -411,7 +411,12 @@ class JobCoordinator:
 
     async def set_mixture(self, weights: dict) -> int:
         """Change the mixture from the first step no constructor on any node has taken up (returned): hold every
-        node, cut there, re-plan from that step's state (recorded in etcd first); nodes drop their later plans."""
+        node, cut there, re-plan from that step's state; nodes drop their later plans.
+
+        The nodes are told the cut before etcd records it: a leader that dies in between leaves nodes that
+        dropped plans and an etcd without the change, so its successor re-plans those steps with the old
+        mixture (the rank is told to retry); once etcd has it, a successor plans with the new one. Either way
+        every node builds one consistent sequence of steps."""
         async with self._plan_lock:
             if self._stopped or self.planner is None:
                 raise PeerLostError(f"job {self.spec.name}: not planning here (starting or leader changed); retry")
@@ -421,6 +426,9 @@ class JobCoordinator:
                 replies = await asyncio.gather(*(self.jobs.request(n, {"t": "mixhold", "digest": self.digest,
                                                                        "run": self.run_id})
                                                  for n in nodes))
+                if self.jobs._stall_mix:  # tests only (MSDATA_TEST_FAULTS=1): the leader dies during a change
+                    log.warning("job %s: test fault: the mixture change stalls with every node held", self.spec.name)
+                    await asyncio.Event().wait()
                 cut = min(max(int(h["committed"]) for h, _ in replies) + 1, self.planner.step)
                 base = self.planner.state_dict() if cut == self.planner.step else self.states.get(cut)
                 if base is None:
@@ -429,27 +437,29 @@ class JobCoordinator:
                 planner = Planner(planner_config(self.spec), state=base)
                 planner.set_mixture(cut, weights)  # ConfigError for unknown sources or bad weights: nothing changed
                 state = planner.state_dict()
-                if not await self.store.save_cut(cut, state, self.planner.step):
-                    raise PeerLostError(f"job {self.spec.name}: no longer leader; set_mixture not applied, retry")
-                dropped = self.planner.step - cut
-                self.gen += 1
-                self.planner, self.planned = planner, cut
-                for s in [s for s in self.sent if s >= cut]:
-                    del self.sent[s]
-                for s in [s for s in self.states if s >= cut]:
-                    del self.states[s]
-                self.states[cut] = self.mix_states[cut] = state
-                for s in [s for s in self.mix_states if s > cut]:
-                    del self.mix_states[s]
-                for n in self.acks:
-                    self.acks[n] = min(self.acks[n], cut - 1)
-                frame.update(cut=cut, gen=self.gen)
+                frame.update(cut=cut, gen=self.gen + 1)
             finally:  # release every node (with the cut, or without one when the change failed)
                 for n in nodes:
                     await self.jobs._quiet_send(n, frame)
+            end = self.planner.step
+            self.gen += 1  # the nodes dropped plans of steps >= cut: never send those again
+            self.planned = min(self.planned, cut)
+            for s in [s for s in self.sent if s >= cut]:
+                del self.sent[s]
+            for n in self.acks:
+                self.acks[n] = min(self.acks[n], cut - 1)
+            if not await self.store.save_cut(cut, state, end):
+                raise PeerLostError(f"job {self.spec.name}: lost the leadership while changing the mixture; the "
+                                    "next leader continues without the change: call set_mixture again")
+            self.planner, self.planned = planner, cut
+            for s in [s for s in self.states if s >= cut]:
+                del self.states[s]
+            self.states[cut] = self.mix_states[cut] = state
+            for s in [s for s in self.mix_states if s > cut]:
+                del self.mix_states[s]
         self.acked.set()
         log.info("job %s: mixture %s from step %d (%d planned step(s) re-planned)", self.spec.name, weights, cut,
-                 dropped)
+                 end - cut)
         return cut
 
     def _low_ack(self) -> int:

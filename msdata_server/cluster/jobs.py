@@ -213,7 +213,7 @@ class ClusterJobs:
         self.runs: dict[str, Run] = {}
         self.tasks = TaskSet("cluster-jobs")
         self._ids = itertools.count(1)
-        self._waiting: dict[int, asyncio.Future] = {}
+        self._waiting: dict[int, tuple[str, asyncio.Future]] = {}  # request id -> (peer, its reply)
         self._runs_changed = asyncio.Event()  # set (and replaced) whenever a run starts here
         self._dirty = asyncio.Event()
         self._settled = asyncio.Event()
@@ -222,6 +222,7 @@ class ClusterJobs:
         self.probe = node.config.cluster.lease_ttl / 2  # how long a node waits for a plan before asking again
         self._faults = os.environ.get("MSDATA_TEST_FAULTS") == "1"  # tests inject lost frames (see on_frame)
         self._drop_plans: dict[str, int] = {}
+        self._stall_mix = False
 
     async def start(self) -> None:
         from .coordinator import Coordinator
@@ -230,6 +231,7 @@ class ClusterJobs:
         self.cluster.handler = self.on_frame
         self.cluster.election.on_change(self._on_role)
         self.cluster.on_link.append(self._link_up)
+        self.cluster.on_link_lost.append(self._link_lost)
         self.tasks.spawn(self._pusher(), name="job-reports")
         self.tasks.spawn(self._members(), name="job-members")
         self._dirty.set()
@@ -257,6 +259,12 @@ class ClusterJobs:
             for run in list(self.runs.values()):
                 if run.job is not None:
                     self.need(run)
+
+    def _link_lost(self, nid: str) -> None:
+        """Requests to a peer whose link broke get no answer: fail them now rather than at the timeout."""
+        for peer, fut in list(self._waiting.values()):
+            if peer == nid and not fut.done():
+                fut.set_exception(PeerLostError(f"the link to peer {nid} broke before it answered"))
 
     async def _members(self) -> None:
         ev = self.cluster.members_changed
@@ -355,10 +363,12 @@ class ClusterJobs:
         """Send a request and await its reply (PeerLostError/TimeoutError if the peer goes or is silent)."""
         rid = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = fut
+        self._waiting[rid] = (nid, fut)
         try:
             await self.send(nid, {**frame, "id": rid, "from": self.node_id}, payload)
             head, body = await asyncio.wait_for(fut, self.timeout)
+        except TimeoutError:
+            raise PeerLostError(f"peer {nid} did not answer {frame.get('t')!r} within {self.timeout:.0f}s") from None
         finally:
             self._waiting.pop(rid, None)
         if head.get("error"):
@@ -374,7 +384,7 @@ class ClusterJobs:
         t = frame.get("t")
         try:
             if t == "rep":
-                fut = self._waiting.get(frame.get("id"))
+                _, fut = self._waiting.get(frame.get("id"), (None, None))
                 if fut is not None and not fut.done():
                     fut.set_result((frame, None if payload is None else bytes(payload)))
             elif t == "plan":
@@ -409,6 +419,7 @@ class ClusterJobs:
             elif t == "fault" and self._faults:  # tests only (MSDATA_TEST_FAULTS=1): lose plans, break a link
                 nid = str(frame["node"])
                 self._drop_plans[nid] = int(frame.get("drop_plans", 0))
+                self._stall_mix = bool(frame.get("stall_mix", False))
                 link = self.cluster.links.get(nid)
                 if frame.get("close") and link is not None:
                     self.tasks.spawn(link.aclose(), name="fault-close")

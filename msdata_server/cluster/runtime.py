@@ -53,6 +53,7 @@ class ClusterNode:
         self._dialing: dict[str, asyncio.Task] = {}
         self.members_changed = asyncio.Event()
         self.on_link: list[Callable[[str], None]] = []  # called with the peer's id whenever a link to it is up
+        self.on_link_lost: list[Callable[[str], None]] = []  # ... and whenever our link to it breaks
         self._closed = False
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -205,6 +206,8 @@ class ClusterNode:
     def _link_gone(self, nid: str, link: PeerLink) -> None:
         if self.links.get(nid) is link:
             del self.links[nid]
+            for cb in list(self.on_link_lost):
+                cb(nid)
             if nid in self.members:
                 self._redial(nid)
 

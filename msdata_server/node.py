@@ -218,7 +218,8 @@ class NodeServer:
             "workers": self.pool.size if self.pool is not None else 0,
             "memory": {"server_pss": proc_memory()["pss"], "total_pss": mem["pss"], "total_uss": mem["uss"]},
             "jobs": [j.status() for j in self.jobs.values()],
-            **({"cluster": self.cluster.status()} if self.cluster is not None else {}),
+            **({"cluster": {**self.cluster.status(), "runs": self.cluster_jobs.status() if self.cluster_jobs else []}}
+               if self.cluster is not None else {}),
         }
 
     # ---- shutdown --------------------------------------------------------------------------------------

@@ -39,12 +39,13 @@ def batch_record(batch) -> dict:
     return rec
 
 
-def run_ranks(spec, endpoint, n, ranks=None, *, keep=False, timeout=60.0, states=None, saved=None, mixture=None):
+def run_ranks(spec, endpoint, n, ranks=None, *, keep=False, timeout=60.0, states=None, saved=None, mixture=None,
+              pause=None):
     """Each rank in its own thread with its own DataClient; returns {rank: [records]} (and batches if keep).
 
     states: {rank: state} loaded before iterating; saved: a dict that receives each rank's state_dict() after
     its n batches; mixture: (after_batches, weights) for rank 0 to call set_mixture (its result lands in
-    saved["mixture_step"]).
+    saved["mixture_step"]); pause: (after_batches, threading.Event) every rank waits for before going on.
     """
     ranks = range(spec.mesh.world_size) if ranks is None else ranks
     out, errs, kept = {}, {}, {}
@@ -56,6 +57,8 @@ def run_ranks(spec, endpoint, n, ranks=None, *, keep=False, timeout=60.0, states
                     dc.load_state_dict(states[r])
                 recs, bs = [], []
                 for i in range(n):
+                    if pause is not None and i == pause[0]:
+                        pause[1].wait(timeout)
                     if mixture is not None and r == 0 and i == mixture[0]:
                         saved["mixture_step"] = dc.set_mixture(mixture[1])
                     b = next(dc)

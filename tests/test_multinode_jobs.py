@@ -544,3 +544,49 @@ def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(et
     assert "broke before it answered" in info["error"] and info["wait"] < 30 * TTL, info
     for r in (0, 1):
         assert got[r] == want[r], f"rank {r} saw other batches than a run without the change"
+
+
+def test_a_node_with_data_but_no_ranks_asks_for_plans_it_lost(etcd_server, cluster_factory, server_factory,  # noqa: F811
+                                                                monkeypatch):
+    """Two ranks on two nodes; the third node only owns data. Plans to it are lost (an injected fault, the link
+    stays up): it notices the step it lacks, asks, gets them again (its payload counts come right), and the
+    ranks get exactly the batches of an uninterrupted run."""
+    from .test_multinode import node_status
+
+    monkeypatch.setenv("MSDATA_TEST_FAULTS", "1")
+    spec = small_job("owner", dp=2, samples=400, seed=21, prefetch=1)
+    mb = spec.micro_batches
+    n, before = 10 * mb, 4 * mb
+    want = run_ranks(spec, server_factory().start().socket, n)
+    c = cluster_factory(etcd_server.url).start()
+    leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
+    owner = next(nid for nid in sorted(c.nodes) if nid != leader)
+    rank_nodes = [nid for nid in sorted(c.nodes) if nid != owner]
+    lead = c.nodes[leader]
+    _send_peer_frame(lead, c.token_file.read_text().strip(), {"t": "fault", "node": owner, "drop_plans": 3})
+    wait_for(lambda: "test fault: next 3 plan(s)" in lead.log(), 30, "the leader to take the fault")
+    got: dict = {}
+    go = threading.Event()
+
+    def body(r):
+        got.update(run_ranks(spec, c.nodes[rank_nodes[r]].socket, n, ranks=[r], timeout=120, pause=(before, go)))
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+
+    def caught_up():
+        runs = (node_status(c.nodes[owner].socket) or {}).get("cluster", {}).get("runs", [])
+        return any(r["job"] == "owner" and not r["ranks_here"] and r["next_step"] >= before // mb for r in runs)
+
+    wait_for(caught_up, 60, "the data-only node to get the plans it lost")
+    go.set()
+    for t in threads:
+        t.join(150)
+        assert not t.is_alive(), "a rank hung"
+    for r in range(2):
+        assert got[r] == want[r], f"rank {r} saw other batches than an uninterrupted run"
+    log = lead.log()
+    assert log.count("dropped the plan of step") == 3
+    assert any(line.startswith("re-sending the plans of steps 0..") and line.endswith(f"to {owner}")
+               for line in (x.partition("owner: ")[2] for x in log.splitlines()))

@@ -466,6 +466,23 @@ class ClusterJobs:
                 await asyncio.wait_for(self._runs_changed.wait(), end - loop.time())
         return run
 
+    async def _watch(self, run: Run) -> None:
+        """A node that only owns data of a run (no ranks here, so no feed asking for what it lacks) still counts
+        every plan's payload references: when the step it lacks did not arrive for a whole probe period (a lost
+        plan, while later ones keep coming), it tells the leader, which re-sends what is missing."""
+        last = None
+        while self.runs.get(run.digest) is run and run.job is None:
+            await asyncio.sleep(self.probe)  # a periodic check by design: progress is what it looks for
+            if run.job is None and self.runs.get(run.digest) is run and run.next_step == last:
+                self.need(run)
+            last = run.next_step
+
+    def status(self) -> list[dict]:
+        """The runs this node takes part in (with ranks or only as a data owner)."""
+        return [{"job": run.spec.name, "run": run.id, "ranks_here": run.job is not None, "next_step": run.next_step,
+                 "fed": run.fed, "partitions_here": len(run.shard.loaders), "payloads_pending": len(run.shard.refs)}
+                for run in self.runs.values()]
+
     def _set_run(self, run: Run) -> None:
         self.runs[run.digest] = run
         self._runs_changed.set()
@@ -510,6 +527,7 @@ class ClusterJobs:
             run = Run(self, JobSpec.from_dict(frame["spec"]), digest, frame)
             self._set_run(run)
             self.tasks.spawn(run.shard.rebalance(), name="shard-open")
+            self.tasks.spawn(self._watch(run), name="run-watch")
         else:
             run.set_ranks(frame["rank_nodes"])
         insts = set(frame.get("insts", {}).get(self.node_id, ()))

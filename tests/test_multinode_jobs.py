@@ -460,7 +460,7 @@ def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(etcd_server
 
     spec = small_job("mixfail", dp=3, samples=3000, seed=13, prefetch=1)
     mb = spec.micro_batches
-    steps, pause = 14, 8
+    steps, pause = 26, 8  # nodes buffer up to ~10 steps past the pause: the new leader must plan the rest
     n = steps * mb
     want_pre = run_ranks(spec, server_factory().start().socket, n)
     c = cluster_factory(etcd_server.url).start()
@@ -489,7 +489,10 @@ def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(etcd_server
         assert not t.is_alive(), "a rank on a surviving node hung after the leader died"
     assert set(errs) <= {2}, errs
     new, _ = wait_for(lambda: c.settled(set(c.nodes) - {leader}), 30, "a new leader")
-    assert "job mixfail: resumed run" in c.nodes[new].log()
+    import re
+
+    m = re.search(r"job mixfail: resumed run \w+ across 2 node\(s\) from step (\d+)", c.nodes[new].log())
+    assert m is not None and int(m.group(1)) < steps, "the new leader did not plan the rest of the run"
     post = run_ranks(spec, server_factory().start().socket, (steps - e) * mb, states={0: info["state"]})
     for r in (0, 1):
         assert len(got[r]) == n

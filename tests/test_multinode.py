@@ -304,6 +304,40 @@ def test_place_sources_reassigns_when_a_node_leaves():
     assert "b" not in {n for x in after for n in x}
 
 
+def test_mixture_weighted_placement_spreads_the_reading_work_when_a_node_leaves():
+    """Four sources with shares .5/.3/.15/.05, three partitions each (placed when three nodes ran the job), two
+    nodes left: dealt by count, one node reads 55% of the tokens; weighted by the mixture, within 2% of half."""
+    from msdata_client.graph import MixSpec
+    from msdata_server.cluster.placement import partition_costs
+
+    names = ["a", "b", "c", "d"]
+    mix = MixSpec(weights={"a": 5, "b": 3, "c": 1.5, "d": 0.5})  # shares are normalised
+    cost = partition_costs(mix, names, 3)
+    assert cost == pytest.approx([0.5 / 3, 0.3 / 3, 0.15 / 3, 0.05 / 3])
+
+    def worst(out):
+        load: dict[str, float] = {}
+        for s, row in enumerate(out):
+            for n in row:
+                load[n] = load.get(n, 0.0) + cost[s]
+        return max(load.values()) / (sum(load.values()) / len(load))
+
+    assert worst(place_sources([3] * 4, ["n0", "n1", "n2"], cost)) == pytest.approx(1.0)
+    by_count = worst(place_sources([3] * 4, ["n0", "n2"]))
+    by_cost = worst(place_sources([3] * 4, ["n0", "n2"], cost))
+    assert by_count == pytest.approx(1.1)
+    assert by_cost <= 1.04 and by_cost < by_count
+    # a schedule averages its points; a source off at first still gets a (small) cost, so it spreads out
+    sched = MixSpec(schedule=((0, {"a": 1.0, "b": 0.0}), (100, {"a": 0.5, "b": 0.5})))
+    ca, cb = partition_costs(sched, ["a", "b"], 2)
+    assert ca == pytest.approx(0.75 / 2) and cb == pytest.approx(0.25 / 2)
+    off = partition_costs(MixSpec(weights={"a": 1.0, "b": 0.0}), ["a", "b"], 1)
+    assert off[1] > 0
+    spread = place_sources([1, 4], ["n0", "n1", "n2", "n3"], partition_costs(MixSpec(weights={"a": 1.0, "b": 0.0}),
+                                                                             ["a", "b"], 4))
+    assert len(set(spread[1])) >= 3
+
+
 # ---- plans over the wire ------------------------------------------------------------------------------
 def _a_plan(dp=4, steps=2):
     from msdata_server.planner import Mixture, Planner, PlannerConfig

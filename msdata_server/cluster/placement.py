@@ -2,7 +2,9 @@
 
 Partitions are dealt round robin over the sorted node ids, continuing across sources, so every node holds
 the same number of partitions (within one) whatever the sources; weighted by cost, the longest-processing-time
-rule. Plans never depend on placement: it only says where a partition's payloads are read.
+rule. Jobs weight each partition by its source's share of the declared mixture (``partition_costs``), so a
+node that leaves is replaced by an even share of the reading work, not of the partition count. Plans never
+depend on placement: it only says where a partition's payloads are read.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from collections.abc import Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["place", "place_sources"]
+__all__ = ["partition_costs", "place", "place_sources"]
+
+_FLOOR = 0.01  # a source's cost is at least this fraction of the mean (one off at first still spreads out)
 
 
 def _nodes(nodes: Sequence[str]) -> list[str]:
@@ -53,3 +57,17 @@ def place_sources(partitions: Sequence[int], nodes: Sequence[str],
         out[s][k] = n
         load[n] += -negc
     return out
+
+
+def partition_costs(mix, sources: Sequence[str], nparts: int) -> list[float]:
+    """The reading cost of one partition of each source: its share of the tokens over the declared mixture
+    (a schedule: the mean over its points) split over ``nparts``; the same on every node (a function of the
+    job's definition, not of run-time mixture changes)."""
+    points = [dict(mix.weights)] if mix.weights is not None else [dict(w) for _, w in mix.schedule]
+    share = [0.0] * len(sources)
+    for w in points:
+        total = sum(float(w.get(name, 0.0)) for name in sources) or 1.0
+        for s, name in enumerate(sources):
+            share[s] += float(w.get(name, 0.0)) / total / len(points)
+    floor = _FLOOR / max(1, len(sources))
+    return [max(x, floor) / max(1, nparts) for x in share]

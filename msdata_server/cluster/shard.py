@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import BadSampleError, PeerLostError, ProtocolError
 from ..loader import SourceLoader
 from ..sources import open_source
-from .placement import place_sources
+from .placement import partition_costs, place_sources
 
 __all__ = ["BLOCK", "JobShard"]
 
@@ -72,6 +72,7 @@ class JobShard:
         self.refs: dict[tuple[int, int], int] = {}
         self.cursor: list[int] | None = None  # where new loaders seek to (a recent planner position)
         self.proxies = [_SourceProxy(self, s) for s in range(len(spec.sources))]
+        self.costs = partition_costs(spec.mix, spec.source_names(), nparts)
         self.closed = False
 
     # ---- placement --------------------------------------------------------------------------------------
@@ -79,7 +80,7 @@ class JobShard:
         return (int(ordinal) // BLOCK) % self.nparts
 
     def placement(self) -> list[list[str]]:
-        return place_sources([self.nparts] * len(self.spec.sources), self.jobs.live_nodes())
+        return place_sources([self.nparts] * len(self.spec.sources), self.jobs.live_nodes(), self.costs)
 
     def owner(self, s: int, k: int) -> str:
         return self.placement()[s][k]

@@ -203,11 +203,19 @@ def data_path(steps: int) -> dict:
         try:
             c.start()
             wait_for(lambda: c.settled(set(c.nodes)), 30, "a leader")
-            secs, nb = run([c.nodes[f"node-{i}"].socket for i in range(3)])
+            socks = [c.nodes[f"node-{i}"].socket for i in range(3)]
+
+            def peer_bytes() -> int:
+                return sum(_status(s)["cluster"]["traffic"]["bytes_in"] for s in socks)
+
+            before = peer_bytes()
+            secs, nb = run(socks)
+            peer = peer_bytes() - before
         finally:
             c.stop()
             etcd.stop()
-        out["three"] = {"steps_per_s": (steps - 1) / secs, "bytes_per_s": nb / secs}
+        out["three"] = {"steps_per_s": (steps - 1) / secs, "bytes_per_s": nb / secs, "peer_bytes_per_s": peer / secs,
+                        "peer_bytes_per_batch_byte": peer / nb}
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return out
@@ -342,7 +350,10 @@ def main() -> None:
     dpath = data_path(10 if args.quick else 30)
     for k, label in (("one", "one node, 3 ranks"), ("three", "three nodes, 1 rank each")):
         print(f"data path ({label}; dp 3, 16 KiB-token steps): {dpath[k]['steps_per_s']:.1f} steps/s, "
-              f"{dpath[k]['bytes_per_s'] / 2**20:.1f} MiB/s")
+              f"{dpath[k]['bytes_per_s'] / 2**20:.1f} MiB/s to ranks")
+    print(f"  across nodes: {dpath['three']['peer_bytes_per_s'] / 2**20:.1f} MiB/s over the peer links "
+          f"({dpath['three']['peer_bytes_per_batch_byte']:.2f} B per batch byte; ratio three/one nodes "
+          f"{dpath['three']['steps_per_s'] / dpath['one']['steps_per_s']:.2f})")
     print(json.dumps({"failover_s": round(statistics.median(fo), 3), "failover_max_s": round(max(fo), 3),
                       "failover_planned_s": round(fd["planned_s"], 3), "failover_delivered_s": round(fd["delivered_s"], 3),
                       "lease_ttl_s": args.ttl, "plan_ms_dp512": round(res[512]["plan_ms"], 2),
@@ -351,6 +362,7 @@ def main() -> None:
                       "state_bytes_dp4096": res[4096]["state_bytes"], "state_write_ms": round(w, 3),
                       "cross_node_steps_per_s": round(dpath["three"]["steps_per_s"], 2),
                       "cross_node_bytes_per_s": round(dpath["three"]["bytes_per_s"]),
+                      "peer_link_bytes_per_s": round(dpath["three"]["peer_bytes_per_s"]),
                       "one_node_steps_per_s": round(dpath["one"]["steps_per_s"], 2),
                       "one_node_bytes_per_s": round(dpath["one"]["bytes_per_s"])}))
 

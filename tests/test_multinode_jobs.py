@@ -57,6 +57,10 @@ def test_job_on_three_nodes_equals_one_node(etcd_server, cluster_factory, server
     sts = c.statuses()
     roles = sorted(st["role"] for st in sts.values())
     assert roles == ["follower", "follower", "leader"]
+    # payloads and plans crossed the nodes over the peer links, and every byte sent was received
+    tin = sum(st["cluster"]["traffic"]["bytes_in"] for st in sts.values())
+    tout = sum(st["cluster"]["traffic"]["bytes_out"] for st in sts.values())
+    assert tin > 4 * len(ids) and abs(tin - tout) <= 0.05 * tout, (tin, tout)
 
 
 def test_leader_sigkill_mid_run_loses_and_repeats_nothing(etcd_server, cluster_factory, server_factory):  # noqa: F811

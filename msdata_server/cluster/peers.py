@@ -25,7 +25,7 @@ from msdata_client.wire import MAX_FRAME, decode, encode
 
 from ..errors import ClosedError, PeerLostError, ProtocolError
 
-__all__ = ["AuthError", "CHUNK", "HIGH_WATER", "MAX_PAYLOAD", "PeerLink", "PeerServer", "load_token"]
+__all__ = ["AuthError", "CHUNK", "HIGH_WATER", "MAX_PAYLOAD", "PeerLink", "PeerServer", "Traffic", "load_token"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,19 @@ def _check_token(token: bytes | str) -> bytes:
     return token
 
 
+class Traffic:
+    """Bytes a node sent and received over all its peer links (links come and go; the totals stay)."""
+
+    __slots__ = ("bytes_in", "bytes_out")
+
+    def __init__(self):
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def to_dict(self) -> dict:
+        return {"bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+
+
 class PeerLink(asyncio.BufferedProtocol):
     """One authenticated link, either side: ``send``/``send_payload``; what arrives goes to ``handler``.
 
@@ -80,12 +93,13 @@ class PeerLink(asyncio.BufferedProtocol):
 
     def __init__(self, *, token: bytes | str, node_id: str, handler: Handler | None = None, server: bool,
                  high_water: int = HIGH_WATER, max_payload: int = MAX_PAYLOAD, auth_timeout: float = AUTH_TIMEOUT,
-                 on_ready: Callable[[PeerLink], None] | None = None):
+                 on_ready: Callable[[PeerLink], None] | None = None, traffic: Traffic | None = None):
         if high_water < CHUNK // 16:
             raise ValueError(f"{high_water=} must be >= {CHUNK // 16}")
         self.node_id = node_id
         self.peer_id: str | None = None
         self.authenticated = False
+        self.traffic = traffic if traffic is not None else Traffic()
         self.high_water = high_water
         self.max_payload = max_payload
         self._token = _check_token(token)
@@ -212,6 +226,7 @@ class PeerLink(asyncio.BufferedProtocol):
     def _write(self, data: bytes | memoryview) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
+            self.traffic.bytes_out += len(data)
 
     async def _drain(self) -> None:
         if not self._can_write.is_set():
@@ -276,6 +291,7 @@ class PeerLink(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.closed.done() or (self._transport is not None and self._transport.is_closing()):
             return
+        self.traffic.bytes_in += nbytes
         try:
             if self._payload_mv is not None:
                 self._got += nbytes
@@ -423,8 +439,9 @@ class PeerServer:
     """Accepts peer links on (host, port); each authenticated frame goes to ``handler(peer_id, frame, payload)``."""
 
     def __init__(self, *, token: bytes | str, node_id: str, handler: Handler, high_water: int = HIGH_WATER,
-                 max_payload: int = MAX_PAYLOAD, auth_timeout: float = AUTH_TIMEOUT):
+                 max_payload: int = MAX_PAYLOAD, auth_timeout: float = AUTH_TIMEOUT, traffic: Traffic | None = None):
         self._token = _check_token(token)
+        self.traffic = traffic
         self.node_id = node_id
         self.handler = handler
         self.high_water = high_water
@@ -446,7 +463,7 @@ class PeerServer:
     def _make(self) -> PeerLink:
         link = PeerLink(token=self._token, node_id=self.node_id, handler=self.handler, server=True,
                         high_water=self.high_water, max_payload=self.max_payload, auth_timeout=self.auth_timeout,
-                        on_ready=self._ready)
+                        on_ready=self._ready, traffic=self.traffic)
         self._all.add(link)
         link.closed.add_done_callback(lambda _f, link=link: self._gone(link))
         return link

@@ -18,7 +18,7 @@ from ..errors import PeerLostError, ProtocolError
 from ..tasks import TaskSet
 from .election import Fence, LeaderElection, Membership
 from .etcd import Etcd, EtcdError
-from .peers import AuthError, PeerLink, PeerServer, load_token
+from .peers import AuthError, PeerLink, PeerServer, Traffic, load_token
 from .placement import place
 
 __all__ = ["ClusterNode"]
@@ -42,7 +42,8 @@ class ClusterNode:
         self.handler = handler
         self.token = load_token(self.cc.token_file)
         self.etcd = Etcd(list(self.cc.etcd), timeout=max(1.0, self.cc.lease_ttl))
-        self.peers = PeerServer(token=self.token, node_id=self.node_id, handler=self._on_frame)
+        self.traffic = Traffic()  # bytes over every peer link of this node, both ways
+        self.peers = PeerServer(token=self.token, node_id=self.node_id, handler=self._on_frame, traffic=self.traffic)
         self.membership: Membership | None = None
         self.election: LeaderElection | None = None
         self.fence = Fence()
@@ -119,6 +120,7 @@ class ClusterNode:
             "links": sorted(i for i, link in self.links.items() if not link.closed.done()),
             "incoming": sorted(self.peers.links),
             "lease_alive": bool(self.membership is not None and self.membership.alive),
+            "traffic": self.traffic.to_dict(),
         }
 
     # ---- members and links ---------------------------------------------------------------------------
@@ -182,7 +184,7 @@ class ClusterNode:
             host, _, port = listen.rpartition(":")
             try:
                 link = await PeerLink.connect(host.strip("[]"), int(port), token=self.token, node_id=self.node_id,
-                                              handler=self._on_frame)
+                                              handler=self._on_frame, traffic=self.traffic)
             except AuthError as e:
                 log.error("node %s: peer %s at %s refused our token: %s", self.node_id, nid, listen, e)
                 return

@@ -533,7 +533,8 @@ class ClusterJobs:
         insts = set(frame.get("insts", {}).get(self.node_id, ()))
         for job in (self.node.jobs.get(run.spec.name), self.node.pending.get(run.spec.name)):
             if job is not None and job.digest == digest and job.inst in insts and job.state == "waiting":
-                self._start_job(run, job, frame)
+                if run.inst != job.inst:  # a repeated start (a report crossed it) must not reset the positions
+                    self._start_job(run, job, frame)
                 break
 
     def _start_job(self, run: Run, job, frame: dict) -> None:

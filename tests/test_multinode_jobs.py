@@ -549,6 +549,9 @@ def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(et
         assert not t.is_alive(), "a rank on a surviving node hung after the leader died in a mixture change"
     assert set(errs) <= {2}, errs
     assert "broke before it answered" in info["error"] and info["wait"] < 30 * TTL, info
+    # the held nodes went on as soon as they saw the new leader (not only when their hold expired)
+    assert all("held the constructors for a mixture change is gone" in c.nodes[f"node-{node_of[r]}"].log()
+               for r in (0, 1))
     for r in (0, 1):
         assert got[r] == want[r], f"rank {r} saw other batches than a run without the change"
 

@@ -424,7 +424,7 @@ class JobCoordinator:
             frame: dict = {"t": "mixcut", "digest": self.digest, "run": self.run_id, "cut": None, "token": self.token}
             try:
                 replies = await asyncio.gather(*(self.jobs.request(n, {"t": "mixhold", "digest": self.digest,
-                                                                       "run": self.run_id})
+                                                                       "run": self.run_id, "token": self.token})
                                                  for n in nodes))
                 if self.jobs._stall_mix:  # tests only (MSDATA_TEST_FAULTS=1): the leader dies during a change
                     log.warning("job %s: test fault: the mixture change stalls with every node held", self.spec.name)

@@ -71,6 +71,7 @@ class Run:
         self.feed_next = self.start_step
         self.feeding = None  # the plan feed() is handing to the group queues
         self.gated: dict[int, object] = {}  # plans constructors hold at the gate (take) during a hold
+        self.hold_token = 0  # the fencing token of the leader that holds
 
     def set_ranks(self, rank_nodes: dict) -> None:
         g: dict[int, set] = {}
@@ -157,8 +158,10 @@ class Run:
             self.gated.pop(id(plan), None)
         return not self.stale(plan, epoch)
 
-    def hold(self) -> int:
-        """Stop constructors taking up new steps (until the cut or a timeout); the newest step taken up here."""
+    def hold(self, token: int) -> int:
+        """Stop constructors taking up new steps (until the cut, a timeout, or the holding leader is replaced);
+        the newest step taken up here."""
+        self.hold_token = max(self.hold_token, token)
         if self.holding is None:
             ev = self.holding = asyncio.Event()
             asyncio.get_running_loop().call_later(self.jobs.timeout, self._release, ev)
@@ -223,6 +226,7 @@ class ClusterJobs:
         self._faults = os.environ.get("MSDATA_TEST_FAULTS") == "1"  # tests inject lost frames (see on_frame)
         self._drop_plans: dict[str, int] = {}
         self._stall_mix = False
+        self._leader_token = None  # the fencing token of the leader this node follows
 
     async def start(self) -> None:
         from .coordinator import Coordinator
@@ -249,6 +253,13 @@ class ClusterJobs:
 
     def _on_role(self, role, leader_id, token) -> None:
         self._dirty.set()
+        if token is not None and token != self._leader_token:
+            self._leader_token = token
+            for run in self.runs.values():  # a hold for a leader that is gone ends now (its change never comes)
+                if run.holding is not None and run.hold_token < int(token):
+                    log.info("node %s: job %s: the leader that held the constructors for a mixture change is gone; "
+                             "going on without it", self.node_id, run.spec.name)
+                    run._release(run.holding)
         self.coordinator.on_role(role)
 
     def _link_up(self, nid: str) -> None:
@@ -406,7 +417,7 @@ class ClusterJobs:
                     run.shard.unref(np.asarray(frame["s"], np.int64), np.asarray(frame["o"], np.int64))
             elif t == "mixhold":  # the leader cuts for a mixture change: hold, say the newest step taken up
                 run = self._run(frame)
-                await self._reply(frame, {"committed": run.hold() if run is not None else -1})
+                await self._reply(frame, {"committed": run.hold(int(frame.get("token") or 0)) if run is not None else -1})
             elif t == "mixcut":
                 run = self._run(frame)
                 if run is not None:

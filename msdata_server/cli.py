@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 
 import orjson

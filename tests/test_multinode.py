@@ -94,8 +94,8 @@ prefix = "{self.prefix}"
         roles = [nid for nid, st in sts.items() if st["role"] == "leader"]
         if len(leaders) != 1 or len(roles) != 1 or roles[0] not in leaders:
             return None
-        for nid, st in sts.items():
-            c = st["cluster"]
+        for nid, status in sts.items():
+            c = status["cluster"]
             if set(c["members"]) != alive or set(c["links"]) != alive - {nid}:
                 return None
         return roles[0], sts[roles[0]]["cluster"]["token"]

@@ -38,6 +38,49 @@ def run_spread(c, spec, n: int, placement: dict[int, list[int]], **kw) -> dict[i
     return out
 
 
+def _node_ranks(c, spec, n: int, pause_at: int, *, node_of: dict[int, int] | None = None, rank0=None,
+                connect_timeout: dict[int, float] | None = None, gone: int | None = None):
+    """One rank per node (rank r on node-{node_of[r]}, by default node-r), each in a thread reading n batches
+    and pausing after ``pause_at`` of them until ``go`` is set. ``rank0(dc, i)`` runs before rank 0 reads
+    batch i; rank ``gone`` stops at the pause (its node is about to die). Returns (got, errs, go, threads)."""
+    import msdata_client as msd
+
+    from .e2e_util import batch_record
+
+    node_of = node_of or {r: r for r in range(NODES)}
+    got: dict[int, list] = {r: [] for r in range(NODES)}
+    errs: dict[int, BaseException] = {}
+    go = threading.Event()
+
+    def body(r):
+        try:
+            dc = msd.DataClient(spec, endpoint=c.nodes[f"node-{node_of[r]}"].socket, rank=r, world_size=NODES,
+                                connect_timeout=(connect_timeout or {}).get(r, 60))
+            for i in range(n):
+                if rank0 is not None and r == 0:
+                    rank0(dc, i)
+                if i == pause_at:
+                    go.wait(120)
+                    if r == gone:
+                        return
+                b = next(dc)
+                got[r].append(batch_record(b))
+                del b
+            dc.close()
+        except BaseException as e:  # reported to the test
+            errs[r] = e
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(NODES)]
+    for t in threads:
+        t.start()
+    return got, errs, go, threads
+
+
+def _at_pause(got, errs, pause_at: int) -> None:
+    wait_for(lambda: all(len(got[r]) == pause_at for r in range(NODES)) or errs, 90, "every rank at the pause")
+    assert not errs, errs
+
+
 def test_job_on_three_nodes_equals_one_node(etcd_server, cluster_factory, server_factory):  # noqa: F811
     spec = small_job("spread", dp=3, tp=2, samples=300, seed=7)
     steps = 4
@@ -68,9 +111,6 @@ def test_leader_sigkill_mid_run_loses_and_repeats_nothing(etcd_server, cluster_f
     surviving nodes get exactly the batches of an uninterrupted run: no document lost or delivered twice."""
     import time
 
-    import msdata_client as msd
-
-    from .e2e_util import batch_record
     from .test_multinode import TTL
 
     spec = small_job("failover", dp=3, samples=400, seed=11, prefetch=1)
@@ -82,32 +122,8 @@ def test_leader_sigkill_mid_run_loses_and_repeats_nothing(etcd_server, cluster_f
     c = cluster_factory(etcd_server.url).start()
     leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
     li = int(leader.split("-")[1])
-    got: dict[int, list] = {r: [] for r in range(3)}
-    errs: dict[int, BaseException] = {}
-    paused = threading.Barrier(3)
-    go = threading.Event()
-
-    def body(r):
-        try:
-            dc = msd.DataClient(spec, endpoint=c.nodes[f"node-{r}"].socket, rank=r, world_size=3, connect_timeout=3)
-            for i in range(n):
-                if i == before:
-                    paused.wait(60)
-                    go.wait(60)
-                    if r == li:
-                        return  # its node is dead
-                b = next(dc)
-                got[r].append(batch_record(b))
-                del b
-            dc.close()
-        except BaseException as e:  # reported to the test
-            errs[r] = e
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(3)]
-    for t in threads:
-        t.start()
-    paused_ok = wait_for(lambda: all(len(got[r]) == before for r in range(3)), 60, "every rank at the pause")
-    assert paused_ok
+    got, errs, go, threads = _node_ranks(c, spec, n, before, connect_timeout={li: 3}, gone=li)
+    _at_pause(got, errs, before)
     t0 = time.monotonic()
     c.nodes[leader].kill()
     go.set()
@@ -133,10 +149,6 @@ def test_leader_sigkill_mid_run_loses_and_repeats_nothing(etcd_server, cluster_f
 def test_follower_restart_its_rank_reconnects_and_continues(etcd_server, cluster_factory, server_factory):  # noqa: F811
     """A follower's process is killed mid-run and started again: it rejoins, the leader replays the plans its
     rank still needs, and every rank (the reconnected one too) sees exactly the batches of an uninterrupted run."""
-    import msdata_client as msd
-
-    from .e2e_util import batch_record
-
     spec = small_job("rejoin", dp=3, samples=400, seed=5, prefetch=1)
     n = 10 * spec.micro_batches
     before = 3 * spec.micro_batches
@@ -147,29 +159,8 @@ def test_follower_restart_its_rank_reconnects_and_continues(etcd_server, cluster
     leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
     victim = next(nid for nid in sorted(c.nodes) if nid != leader)
     vi = int(victim.split("-")[1])
-    got: dict[int, list] = {r: [] for r in range(3)}
-    errs: dict[int, BaseException] = {}
-    paused = threading.Barrier(3)
-    go = threading.Event()
-
-    def body(r):
-        try:
-            dc = msd.DataClient(spec, endpoint=c.nodes[f"node-{r}"].socket, rank=r, world_size=3, connect_timeout=60)
-            for i in range(n):
-                if i == before:
-                    paused.wait(60)
-                    go.wait(60)
-                b = next(dc)
-                got[r].append(batch_record(b))
-                del b
-            dc.close()
-        except BaseException as e:  # reported to the test
-            errs[r] = e
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(3)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: all(len(got[r]) == before for r in range(3)), 60, "every rank at the pause")
+    got, errs, go, threads = _node_ranks(c, spec, n, before)
+    _at_pause(got, errs, before)
     c.nodes[victim].kill()
     c.nodes[victim].start()
     go.set()
@@ -180,39 +171,6 @@ def test_follower_restart_its_rank_reconnects_and_continues(etcd_server, cluster
     for r in range(3):
         assert got[r] == want[r], f"rank {r} saw other batches than an uninterrupted run"
     assert vi in range(3)
-
-
-def _paused_ranks(c, spec, n: int, before: int, *, connect_timeout: float = 60):
-    """One rank per node (rank r on node-r), each pausing after ``before`` batches until ``go`` is set."""
-    import msdata_client as msd
-
-    from .e2e_util import batch_record
-
-    got: dict[int, list] = {r: [] for r in range(NODES)}
-    errs: dict[int, BaseException] = {}
-    paused = threading.Barrier(NODES)
-    go = threading.Event()
-
-    def body(r):
-        try:
-            dc = msd.DataClient(spec, endpoint=c.nodes[f"node-{r}"].socket, rank=r, world_size=NODES,
-                                connect_timeout=connect_timeout)
-            for i in range(n):
-                if i == before:
-                    paused.wait(60)
-                    go.wait(120)
-                b = next(dc)
-                got[r].append(batch_record(b))
-                del b
-            dc.close()
-        except BaseException as e:  # reported to the test
-            errs[r] = e
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(NODES)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: all(len(got[r]) == before for r in range(NODES)), 60, "every rank at the pause")
-    return got, errs, go, threads
 
 
 def _send_peer_frame(srv, token: str, frame: dict) -> None:
@@ -244,7 +202,8 @@ def test_plans_lost_on_a_broken_link_are_sent_again(etcd_server, cluster_factory
     c = cluster_factory(etcd_server.url).start()
     leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
     victim = next(nid for nid in sorted(c.nodes) if nid != leader)
-    got, errs, go, threads = _paused_ranks(c, spec, n, before)
+    got, errs, go, threads = _node_ranks(c, spec, n, before)
+    _at_pause(got, errs, before)
     lead = c.nodes[leader]
     _send_peer_frame(lead, c.token_file.read_text().strip(),
                      {"t": "fault", "node": victim, "drop_plans": 4, "close": True})
@@ -275,7 +234,8 @@ def test_etcd_restart_during_a_job_one_planner_and_exact_data(fresh_etcd, cluste
 
     c = cluster_factory(fresh_etcd.url).start()
     wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
-    got, errs, go, threads = _paused_ranks(c, spec, n, before)
+    got, errs, go, threads = _node_ranks(c, spec, n, before)
+    _at_pause(got, errs, before)
     fresh_etcd.stop(signal.SIGKILL)
     go.set()  # the ranks run on what was planned, then wait
 
@@ -418,40 +378,6 @@ def test_a_new_run_waits_for_the_old_runs_last_rank_and_starts_from_its_states(e
         assert out[r] == alone[r], f"rank {r}: the next run differs from the same resume on one node"
 
 
-def _ranks_off_the_leader(c, spec, n: int, pause_at: int, rank0, node_of: dict[int, int]):
-    """One rank per node (rank r on node node_of[r], rank 2 with the leader); each pauses after ``pause_at`` batches until ``go``.
-    ``rank0(dc, i)`` runs before rank 0 reads batch i (its set_mixture calls)."""
-    import msdata_client as msd
-
-    from .e2e_util import batch_record
-
-    got: dict[int, list] = {r: [] for r in range(NODES)}
-    errs: dict[int, BaseException] = {}
-    go = threading.Event()
-
-    def body(r):
-        try:
-            # rank 2 is on the leader's node: once it is killed, give up reconnecting soon
-            dc = msd.DataClient(spec, endpoint=c.nodes[f"node-{node_of[r]}"].socket, rank=r, world_size=NODES,
-                                connect_timeout=2 if r == 2 else 60)
-            for i in range(n):
-                if r == 0:
-                    rank0(dc, i)
-                if i == pause_at:
-                    go.wait(120)
-                b = next(dc)
-                got[r].append(batch_record(b))
-                del b
-            dc.close()
-        except BaseException as e:  # reported to the test
-            errs[r] = e
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(NODES)]
-    for t in threads:
-        t.start()
-    return got, errs, go, threads
-
-
 def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(etcd_server, cluster_factory,  # noqa: F811
                                                                      server_factory):
     """Bad weights are refused to the rank alone (the run goes on); a valid change cuts at step e; then the
@@ -481,9 +407,9 @@ def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(etcd_server
         if "cut" in info and i == info["cut"] * mb:
             info["state"] = dc.state_dict()  # the planner state at the start of step e (with the change)
 
-    got, errs, go, threads = _ranks_off_the_leader(c, spec, n, pause * mb, rank0, node_of)
-    wait_for(lambda: all(len(got[r]) == pause * mb for r in range(NODES)) or errs, 90, "every rank at the pause")
-    assert not errs, errs
+    got, errs, go, threads = _node_ranks(c, spec, n, pause * mb, node_of=node_of, rank0=rank0,
+                                         connect_timeout={2: 2})  # rank 2 dies with the leader: give up soon
+    _at_pause(got, errs, pause * mb)
     e = info["cut"]
     assert 2 <= e < pause - 1, f"cut at step {e}"
     c.nodes[leader].kill()
@@ -539,7 +465,7 @@ def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(et
 
     import time
 
-    got, errs, go, threads = _ranks_off_the_leader(c, spec, n, 0, rank0, node_of)
+    got, errs, go, threads = _node_ranks(c, spec, n, 0, node_of=node_of, rank0=rank0, connect_timeout={2: 2})
     go.set()
     wait_for(lambda: "the mixture change stalls with every node held" in lead.log() or errs, 60,
              "the leader to stall in the change")

@@ -47,10 +47,10 @@ def _resuming(entry: dict) -> bool:
 
 
 def _pick(entries: list[tuple[str, dict]], keep) -> dict[str, dict]:
-    """At most one entry per node among those kept (the one with the most ranks)."""
+    """At most one entry per node among those ``keep(nid, entry)`` keeps (the one with the most ranks)."""
     per: dict[str, dict] = {}
     for nid, j in entries:
-        if keep(j) and (nid not in per or len(j["ranks"]) > len(per[nid]["ranks"])):
+        if keep(nid, j) and (nid not in per or len(j["ranks"]) > len(per[nid]["ranks"])):
             per[nid] = j
     return per
 
@@ -149,11 +149,11 @@ class Coordinator:
                     log.warning("job %s: nodes report ranks of %d runs (%s); resuming %s", entries[0][1]["name"],
                                 len(runs), runs, runs[0])
                 rid = runs[0]
-                per = _pick(entries, lambda j: j.get("run") == rid or (not j.get("run") and _resuming(j)))
+                per = _pick(entries, lambda _n, j: j.get("run") == rid or (not j.get("run") and _resuming(j)))
                 resume = True
             else:
                 rid = uuid.uuid4().hex[:16]
-                per = _pick(entries, lambda j: not j.get("run") and bool(j["ranks"]))
+                per = _pick(entries, lambda _n, j: not j.get("run") and bool(j["ranks"]))
                 resume = False
             ranks = {int(r) for j in per.values() for r in j["ranks"]}
             if not ranks:
@@ -229,8 +229,7 @@ class JobCoordinator:
             for nid, j in entries:
                 if not j.get("run") and j["ranks"] and _resuming(j):
                     self.insts.setdefault(nid, set()).add(str(j["inst"]))
-        return _pick(entries, lambda j: j.get("run") == self.run_id)  \
-            | _pick([(n, j) for n, j in entries if str(j.get("inst")) in self.insts.get(n, ())], lambda j: True)
+        return _pick(entries, lambda n, j: j.get("run") == self.run_id or str(j.get("inst")) in self.insts.get(n, ()))
 
     def ack(self, nid: str, step: int) -> None:
         if step > self.acks.get(nid, -1):

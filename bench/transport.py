@@ -73,6 +73,13 @@ def _producer(sock_path: str, nbytes: int, n: int, readers: int, slots: int, rea
         all_in = asyncio.Event()
 
         async def handle(conn):
+            try:
+                await serve(conn)
+            finally:  # a reader that left holds no slot (its last releases may still have been batched)
+                if getattr(conn, "rank", None) is not None and table.drop_reader(conn.rank):
+                    freed.set()
+
+        async def serve(conn):
             async for f in conn.frames():
                 if f["t"] == "hello":
                     if f.get("v") != PROTOCOL_VERSION:

@@ -44,11 +44,13 @@ def run_ranks(spec, endpoint, n, ranks=None, *, keep=False, timeout=60.0, states
     """Each rank in its own thread with its own DataClient; returns {rank: [records]} (and batches if keep).
 
     states: {rank: state} loaded before iterating; saved: a dict that receives each rank's state_dict() after
-    its n batches; mixture: (after_batches, weights) for rank 0 to call set_mixture (its result lands in
-    saved["mixture_step"]); pause: (after_batches, threading.Event) every rank waits for before going on.
+    its n batches; mixture: (after_batches, weights), or a list of them, for rank 0 to call set_mixture (the
+    result lands in saved["mixture_step"]; a ConfigError refusal in saved["mixture_refused"]); pause:
+    (after_batches, threading.Event) every rank waits for before going on.
     """
     ranks = range(spec.mesh.world_size) if ranks is None else ranks
     out, errs, kept = {}, {}, {}
+    changes = [] if mixture is None else [mixture] if isinstance(mixture[0], int) else list(mixture)
 
     def body(r):
         try:
@@ -59,8 +61,12 @@ def run_ranks(spec, endpoint, n, ranks=None, *, keep=False, timeout=60.0, states
                 for i in range(n):
                     if pause is not None and i == pause[0]:
                         pause[1].wait(timeout)
-                    if mixture is not None and r == 0 and i == mixture[0]:
-                        saved["mixture_step"] = dc.set_mixture(mixture[1])
+                    for at, weights in changes if r == 0 else ():
+                        if i == at:
+                            try:
+                                saved["mixture_step"] = dc.set_mixture(weights)
+                            except msd.errors.ConfigError as e:
+                                saved["mixture_refused"] = str(e)
                     b = next(dc)
                     recs.append(batch_record(b))
                     if keep:

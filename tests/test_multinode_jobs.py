@@ -526,3 +526,36 @@ def test_a_node_with_data_but_no_ranks_asks_for_plans_it_lost(etcd_server, clust
     assert log.count("dropped the plan of step") == 3
     assert any(line.startswith("re-sending the plans of steps 0..") and line.endswith(f"to {owner}")
                for line in (x.partition("owner: ")[2] for x in log.splitlines()))
+
+
+def test_a_lost_mixture_cut_reaches_its_node_late_and_tp_peers_stay_identical(etcd_server, cluster_factory,  # noqa: F811
+                                                                            monkeypatch):
+    """The leader's mixcut frames to one follower are lost (an injected fault): first the release of a refused
+    change, then the cut of a valid one. That node stays held until it learns where the changes stand (from
+    the leader, or the first plan after the cut), never builds a step past the cut with the old plans: TP
+    pairs spanning it and the other nodes stay identical and the change holds everywhere from cut+2."""
+    monkeypatch.setenv("MSDATA_TEST_FAULTS", "1")
+    spec = small_job("mixlost", dp=3, tp=2, samples=400, seed=9, prefetch=4)
+    mb = spec.micro_batches
+    steps, at = 20, 3  # nodes may have taken up ~10 steps past the ranks when the change comes
+    c = cluster_factory(etcd_server.url).start()
+    leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
+    victim = next(nid for nid in sorted(c.nodes) if nid != leader)
+    lead = c.nodes[leader]
+    _send_peer_frame(lead, c.token_file.read_text().strip(), {"t": "fault", "node": victim, "drop_cuts": 2})
+    wait_for(lambda: "test fault: next 0 plan(s)" in lead.log(), 30, "the leader to take the fault")
+    saved: dict = {}
+    got = run_spread(c, spec, steps * mb, spread(spec.mesh.world_size), saved=saved,
+                     mixture=[(at * mb, {"a": 0.0, "b": 0.0}), (at * mb + 1, {"a": 1.0, "b": 0.0})])
+    assert "must not all be 0" in saved["mixture_refused"]
+    e = saved["mixture_step"]
+    assert at <= e and e + 2 < steps, f"cut at step {e}"
+    assert lead.log().count("test fault: dropped a mixcut") == 2
+    assert f"mixture change from step {e}" in c.nodes[victim].log()
+    world = spec.mesh.world_size
+    for r in range(world):
+        assert [rec["step"] for rec in got[r]] == [s for s in range(steps) for _ in range(mb)]
+        assert all(src == 0 for rec in got[r] if rec["step"] >= e + 2 for src, _ in rec["ids"]), f"rank {r}"
+        grp = spec.mesh.group_of(r, spec.distribute)
+        peers = [q for q in range(world) if spec.mesh.group_of(q, spec.distribute) == grp]
+        assert all(got[q] == got[r] for q in peers), f"rank {r} and its TP peers {peers} disagree"

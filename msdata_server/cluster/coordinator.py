@@ -198,6 +198,8 @@ class JobCoordinator:
         self.planner: Planner | None = None
         self._plan_lock = asyncio.Lock()  # one step planned and sent, or one mixture change, at a time
         self.gen = 0  # mixture changes so far (plans carry it; nodes drop plans of an older one)
+        self.last_cut: int | None = None  # the step of the latest change (plans carry it: a node that missed it)
+        self.mixing = False  # a change holds the nodes right now
         self.states: dict[int, dict] = {}  # recent planner states by step (a mixture change re-plans from one)
         self.mix_states: dict[int, dict] = {}  # cut -> the state with that change (a replay switches to it)
 
@@ -395,7 +397,7 @@ class JobCoordinator:
             log.warning("job %s: no longer leader at step %d; planning stops", self.spec.name, step)
             return False
         header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
-        header["state"], header["gen"], header["run"] = state, self.gen, self.run_id
+        header.update(state=state, gen=self.gen, run=self.run_id, cut=self.last_cut)
         self.sent[step] = (header, buf)
         self.states[step] = state
         for old in [s for s in self.states if s <= step - 256]:
@@ -421,6 +423,7 @@ class JobCoordinator:
                 raise PeerLostError(f"job {self.spec.name}: not planning here (starting or leader changed); retry")
             nodes = self.jobs.live_nodes()
             frame: dict = {"t": "mixcut", "digest": self.digest, "run": self.run_id, "cut": None, "token": self.token}
+            self.mixing = True
             try:
                 replies = await asyncio.gather(*(self.jobs.request(n, {"t": "mixhold", "digest": self.digest,
                                                                        "run": self.run_id, "token": self.token})
@@ -440,8 +443,10 @@ class JobCoordinator:
             finally:  # release every node (with the cut, or without one when the change failed)
                 for n in nodes:
                     await self.jobs._quiet_send(n, frame)
+                self.mixing = False
             end = self.planner.step
             self.gen += 1  # the nodes dropped plans of steps >= cut: never send those again
+            self.last_cut = cut
             self.planned = min(self.planned, cut)
             for s in [s for s in self.sent if s >= cut]:
                 del self.sent[s]
@@ -478,14 +483,14 @@ class JobCoordinator:
         if run is None or run.id != self.run_id:
             return
         view = _RemoteView(self, run, asyncio.get_running_loop())
-        gen = self.gen  # a mixture change meanwhile makes these plans stale (nodes drop them)
+        gen, last_cut = self.gen, self.last_cut  # a mixture change meanwhile makes these plans stale (nodes drop them)
         while planner.step < self.planned and not self._stopped:
             if planner.step in self.mix_states and planner.step > step:  # a mixture change from this step on
                 planner = Planner(planner_config(self.spec), state=self.mix_states[planner.step])
             st = planner.state_dict()
             plan = await asyncio.to_thread(planner.plan_step, view)
             header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
-            header["state"], header["gen"], header["run"] = st, gen, self.run_id
+            header.update(state=st, gen=gen, run=self.run_id, cut=last_cut)
             await self.jobs._quiet_send(nid, header, buf)
 
 

@@ -79,9 +79,11 @@ class Run:
             g.setdefault(self.spec.mesh.group_of(int(r), self.spec.distribute), set()).add(str(nid))
         self.group_nodes = {k: tuple(sorted(v)) for k, v in g.items()}
 
-    def add_plan(self, plan, state: dict | None, key: tuple[int, int] = (0, 0)) -> None:
+    def add_plan(self, plan, state: dict | None, key: tuple[int, int] = (0, 0), cut: int | None = None) -> None:
         if key < self.gen_key:
             return  # planned before a mixture change: its steps were planned again
+        if cut is not None and key > self.gen_key:
+            self.cut(cut, key)  # the leader's mixcut to this node was lost: the first plan after it says the cut
         if plan.step < self.next_step or plan.step in self.early:
             return  # a re-sent plan (a new leader re-plans from an earlier step): identical, ignored
         if plan.step > self.next_step + _KEEP_STATES:
@@ -164,11 +166,35 @@ class Run:
         self.hold_token = max(self.hold_token, token)
         if self.holding is None:
             ev = self.holding = asyncio.Event()
-            asyncio.get_running_loop().call_later(self.jobs.timeout, self._release, ev)
+            self.jobs.tasks.spawn(self._hold_watch(ev), name="hold-watch")
         job = self.job
         if job is None or not job.groups:
             return self.start_step - 1
         return max(g.committed for g in job.groups)
+
+    async def _hold_watch(self, ev: asyncio.Event) -> None:
+        """A hold ends with the leader's cut (or its release). If that does not come within a probe period
+        (the frame was lost), ask the leader where its mixture changes stand; a newer leader ends it too."""
+        while self.holding is ev:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), self.jobs.probe)
+            if self.holding is not ev:
+                return
+            try:
+                head = await self.jobs.mix_state(self)
+            except PeerLostError as e:
+                log.info("node %s: job %s: held for a mixture change; asking the leader: %s", self.jobs.node_id,
+                         self.spec.name, e)
+                continue
+            if head.get("busy") or self.holding is not ev:
+                continue
+            key = (int(head["token"]), int(head["gen"]))
+            if head.get("cut") is not None and key > self.gen_key:
+                log.info("node %s: job %s: the cut of a mixture change reached us late (step %s)", self.jobs.node_id,
+                         self.spec.name, head["cut"])
+                self.cut(int(head["cut"]), key)
+            else:
+                self._release(ev)
 
     def _release(self, ev: asyncio.Event) -> None:
         if self.holding is ev:
@@ -225,6 +251,7 @@ class ClusterJobs:
         self.probe = node.config.cluster.lease_ttl / 2  # how long a node waits for a plan before asking again
         self._faults = os.environ.get("MSDATA_TEST_FAULTS") == "1"  # tests inject lost frames (see on_frame)
         self._drop_plans: dict[str, int] = {}
+        self._drop_cuts: dict[str, int] = {}
         self._stall_mix = False
         self._leader_token = None  # the fencing token of the leader this node follows
 
@@ -365,6 +392,10 @@ class ClusterJobs:
             self._drop_plans[nid] -= 1  # an injected fault: this plan is lost on the way
             log.warning("node %s: test fault: dropped the plan of step %s to %s", self.node_id, frame.get("step"), nid)
             return
+        if self._drop_cuts and frame.get("t") == "mixcut" and self._drop_cuts.get(nid, 0) > 0:
+            self._drop_cuts[nid] -= 1
+            log.warning("node %s: test fault: dropped a mixcut (cut %s) to %s", self.node_id, frame.get("cut"), nid)
+            return
         if nid == self.node_id:
             await self.on_frame(nid, frame, None if payload is None else memoryview(payload))
         else:
@@ -401,8 +432,10 @@ class ClusterJobs:
             elif t == "plan":
                 run = self._run(frame)
                 if run is not None:
+                    cut = frame.get("cut")
                     run.add_plan(decode_plan(frame, payload), frame.get("state"),
-                                 (int(frame.get("token") or 0), int(frame.get("gen", 0))))
+                                 (int(frame.get("token") or 0), int(frame.get("gen", 0))),
+                                 None if cut is None else int(cut))
             elif t == "jstart":
                 self._jstart(frame)
             elif t == "jstop":
@@ -425,12 +458,19 @@ class ClusterJobs:
                     run.cut(None if cut is None else int(cut), (int(frame.get("token") or 0), int(frame.get("gen", 0))))
             elif t == "mix":
                 self.tasks.spawn(self._serve_mix(frame), name="serve-mix")
+            elif t == "mixstate":  # a held node asks where the leader's mixture changes stand
+                c = self.coordinator.coords.get(frame.get("digest")) if self.coordinator.leading else None
+                if c is None or c.run_id != frame.get("run"):
+                    await self._reply(frame, {"error": f"node {self.node_id} does not coordinate that run"})
+                else:
+                    await self._reply(frame, {"busy": c.mixing, "token": c.token, "gen": c.gen, "cut": c.last_cut})
             elif t in ("jobs", "ack", "need"):
                 self.coordinator.on_frame(frame)
             elif t == "fault" and self._faults:  # tests only (MSDATA_TEST_FAULTS=1): lose plans, break a link
                 nid = str(frame["node"])
                 self._drop_plans[nid] = int(frame.get("drop_plans", 0))
                 self._stall_mix = bool(frame.get("stall_mix", False))
+                self._drop_cuts[nid] = int(frame.get("drop_cuts", 0))
                 link = self.cluster.links.get(nid)
                 if frame.get("close") and link is not None:
                     self.tasks.spawn(link.aclose(), name="fault-close")
@@ -450,6 +490,14 @@ class ClusterJobs:
         if head.get("refused"):
             raise ConfigError(head["refused"])
         return int(head["step"])
+
+    async def mix_state(self, run: Run) -> dict:
+        """The leader's mixture-change state of a run (PeerLostError while there is no leader to ask)."""
+        leader = self.cluster.leader_id
+        if leader is None:
+            raise PeerLostError("the cluster has no leader right now")
+        head, _ = await self.request(leader, {"t": "mixstate", "digest": run.digest, "run": run.id})
+        return head
 
     async def _serve_mix(self, frame: dict) -> None:
         c = self.coordinator.coords.get(frame.get("digest")) if self.coordinator.leading else None

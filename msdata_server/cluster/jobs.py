@@ -180,6 +180,9 @@ class Run:
                 await asyncio.wait_for(ev.wait(), self.jobs.probe)
             if self.holding is not ev:
                 return
+            if self.jobs.runs.get(self.digest) is not self:  # the run ended here meanwhile
+                self._release(ev)
+                return
             try:
                 head = await self.jobs.mix_state(self)
             except PeerLostError as e:

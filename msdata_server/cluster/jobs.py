@@ -161,8 +161,8 @@ class Run:
         return not self.stale(plan, epoch)
 
     def hold(self, token: int) -> int:
-        """Stop constructors taking up new steps (until the cut, a timeout, or the holding leader is replaced);
-        the newest step taken up here."""
+        """Stop constructors taking up new steps (until the leader's cut or release, or a newer leader); the
+        newest step taken up here."""
         self.hold_token = max(self.hold_token, token)
         if self.holding is None:
             ev = self.holding = asyncio.Event()

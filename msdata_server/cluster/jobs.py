@@ -4,6 +4,27 @@ Every node pushes a report of its jobs (ranks, their positions and states, the n
 leader whenever it changes and whenever the leader changes. The leader's coordinators answer with ``jstart``
 and a stream of fenced ``plan`` frames; a node keeps the plans in step order, ignores duplicates (a new leader
 re-plans from an earlier step), hands them to its constructors, and serves its source partitions to peers.
+
+Frames of the job layer (orjson over the peer links; those from the leader carry its fencing token, and all
+but ``jobs`` name the run they are about, so frames of an ended run or an older leader are dropped):
+
+==========  =================  ========================================================================
+frame       from -> to         what
+==========  =================  ========================================================================
+jobs        node -> leader     report: per job registration (``inst``), its ranks, positions, states,
+                               the run it belongs to and the next step it lacks
+jstart      leader -> nodes    start or rejoin a run: run id, spec, registrations, positions, nparts
+plan        leader -> nodes    one step's plan (payload), its planner state, generation and latest cut
+ack / need  node -> leader     the last step fed here / the step it lacks (the leader re-sends)
+jstop       leader -> nodes    the run ended (every rank left)
+len, fetch  node -> owner      lengths for the planner / a step's payloads (replied with ``rep``)
+skip        node -> owner      occurrences this node will not build (their references drop)
+mix         node -> leader     a rank's set_mixture (replied with the cut step or the refusal)
+mixhold     leader -> nodes    hold the constructors, reply with the newest step taken up
+mixcut      leader -> nodes    the cut (plans >= cut dropped) or, without one, the release
+mixstate    node -> leader     a held node asks whether the change is over and where it cut
+fault       test -> leader     only with MSDATA_TEST_FAULTS=1: lose plans or cuts, stall a change
+==========  =================  ========================================================================
 """
 
 from __future__ import annotations

@@ -483,7 +483,6 @@ class Job:
     async def _construct_remote(self, grp: Group) -> None:
         """Cluster: a step's payloads are fetched (one request per owning node) while the step before is built."""
         staged: asyncio.Queue = asyncio.Queue(1)
-        pending: set[asyncio.Future] = set()
 
         async def fetcher():
             while True:
@@ -499,21 +498,18 @@ class Job:
                     ords = np.concatenate([plan.ordinal[sl] for _, sl in skip])
                     await self.loaders.skip(src, ords)
                     self._done_pieces(src, ords)
-                fut = None
+                toks = []
                 if want:
                     cat = [np.concatenate([getattr(plan, k)[sl] for _, sl in want])
                            for k in ("source", "ordinal", "offset", "length")]
-                    fut = asyncio.ensure_future(self.loaders.fetch(*cat))
-                    pending.add(fut)
-                    fut.add_done_callback(pending.discard)
-                await staged.put((plan, want, fut))
+                    toks = await self.loaders.fetch(*cat)
+                await staged.put((plan, want, toks))
 
         feeding = self.tasks.spawn(fetcher(), name=f"{self.name}-fetch-{grp.index}")
         scratch: dict = {}
         try:
             while True:
-                plan, want, fut = await staged.get()
-                toks = await fut if fut is not None else []
+                plan, want, toks = await staged.get()
                 at = 0
                 for m, sl in want:
                     n = sl.stop - sl.start
@@ -525,8 +521,6 @@ class Job:
                         self._done_pieces(plan.source[sl], plan.ordinal[sl])
         finally:
             feeding.cancel()
-            for f in list(pending):
-                f.cancel()
 
     def _micro_slices(self, grp: Group, plan):
         """(micro-batch, slice of the plan) of this group's micro-batches of a step, in order."""

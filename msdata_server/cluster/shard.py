@@ -236,8 +236,7 @@ class JobShard:
         if nid == self.jobs.node_id:
             return await self.serve_tokens(s_sel, o_sel)
         head, payload = await self.jobs.request(nid, {"t": "fetch", "digest": self.digest, "run": self.run,
-                                                       "s": s_sel.tolist(),
-                                                       "o": o_sel.tolist()})
+                                                       "s": s_sel.tolist(), "o": o_sel.tolist()})
         return split_docs(head, payload)
 
     async def skip(self, src: np.ndarray, ords: np.ndarray) -> None:
@@ -252,8 +251,7 @@ class JobShard:
             else:
                 try:
                     await self.jobs.send(nid, {"t": "skip", "digest": self.digest, "run": self.run,
-                                               "s": src[idx].tolist(),
-                                               "o": ords[idx].tolist()})
+                                               "s": src[idx].tolist(), "o": ords[idx].tolist()})
                 except PeerLostError:
                     pass  # the owner is gone: its payloads went with it
 

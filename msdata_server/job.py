@@ -27,6 +27,7 @@ from .constructor import MicroBatchPieces, build_micro_batch, count_segments, fi
 from .errors import CheckpointError, ClosedError, ConfigError, MsdataError, RingFullError
 from .checkpoint import StateStore, start_from_states
 from .loader import SourceLoader
+from .pieces import PieceRefs, hold_figures
 from .planner import Mixture, Planner, PlannerConfig
 from .shm import Segment, create_segment
 from .sources import open_source
@@ -153,7 +154,7 @@ class Job:
         self.loaders: list[SourceLoader] = []
         self.planner: Planner | None = None
         self._ring_ids = 0
-        self._pieces_left: dict[tuple[int, int], int] = {}
+        self.refs = PieceRefs()  # payloads held for planned pieces not yet built
         self.started_at: float | None = None
         self.plan_stats: list = []  # recent per-step statistics (bounded)
         self.steps_planned = 0
@@ -295,7 +296,9 @@ class Job:
                 SourceLoader(src, self.node.pool, transform=s.transform, seed=spec.seed)
                 for src, s in zip(sources, spec.sources)
             ]
-            for ld in self.loaders:
+            cursor = (state or {}).get("cursor") or [0] * len(self.loaders)
+            for ld, at in zip(self.loaders, cursor):
+                ld.seek(int(at))  # a resumed job reads on from its position (carried pieces: on demand)
                 await ld.start()
         ngroups = self.mesh.data_groups(spec.distribute)
         if spec.mix.schedule:
@@ -435,30 +438,18 @@ class Job:
             self._tokens[name] = self._tokens.get(name, 0) + int(n)
 
     def _count_pieces(self, plan) -> None:
-        key = list(zip(plan.source.tolist(), plan.ordinal.tolist()))
-        for k in key:
-            self._pieces_left[k] = self._pieces_left.get(k, 0) + 1
+        self._free(self.refs.plan(plan.source, plan.ordinal, plan.last))
 
     def _done_pieces(self, sources: np.ndarray, ordinals: np.ndarray) -> None:
-        by_src: dict[int, list[int]] = {}
-        for s, o in zip(sources.tolist(), ordinals.tolist()):
-            n = self._pieces_left.get((s, o), 1) - 1
-            if n > 0:
-                self._pieces_left[(s, o)] = n
-            else:
-                self._pieces_left.pop((s, o), None)
-                by_src.setdefault(s, []).append(o)
-        for s, ords in by_src.items():
-            self.loaders[s].release(np.asarray(ords, dtype=np.int64))
+        self._free(self.refs.done(sources, ordinals))
+
+    def _free(self, docs: list[tuple[int, int]]) -> None:
+        for s, ords in self.refs.by_source(docs).items():
+            self.loaders[s].release(ords)
 
     def _uncount_pieces(self, plan) -> None:
         """A dropped plan's pieces will be planned again: forget them without freeing their payloads."""
-        for k in zip(plan.source.tolist(), plan.ordinal.tolist()):
-            n = self._pieces_left.get(k, 0) - 1
-            if n > 0:
-                self._pieces_left[k] = n
-            else:
-                self._pieces_left.pop(k, None)
+        self.refs.unplan(plan.source, plan.ordinal, plan.last)
 
     # ---- constructing ---------------------------------------------------------------------------------
     async def _construct_loop(self, grp: Group) -> None:
@@ -692,8 +683,14 @@ class Job:
             "tokens_per_source": dict(self._tokens),
             "rings": [{"group": g.index, "ring": r.id, "slots": r.table.slots, "in_use": r.table.in_use,
                        "slot_size": r.slot_size} for g in self.groups for r in g.rings.values()],
-            "sources": {ld.source.name: _stats_dict(ld.statistics()) for ld in self.loaders},
+            "sources": {ld.source.name: self._source_status(s, ld) for s, ld in enumerate(self.loaders)},
         }
+
+    def _source_status(self, s: int, ld) -> dict:
+        if self.remote is not None:  # cluster: the shard reports its partitions
+            return _stats_dict(ld.statistics())
+        newest = self.snapshots[max(self.snapshots)] if self.snapshots else None
+        return {**_stats_dict(ld.statistics()), **hold_figures(s, [ld], self.refs, newest)}
 
 
 def _stats_dict(st) -> dict:

@@ -51,6 +51,8 @@ class LoaderStats:
     errors: int
     inflight: int
     cursor: int  # the next ordinal the read-ahead will schedule
+    held_ahead: int  # of ``ready``: payloads beyond the highest ordinal asked for; at most ``readahead``
+    readahead: int  # the read-ahead bound, in samples of this partition
 
 
 def _compact(a: np.ndarray) -> np.ndarray:
@@ -224,8 +226,19 @@ class SourceLoader:
         return bs
 
     def _ensure(self, b: int) -> _Batch:
+        """The batch of global index b, scheduled if absent. A batch the read-ahead already passed was
+        released (or seeked over): read again for its lengths only, holding none of its payloads."""
         bs = self._batches.get(b)
-        return bs if bs is not None else self._schedule(b)
+        if bs is not None:
+            return bs
+        bs = self._schedule(b)
+        if self._behind(b):
+            bs.released[:] = True
+        return bs
+
+    def _behind(self, b: int) -> bool:
+        """Whether the read-ahead has passed global batch b (scheduled it once, or seeked past it)."""
+        return self._local_batch(b) < self._cursor
 
     async def _wait(self, bs: _Batch) -> _Batch:
         if not bs.event.is_set():
@@ -327,13 +340,19 @@ class SourceLoader:
         if ordinal < 0 or b % self.partition[1] != self.partition[0]:
             self._check(np.array([ordinal], dtype=np.int64))  # raises with the explanation
         self._asked(ordinal)
-        bs = self._batches.get(b) or self._ensure(b)
+        bs = self._batches.get(b)
+        if bs is None and self._behind(b):  # released or seeked over: read it once more, uncached
+            return self._good(ordinal, (await self._transform_once(np.array([ordinal], dtype=np.int64)))[0])
+        bs = bs or self._ensure(b)
         if not bs.event.is_set() or bs.error is not None or self._closed:
             bs = await self._wait(bs)
         i = ordinal - bs.start
         p = bs.payloads[i]
         if p is None:  # released while others of its batch are held: read it once more, uncached
             p = (await self._transform_once(np.array([ordinal], dtype=np.int64)))[0]
+        return self._good(ordinal, p)
+
+    def _good(self, ordinal: int, p: Any) -> np.ndarray:
         if isinstance(p, BadSample):
             raise BadSampleError(
                 f"ordinal {ordinal} is a bad sample ({p.reason}: {p.detail})", source=self.name, location=p.location
@@ -383,10 +402,7 @@ class SourceLoader:
         """Continue reading at this ordinal (resume): drop batches before it, restart the read-ahead there."""
         if ordinal < 0:
             raise ValueError(f"seek {ordinal=} must be >= 0")
-        k, n = self.partition
-        b = ordinal // self.batch
-        j = b // n + (1 if b % n > k else 0)  # the first batch of this partition at or after the ordinal
-        start_local = j * self.batch + (ordinal % self.batch if self._global_batch(j) == b else 0)
+        j, start_local = self._first_local(ordinal)
         for gb in [gb for gb in self._batches if self._local_batch(gb) < j]:
             bs = self._batches.pop(gb)
             self._ready -= bs.held
@@ -414,7 +430,36 @@ class SourceLoader:
             errors=self._errors,
             inflight=self._inflight,
             cursor=self._global_batch(self._cursor) * self.batch,
+            held_ahead=self._held_ahead(),
+            readahead=self.readahead,
         )
+
+    def _held_ahead(self) -> int:
+        """Payloads held beyond the highest ordinal asked for (what the read-ahead bound limits)."""
+        n = 0
+        for bs in self._batches.values():
+            if bs.payloads is None or bs.held == 0:
+                continue
+            first = self._local_batch(bs.index) * self.batch
+            i0 = max(0, self._high + 1 - first)
+            n += sum(1 for p in bs.payloads[i0:] if isinstance(p, np.ndarray))
+        return n
+
+    def asked_from(self, ordinal: int) -> int:
+        """How many of this partition's ordinals from ``ordinal`` up to the highest asked for there are: samples
+        the planner read the lengths of (its look-ahead) that no plan has taken yet if ordinal is its cursor."""
+        return max(0, self._high + 1 - self._first_local(max(0, int(ordinal)))[1])
+
+    def owns(self, ordinal: int) -> bool:
+        """Whether this partition reads ``ordinal``."""
+        return (int(ordinal) // self.batch) % self.partition[1] == self.partition[0]
+
+    def _first_local(self, ordinal: int) -> tuple[int, int]:
+        """(local batch, local index) of this partition's first ordinal at or after ``ordinal``."""
+        k, n = self.partition
+        b = ordinal // self.batch
+        j = b // n + (1 if b % n > k else 0)
+        return j, j * self.batch + (ordinal % self.batch if self._global_batch(j) == b else 0)
 
     def _bad_counts(self) -> dict[str, int]:
         """Bad samples by reason; files the source skipped at open never reach the loader, so add those."""

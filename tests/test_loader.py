@@ -89,11 +89,13 @@ def test_release_frees_payloads():
             held = ld.statistics()
             ld.release(np.arange(0, 15))
             half = ld.statistics()
-            again3 = await ld.tokens(3)  # its batch was dropped: read again
+            again3 = await ld.tokens(3)  # its batch was dropped: read again, once, holding nothing
             again12 = await ld.tokens(12)  # its batch is still held: read once, uncached
             t = await ld.tokens(20)
             ld.release(np.arange(15, 30))
-            assert ld.statistics().ready == 10  # batch 0, read again for tokens(3)
+            # tokens(3) re-read batch 0 uncached: its other samples were released and must stay so (before
+            # the fix of the memory growth they were held again, and never released)
+            assert ld.statistics().ready == 0
             ld.release(np.arange(0, 10))
             empty = ld.statistics()
             again = await ld.lengths(0, 10)  # released batches are read again on demand

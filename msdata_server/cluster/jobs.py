@@ -118,6 +118,7 @@ class Run:
             if state is not None:
                 self.states[plan.step] = state
                 self.shard.cursor = state.get("cursor")
+                self.shard.state = state
                 for old in [s for s in self.states if s <= plan.step - _KEEP_STATES]:
                     del self.states[old]
             self.next_step = plan.step + 1

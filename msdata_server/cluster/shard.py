@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import BadSampleError, PeerLostError, ProtocolError
 from ..loader import SourceLoader
+from ..pieces import PieceRefs, hold_figures
 from ..sources import open_source
 from .placement import partition_costs, place_sources
 
@@ -43,8 +44,9 @@ class _SourceProxy:
         self.source = _SourceName(shard.spec.sources[s].name)
 
     def statistics(self) -> dict:
-        parts = sorted(k for (s, k) in self.shard.loaders if s == self.s)
-        return {"partitions_here": len(parts), "nparts": self.shard.nparts}
+        lds = [ld for (s, _), ld in sorted(self.shard.loaders.items()) if s == self.s]
+        return {"partitions_here": len(lds), "nparts": self.shard.nparts,
+                **hold_figures(self.s, lds, self.shard.refs, self.shard.state)}
 
     async def aclose(self) -> None:
         pass
@@ -69,8 +71,9 @@ class JobShard:
         self._sources: dict[tuple[int, int], object] = {}
         self._ids_src: dict[int, object] = {}  # one opened source per source for sample ids
         self._opening: dict[tuple[int, int], asyncio.Task] = {}
-        self.refs: dict[tuple[int, int], int] = {}
+        self.refs = PieceRefs()  # payloads of partitions here held for planned pieces (per building node)
         self.cursor: list[int] | None = None  # where new loaders seek to (a recent planner position)
+        self.state: dict | None = None  # the planner state at the start of the newest step received
         self.proxies = [_SourceProxy(self, s) for s in range(len(spec.sources))]
         self.costs = partition_costs(spec.mix, spec.source_names(), nparts)
         self.closed = False
@@ -161,46 +164,33 @@ class JobShard:
         self.unref(src, ords)
         return out
 
-    def add_refs(self, plan, group_nodes: dict[int, tuple[str, ...]]) -> None:
-        """A new plan: each occurrence of a piece owned here is fetched (or skipped) once per building node."""
+    def _owned(self, plan, group_nodes: dict[int, tuple[str, ...]]) -> tuple[np.ndarray, list[int]]:
+        """Indices of a plan's pieces owned here, and how many nodes build each."""
         me = self.jobs.node_id
         pl = self.placement()
-        for s, o, g in zip(plan.source.tolist(), plan.ordinal.tolist(), plan.dp.tolist()):
-            if pl[s][self.part(o)] != me:
-                continue
-            n = len(group_nodes.get(int(g), ()))
-            if n == 0:
-                continue
-            key = (s, o)
-            v = self.refs.get(key, 0) + n
-            self._set_ref(key, v)
+        idx = [i for i, (s, o) in enumerate(zip(plan.source.tolist(), plan.ordinal.tolist()))
+               if pl[s][self.part(o)] == me]
+        return np.asarray(idx, dtype=np.int64), [len(group_nodes.get(int(g), ())) for g in plan.dp[idx].tolist()]
+
+    def add_refs(self, plan, group_nodes: dict[int, tuple[str, ...]]) -> None:
+        """A new plan: each occurrence of a piece owned here is fetched (or skipped) once per building node."""
+        idx, n = self._owned(plan, group_nodes)
+        self._free(self.refs.plan(plan.source[idx], plan.ordinal[idx], plan.last[idx], n))
 
     def drop_refs(self, plan, group_nodes: dict[int, tuple[str, ...]]) -> None:
         """A plan cut by a mixture change (never built): take back what add_refs counted for it."""
-        me = self.jobs.node_id
-        pl = self.placement()
-        for s, o, g in zip(plan.source.tolist(), plan.ordinal.tolist(), plan.dp.tolist()):
-            n = len(group_nodes.get(int(g), ()))
-            if n and pl[s][self.part(o)] == me:
-                self._set_ref((s, o), self.refs.get((s, o), 0) - n)
+        idx, n = self._owned(plan, group_nodes)
+        self.refs.unplan(plan.source[idx], plan.ordinal[idx], plan.last[idx], n)
 
     def unref(self, src, ords) -> None:
-        for s, o in zip(np.asarray(src).tolist(), np.asarray(ords).tolist()):
-            key = (s, o)
-            self._set_ref(key, self.refs.get(key, 0) - 1)
+        """Occurrences fetched or skipped (one reference each)."""
+        self._free(self.refs.done(src, ords))
 
-    def _set_ref(self, key: tuple[int, int], v: int) -> None:
-        if v > 0:
-            self.refs[key] = v
-            return
-        if v == 0:
-            self.refs.pop(key, None)
-        else:
-            self.refs[key] = v  # fetched before its plan arrived: the plan's count brings it back to 0
-        s, o = key
-        ld = self.loaders.get((s, self.part(o)))
-        if ld is not None:
-            ld.release(np.array([o], dtype=np.int64))
+    def _free(self, docs: list[tuple[int, int]]) -> None:
+        for s, o in docs:
+            ld = self.loaders.get((s, self.part(o)))
+            if ld is not None:
+                ld.release(np.array([o], dtype=np.int64))
 
     # ---- fetching (the builder side) ----------------------------------------------------------------------
     async def fetch(self, src: np.ndarray, ords: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:

@@ -168,6 +168,9 @@ class StepPlan:
     dp: np.ndarray  # int32
     micro: np.ndarray  # int32
     row: np.ndarray  # int32
+    # bool: no piece of this piece's document is left over (carried) after this step, so once the step's
+    # pieces of it are built its payload is no longer needed (pieces of one document can span steps)
+    last: np.ndarray
     stats: PlanStats
     # bounds[d * micro_batches + m] : bounds[... + 1] is micro-batch (d, m)'s slice of the arrays
     bounds: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
@@ -194,6 +197,7 @@ class StepPlan:
             dp=self.dp[sl],
             micro=self.micro[sl],
             row=self.row[sl],
+            last=self.last[sl],
             stats=self.stats,
             bounds=np.array([0, sl.stop - sl.start], np.int64),
         )
@@ -324,6 +328,8 @@ class Planner:
         bounds = np.searchsorted(rank * cfg.micro_batches + micro, np.arange(cfg.dp * cfg.micro_batches + 1))
         per_source = np.bincount(src[idx], weights=lens[idx], minlength=len(cfg.sources)).astype(np.int64)
         mean = float(p.rank_cost.sum()) / cfg.dp
+        doc_key = src.astype(np.int64) << 40 | ords.astype(np.int64)  # ordinals stay far below 2**40
+        last = ~np.isin(doc_key[idx], doc_key[left])
         lower = max(mean, float(costs[idx].max()) if idx.size else 0.0)
         plan = StepPlan(
             step=self._step,
@@ -334,6 +340,7 @@ class Planner:
             dp=rank.astype(np.int32),
             micro=micro.astype(np.int32),
             row=(slot % cfg.rows).astype(np.int32),
+            last=last,
             stats=PlanStats(
                 cost=p.rank_cost,
                 micro_cost=p.micro_cost,

@@ -39,7 +39,7 @@ RANK = textwrap.dedent("""\
     import sys, time
     import msdata_client as msd
     job, ep, rank, steps, deadline = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-    spec = msd.DGraph.from_toml(job)
+    spec = msd.DGraph.from_toml(job).plan()
     with msd.DataClient(spec, endpoint=ep, rank=rank, world_size=spec.mesh.world_size) as dc:
         for i in range(steps * spec.micro_batches):
             b = next(dc)

@@ -3,8 +3,9 @@
 numpy only: no I/O, no asyncio, no torch. The node server runs `Planner.plan_step` in a thread.
 """
 
-from .balance import Layout, Method, Placement, place
+from .balance import Method, Placement, place
 from .cost import attention_cost, load_cost_fn, make_cost
+from .layout import Layout
 from .mixture import Interpolate, Mixture
 from .pack import LongDocs, next_fit, pieces
 from .partition import greedy_partition, kk_partition

@@ -6,12 +6,9 @@ pieces in vectorised rounds (many pieces on distinct ranks, or tiny pieces into 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from .balance import Layout
+from .layout import Layout
 
 __all__ = ["Rows", "order_by"]
 

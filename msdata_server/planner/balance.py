@@ -13,13 +13,13 @@ ranks; there is no Python loop per piece).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import numpy as np
 
-from msdata_server.errors import ConfigError
+from msdata_client.choices import Method
 
 from ._rows import Rows, order_by
+from .layout import Layout
 from .pack import next_fit
 from .partition import kk_partition
 
@@ -32,43 +32,9 @@ REFINE_ITERS = 32  # bounded refinement: move/swap passes that lower the costlie
 CONSOLIDATE_PASSES = 4  # rounds of trading left-over pieces (see Rows.consolidate)
 
 
-class Method(str, Enum):
-    """Balance methods, picked by name."""
-
-    KARMARKAR_KARP = "karmarkar_karp"
-    GREEDY = "greedy"
-    NONE = "none"
-
-
-METHOD_CHOICES = ", ".join(repr(m.value) for m in Method)
-
-
 def method_of(value: str) -> Method:
     """Parse a method name; ConfigError listing the choices."""
-    try:
-        return Method(value)
-    except ValueError:
-        raise ConfigError(f"method={value!r} is not one of {METHOD_CHOICES}") from None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Layout:
-    """The shape one step fills: dp ranks x micro-batches x rows of seq_len tokens."""
-
-    dp: int
-    micro: int
-    rows: int
-    seq_len: int
-
-    @property
-    def slots(self) -> int:
-        """Rows per rank."""
-        return self.micro * self.rows
-
-    @property
-    def capacity(self) -> int:
-        """Tokens per step."""
-        return self.dp * self.slots * self.seq_len
+    return Method.parse(value, "method", brief=True)
 
 
 @dataclass(frozen=True, slots=True)

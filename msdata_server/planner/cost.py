@@ -12,10 +12,11 @@ from functools import partial
 
 import numpy as np
 
+from msdata_client.choices import is_import_path
 from msdata_server._imports import import_callable
 from msdata_server.errors import ConfigError
 
-__all__ = ["CostFn", "attention_cost", "load_cost_fn", "make_cost"]
+__all__ = ["CostFn", "attention_cost", "check_cost_fn", "load_cost_fn", "make_cost"]
 
 CostFn = Callable[[np.ndarray], np.ndarray]
 
@@ -26,11 +27,16 @@ def attention_cost(lengths: np.ndarray, *, alpha: float = 1.0, beta: float = 409
     return alpha * (x * x) + beta * x
 
 
+def check_cost_fn(path: str) -> str:
+    """`path` when it names a function as 'package.module:function' (not importing it); ConfigError otherwise."""
+    if not is_import_path(path):
+        raise ConfigError(f"cost_fn={path!r} must look like 'package.module:function'")
+    return path
+
+
 def load_cost_fn(path: str) -> CostFn:
     """Import "module:function"; ConfigError naming the path and the fix when it cannot be loaded."""
-    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
-        raise ConfigError(f"cost_fn={path!r} must look like 'package.module:function'")
-    module_name, attr = path.split(":")
+    module_name, attr = check_cost_fn(path).split(":")
     return import_callable("cost_fn", path, module_name, attr)
 
 

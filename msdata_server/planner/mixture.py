@@ -9,23 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import numpy as np
 
+from msdata_client.choices import Interpolate
 from msdata_server.errors import ConfigError
 
 __all__ = ["Interpolate", "Mixture"]
 
-
-class Interpolate(str, Enum):
-    """How weights between two schedule points are chosen."""
-
-    STEP = "step"  # piecewise constant: the last point at or before the step
-    LINEAR = "linear"  # linear between the surrounding points (each point normalised first)
-
-
-_CHOICES = ", ".join(repr(m.value) for m in Interpolate)
 _KEYS = frozenset({"interpolate", "points", "overrides"})
 
 Weights = tuple[tuple[str, float], ...]  # sorted by name, normalised to sum 1
@@ -94,10 +85,7 @@ class Mixture:
         cls, points: Sequence[tuple[int, Mapping[str, float]]], interpolate: str = "step"
     ) -> Mixture:
         """Weights that change at the given steps (`"step"`) or blend between them (`"linear"`)."""
-        try:
-            mode = Interpolate(interpolate)
-        except ValueError:
-            raise ConfigError(f"interpolate={interpolate!r} is not one of {_CHOICES}") from None
+        mode = Interpolate.parse(interpolate, "interpolate", brief=True)
         if isinstance(points, (str, bytes, Mapping)) or not isinstance(points, Sequence) or not points:
             raise ConfigError(f"a mixture schedule is a non-empty list of (step, weights), got {points!r}")
         norm = []
@@ -185,8 +173,5 @@ class Mixture:
                 out.append((step, _normalise(p[1], f"mixture {what}[{i}]", exact=True)))
             return tuple(out)
 
-        try:
-            mode = Interpolate(d["interpolate"])
-        except ValueError:
-            raise ConfigError(f"interpolate={d['interpolate']!r} is not one of {_CHOICES}") from None
+        mode = Interpolate.parse(d["interpolate"], "interpolate", brief=True)
         return cls(points=dec(d["points"], "points"), interpolate=mode, overrides=dec(d["overrides"], "overrides"))

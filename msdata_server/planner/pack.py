@@ -2,31 +2,16 @@
 
 from __future__ import annotations
 
-from enum import Enum
-
 import numpy as np
 
-from msdata_server.errors import ConfigError
+from msdata_client.choices import LongDocs
 
 __all__ = ["LongDocs", "long_docs_mode", "next_fit", "pieces"]
 
 
-class LongDocs(str, Enum):
-    """What happens to a document longer than seq_len."""
-
-    SPLIT = "split"  # pieces of seq_len tokens, then the remainder; each piece is its own document
-    TRUNCATE = "truncate"  # keep the first seq_len tokens only
-
-
-LONG_DOCS_CHOICES = ", ".join(repr(m.value) for m in LongDocs)
-
-
 def long_docs_mode(value: str) -> LongDocs:
     """Parse a long_docs setting; ConfigError listing the choices."""
-    try:
-        return LongDocs(value)
-    except ValueError:
-        raise ConfigError(f"long_docs={value!r} is not one of {LONG_DOCS_CHOICES}") from None
+    return LongDocs.parse(value, "long_docs", brief=True)
 
 
 def pieces(lengths: np.ndarray, seq_len: int, mode: LongDocs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

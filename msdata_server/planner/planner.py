@@ -25,8 +25,9 @@ import numpy as np
 from msdata_server.errors import BadSampleError, CheckpointError, ConfigError, ProtocolError
 
 from ._rows import order_by
-from .balance import Layout, method_of, place
-from .cost import make_cost
+from .balance import method_of, place
+from .cost import check_cost_fn, make_cost
+from .layout import Layout
 from .mixture import Mixture
 from .pack import LongDocs, long_docs_mode, pieces
 
@@ -93,10 +94,8 @@ class PlannerConfig:
         method_of(self.method)
         long_docs_mode(self.long_docs)
         make_cost(alpha=self.alpha, beta=self.beta)  # validates alpha and beta
-        if self.cost_fn is not None and (
-            not isinstance(self.cost_fn, str) or self.cost_fn.count(":") != 1 or not all(self.cost_fn.split(":"))
-        ):
-            raise ConfigError(f"cost_fn={self.cost_fn!r} must look like 'package.module:function'")
+        if self.cost_fn is not None:
+            check_cost_fn(self.cost_fn)
         tol = self.balance_tolerance
         if tol is not None and (
             isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0

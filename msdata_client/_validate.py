@@ -1,0 +1,139 @@
+"""Plumbing of the job specs: small validators whose messages carry the bad value and the fix.
+
+(Allowed values of enumerated settings are parsed by `msdata_client.choices`.)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from msdata_client.choices import DEFAULT_TRANSFORM, is_import_path
+from msdata_client.errors import ConfigError
+
+__all__ = [
+    "FrozenMap",
+    "check_float",
+    "check_import_path",
+    "check_int",
+    "check_keys",
+    "check_name",
+    "check_str_tuple",
+    "check_weights",
+    "resolve_path",
+]
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}", re.ASCII)
+_INT64_MAX = (1 << 63) - 1
+
+
+class FrozenMap(Mapping[str, Any]):
+    """An immutable, hashable mapping that keeps insertion order; equal to any mapping with the same items."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, items: Mapping[str, Any] | Sequence[tuple[str, Any]] = ()) -> None:
+        self._d = dict(items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._d.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._d)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def check_int(where: str, value: Any, *, low: int, high: int = _INT64_MAX, fix: str) -> int:
+    if not _is_int(value) or not low <= value <= high:
+        bound = f">= {low}" if high == _INT64_MAX else f"in {low}..{high}"
+        raise ConfigError(f"{where}={value!r} must be an integer {bound}; {fix}")
+    return value
+
+
+def check_float(where: str, value: Any, *, low: float = 0.0, strict: bool = False, fix: str) -> float:
+    ok = _is_number(value)
+    if ok:
+        ok = value > low if strict else value >= low
+    if not ok:
+        raise ConfigError(f"{where}={value!r} must be a finite number {'>' if strict else '>='} {low:g}; {fix}")
+    return float(value)
+
+
+def check_name(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise ConfigError(
+            f"{where}={value!r} is not a valid name; use 1 to 128 characters from [A-Za-z0-9_.-] (e.g. 'web_en')"
+        )
+    return value
+
+
+def check_import_path(where: str, value: Any) -> str:
+    if not is_import_path(value):
+        raise ConfigError(f"{where}={value!r} must have the form 'module:function' (e.g. {DEFAULT_TRANSFORM!r})")
+    return value
+
+
+def check_str_tuple(where: str, value: Any, *, fix: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Sequence) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{where}={value!r} must be a list of non-empty strings; {fix}")
+    return tuple(value)
+
+
+def check_keys(table: str, d: Any, allowed: Sequence[str]) -> Mapping[str, Any]:
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{table} must be a table of keys ({', '.join(allowed)}), got {type(d).__name__}: {d!r}")
+    for key in d:
+        if key not in allowed:
+            raise ConfigError(f"unknown key {key!r} in {table}; allowed keys: {', '.join(allowed)}")
+    return d
+
+
+def check_weights(where: str, value: Any) -> FrozenMap:
+    if not isinstance(value, Mapping) or not value:
+        raise ConfigError(f"{where}={value!r} must be a non-empty table of source = weight (e.g. {{ web = 0.7 }})")
+    out: dict[str, float] = {}
+    for key, w in value.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{where} key {key!r} must be a source name (a string)")
+        if not _is_number(w):
+            raise ConfigError(f"{where}[{key!r}]={w!r} must be a finite number >= 0")
+        if w < 0:
+            raise ConfigError(
+                f"{where}[{key!r}]={w!r} is a negative weight; weights must be >= 0 (0 leaves a source out)"
+            )
+        out[key] = float(w)
+    if math.fsum(out.values()) <= 0:
+        raise ConfigError(
+            f"{where}={dict(out)!r} sums to 0 (all weights are zero); give at least one source a weight > 0"
+        )
+    return FrozenMap(out)
+
+
+def resolve_path(path: str, base_dir: str | None) -> str:
+    """`path` made absolute against `base_dir` (default: the working directory), with ~ expanded."""
+    path = os.path.expanduser(path)
+    if not os.path.isabs(path):
+        path = os.path.join(base_dir if base_dir is not None else os.getcwd(), path)
+    return os.path.normpath(path)

@@ -1,0 +1,113 @@
+"""The allowed values of a job's settings, each table defined once as a str-valued enum.
+
+The job specs (client) and the planner (server) both parse settings with `Choice.parse`, so the choices
+and the error messages that list them come from these tables and never drift apart.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from typing import Any, Self
+
+from msdata_client.errors import ConfigError
+
+__all__ = [
+    "ATTENTION_COST",
+    "BroadcastAxis",
+    "Choice",
+    "CostKind",
+    "DEFAULT_TRANSFORM",
+    "Distribute",
+    "Interpolate",
+    "LongDocs",
+    "Method",
+    "SourceFormat",
+    "is_import_path",
+]
+
+_IMPORT_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
+
+
+class Choice(str, Enum):
+    """Base of the tables below: a member is its value (a str), and `parse` refuses anything else."""
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        """Every allowed value, in declaration order."""
+        return tuple(m.value for m in cls)
+
+    @classmethod
+    def parse(cls, value: Any, where: str, *, brief: bool = False) -> Self:
+        """The member equal to `value`; ConfigError naming `where`, the value and every choice otherwise.
+
+        `brief`: list the choices only (the planner's message), not the tuple and how to write them.
+        """
+        allowed = cls.values()
+        if value in allowed:  # (a tuple test: any value, hashable or not)
+            return cls(value)
+        if brief:
+            raise ConfigError(f"{where}={value!r} is not one of {', '.join(map(repr, allowed))}")
+        raise ConfigError(f"{where}={value!r} is not one of {allowed}; use one of: {', '.join(allowed)}")
+
+
+class SourceFormat(Choice):
+    """How a source's samples are stored ([[source]] format)."""
+
+    PARQUET = "parquet"
+    ARROW = "arrow"
+    JSONL = "jsonl"
+    SYNTHETIC = "synthetic"  # generated token ids: reads no files
+
+
+class Method(Choice):
+    """How pieces are balanced across DP ranks and micro-batches ([balance] method)."""
+
+    KARMARKAR_KARP = "karmarkar_karp"
+    GREEDY = "greedy"
+    NONE = "none"  # arrival order, rank by rank: the baseline
+
+
+class CostKind(Choice):
+    """Built-in per-document costs ([balance] cost); any other cost is a 'module:function' path."""
+
+    ATTENTION = "attention"  # alpha * len**2 + beta * len
+
+
+class LongDocs(Choice):
+    """What happens to a document longer than seq_len ([job] long_docs)."""
+
+    SPLIT = "split"  # pieces of seq_len tokens, then the remainder; each piece is its own document
+    TRUNCATE = "truncate"  # keep the first seq_len tokens only
+
+
+class Distribute(Choice):
+    """Which mesh axis receives distinct data ([job] distribute)."""
+
+    DP = "dp"
+    CP = "cp"  # CP ranks slice one build
+    WORLD = "world"  # every rank its own data
+
+
+class BroadcastAxis(Choice):
+    """Axes whose ranks may receive identical copies of one build ([job] broadcast_at)."""
+
+    TP = "tp"
+    PP = "pp"
+    CP = "cp"
+
+
+class Interpolate(Choice):
+    """How weights between two schedule points are chosen ([mix] interpolate)."""
+
+    STEP = "step"  # piecewise constant: the last point at or before the step
+    LINEAR = "linear"  # linear between the surrounding points (each point normalised first)
+
+
+ATTENTION_COST = CostKind.ATTENTION.value
+DEFAULT_TRANSFORM = "msdata_server.transforms:byte_tokens"
+
+
+def is_import_path(value: Any) -> bool:
+    """Whether `value` names a function as 'package.module:function' (transforms, cost functions)."""
+    return isinstance(value, str) and _IMPORT_RE.fullmatch(value) is not None

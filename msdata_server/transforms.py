@@ -5,6 +5,7 @@ Convention: ``fn(record, rng=Generator seeded from (seed, sample_id))``; a sampl
 skipped and counted). A transform that ignores ``rng`` may set ``fn.needs_rng = False``: it then gets
 ``rng=None`` and no generator is built per sample. Names are ``"module:function"``, or
 ``"module:factory(arg, key=value)"`` to build a transform from a factory such as ``hf_tokenizer``.
+A picture document (``vlm``) comes back as a ``VlmSample``: tokens plus the pixels of its images.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import functools
 import io
 import math
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -25,6 +28,8 @@ from .sources.order import make_rng
 
 __all__ = [
     "EOS",
+    "IMAGE_TOKEN",
+    "VlmSample",
     "byte_tokens",
     "hf_tokenizer",
     "identity",
@@ -32,9 +37,12 @@ __all__ = [
     "load_transform",
     "parse_transform_name",
     "run_transform",
+    "smart_resize",
+    "vlm",
 ]
 
 EOS = 256
+IMAGE_TOKEN = 258  # the default image placeholder id ([job] image_token_id)
 _NAME = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*:\s*([A-Za-z_]\w*)\s*(?:\((.*)\))?\s*$", re.S)
 
 
@@ -135,6 +143,207 @@ def image_patches(record, *, rng, patch: int = 16, grid: tuple[int, int] = (16, 
     img = img.resize((gw * patch, gh * patch), Image.Resampling.BILINEAR, box=(x0, y0, x0 + cw, y0 + ch))
     a = np.asarray(img, dtype=np.uint8).reshape(gh, patch, gw, patch, 3)
     return np.ascontiguousarray(a.transpose(0, 2, 1, 3, 4)).reshape(gh * gw, patch * patch * 3)
+
+
+@dataclass(frozen=True, slots=True)
+class VlmSample:
+    """A picture document: ``tokens`` int32 (each image's placeholders, then the text, then EOS),
+    ``pixel_values`` uint8 ``[n_patches, 3 * patch * patch]`` (images in order, patches in Qwen2-VL order)
+    and ``image_grid_thw`` int64 ``[n_images, 3]`` (t, h, w in patches). ``len()`` is the token count."""
+
+    tokens: np.ndarray
+    pixel_values: np.ndarray
+    image_grid_thw: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + self.pixel_values.nbytes + self.image_grid_thw.nbytes
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays by batch key (how a result buffer carries them; ``from_arrays`` rebuilds the sample)."""
+        return {"tokens": self.tokens, "pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> VlmSample:
+        return cls(arrays["tokens"], arrays["pixel_values"], arrays["image_grid_thw"])
+
+
+MAX_ASPECT = 200  # Qwen2-VL refuses images whose long side is more than 200 times the short one
+
+
+def smart_resize(height: int, width: int, *, factor: int = 28, min_pixels: int = 56 * 56,
+                 max_pixels: int = 1024 * 1024) -> tuple[int, int]:
+    """(height, width) to resize an image to: both multiples of ``factor``, area within [min_pixels,
+    max_pixels], aspect ratio kept as nearly as that allows. Qwen2-VL's rule; where its rounding leaves the
+    bounds (bounds closer than its rounding steps) the closest aspect ratio inside them is taken instead.
+    ValueError for an aspect ratio over MAX_ASPECT or bounds that no multiple of factor fits."""
+    if height < 1 or width < 1:
+        raise ValueError(f"image {height=} {width=} must be at least 1 pixel")
+    if max(height, width) > MAX_ASPECT * min(height, width):
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} > {MAX_ASPECT}")
+    lo, hi = -(-min_pixels // (factor * factor)), max_pixels // (factor * factor)  # area in factor x factor blocks
+    if lo > hi:
+        raise ValueError(f"no multiple of {factor} x {factor} blocks has an area in [{min_pixels}, {max_pixels}]")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    if min_pixels <= h_bar * w_bar <= max_pixels:
+        return h_bar, w_bar
+    # every block height H from 1 up, with the block width closest to the aspect ratio that keeps the area
+    hs = np.arange(1, hi + 1, dtype=np.int64)
+    ws = np.clip(np.rint(hs * (width / height)), -(-lo // hs), hi // hs)
+    ok = ws >= np.maximum(1, -(-lo // hs))
+    err = np.where(ok, np.abs(np.log(np.maximum(ws, 1) / hs * (height / width))), np.inf)
+    k = int(np.argmin(err))
+    return int(hs[k]) * factor, int(ws[k]) * factor
+
+
+def _keys(spec: str) -> tuple[str, ...]:
+    """``"jpg;png"`` -> ("jpg", "png"): the first of them that a record holds is used (WebDataset's habit)."""
+    keys = tuple(k.strip() for k in str(spec).split(";") if k.strip())
+    if not keys:
+        raise ConfigError(f"vlm: key {spec!r} must name a field, e.g. 'image' or 'jpg;png'")
+    return keys
+
+
+def _lookup(record: Mapping, keys: tuple[str, ...]) -> Any:
+    for k in keys:
+        v = record.get(k)
+        if v is not None:
+            return v
+    return None
+
+
+def vlm(
+    patch: int = 14,
+    merge: int = 2,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 1024 * 1024,
+    image_key: str = "image",
+    text_key: str = "caption",
+    image_token_id: int = IMAGE_TOKEN,
+    tokenizer: str | None = None,
+    eos: int | None = None,
+) -> Callable:
+    """A transform for image-text records (a dict: ``columns = [...]`` or a WebDataset sample) -> VlmSample.
+
+    Each image (encoded bytes, or a list of them for an interleaved sample) is decoded with Pillow (a corrupt
+    one makes the sample bad), made RGB (transparency over white), resized by ``smart_resize`` to multiples of
+    ``patch * merge`` with its area in [min_pixels, max_pixels] (bicubic; a JPEG much larger than that is
+    decoded at a reduced scale first) and cut into ``patch x patch`` patches in Qwen2-VL order (the merge x
+    merge patches of one placeholder adjacent; a patch flattened channel, row, column). Tokens: per image
+    ``t*h*w / merge**2`` placeholders ``image_token_id``, then the text as byte tokens with EOS 256 (or with
+    ``tokenizer``, a tokenizer.json, then ``eos`` if given). Keys may list alternatives: ``"jpg;png"``.
+    """
+    try:
+        from PIL import Image
+    except ImportError:
+        raise ConfigError("transform vlm needs Pillow: pip install pillow") from None
+    for name, v in (("patch", patch), ("merge", merge), ("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"vlm: {name}={v!r} must be an integer >= 1")
+    if isinstance(image_token_id, bool) or not isinstance(image_token_id, int) or image_token_id < 0:
+        raise ConfigError(f"vlm: {image_token_id=} must be an integer >= 0")
+    factor = patch * merge
+    if -(-min_pixels // factor**2) > max_pixels // factor**2:
+        raise ConfigError(
+            f"vlm: no image of whole {factor}x{factor} blocks has an area in [{min_pixels=}, {max_pixels=}]; "
+            f"raise max_pixels to at least {-(-min_pixels // factor**2) * factor**2}"
+        )
+    image_keys, text_keys = _keys(image_key), _keys(text_key)
+    text_tokens = byte_tokens if tokenizer is None else hf_tokenizer(tokenizer, eos=eos)
+    per_token = merge * merge
+    row = 3 * patch * patch
+
+    def transform(record, **_) -> VlmSample:
+        if not isinstance(record, Mapping):
+            raise _Bad(
+                "transform_error",
+                f"vlm needs a record with fields {image_key!r} and {text_key!r}, got a {type(record).__name__}; "
+                f"set columns = [...] in the source (or use format = 'webdataset')",
+            )
+        images, text = _lookup(record, image_keys), _lookup(record, text_keys)
+        if images is None or text is None:
+            which = [k for k, v in ((image_key, images), (text_key, text)) if v is None]
+            raise _Bad("missing_field", f"the record has no {which} (fields: {sorted(record)[:10]})")
+        if isinstance(images, (bytes, bytearray, memoryview)):
+            images = [images]
+        elif not isinstance(images, (list, tuple, np.ndarray)):
+            raise _Bad("corrupt", f"field {image_key!r} holds a {type(images).__name__}, not image bytes or a list")
+        pixels, grids = [], []
+        for i, blob in enumerate(images):
+            px = _image_patches(Image, blob, i, patch=patch, merge=merge, min_pixels=min_pixels, max_pixels=max_pixels)
+            pixels.append(px)
+            grids.append(px.grid)
+        ids = text_tokens(text)
+        grid = np.array(grids, dtype=np.int64).reshape(-1, 3)
+        n_ph = int(grid.prod(axis=1).sum()) // per_token
+        tokens = np.empty(n_ph + len(ids), dtype=np.int32)
+        tokens[:n_ph] = image_token_id
+        tokens[n_ph:] = ids
+        pv = np.concatenate([p.values for p in pixels]) if pixels else np.zeros((0, row), dtype=np.uint8)
+        return VlmSample(tokens, pv, grid)
+
+    transform.needs_rng = False
+    return transform
+
+
+@dataclass(frozen=True, slots=True)
+class _Patches:
+    values: np.ndarray  # uint8 [t*h*w, 3*patch*patch]
+    grid: tuple[int, int, int]
+
+
+def _image_patches(Image, blob, i: int, *, patch: int, merge: int, min_pixels: int, max_pixels: int) -> _Patches:
+    """Decode, make RGB, resize and cut one image into patches (Qwen2-VL order)."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise _Bad("corrupt", f"image {i} is a {type(blob).__name__}, not encoded bytes")
+    factor = patch * merge
+    try:
+        im = Image.open(io.BytesIO(blob))  # reads the header only
+        w, h = im.size
+        if max(w, h) > MAX_ASPECT * min(w, h):
+            raise _Bad("transform_error", f"image {i}: {w}x{h} pixels, an aspect ratio over {MAX_ASPECT}")
+        th, tw = smart_resize(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+        if im.format == "JPEG" and (w >= 2 * tw or h >= 2 * th):
+            im.draft("RGB", (tw, th))  # DCT scaling: decode at 1/2, 1/4 or 1/8, still at least the target
+        img = _rgb(Image, im)
+    except _Bad:
+        raise
+    except Image.DecompressionBombError as e:
+        raise _Bad("oversize", f"image {i}: {e}") from None
+    except Exception as e:  # Pillow raises many kinds (OSError, SyntaxError, struct.error...) for bad data
+        raise _Bad("corrupt", f"image {i} does not decode: {type(e).__name__}: {e}") from None
+    if img.size != (tw, th):
+        img = img.resize((tw, th), Image.Resampling.BICUBIC)
+    a = np.asarray(img, dtype=np.uint8)
+    gh, gw = th // patch, tw // patch
+    # (bh, mh, ph, bw, mw, pw, c) -> (bh, bw, mh, mw, c, ph, pw): the merge x merge patches of a token adjacent
+    a = a.reshape(gh // merge, merge, patch, gw // merge, merge, patch, 3).transpose(0, 3, 1, 4, 6, 2, 5)
+    return _Patches(np.ascontiguousarray(a).reshape(gh * gw, 3 * patch * patch), (1, gh, gw))
+
+
+def _rgb(Image, im):
+    """The decoded image in RGB; transparent pixels over white (as Hugging Face's convert_rgb does)."""
+    if im.mode == "RGB":
+        im.load()
+        return im
+    if "A" in im.getbands() or "transparency" in im.info:
+        rgba = im.convert("RGBA")
+        out = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        out.alpha_composite(rgba)
+        return out.convert("RGB")
+    return im.convert("RGB")
 
 
 def _parse_args(text: str) -> tuple[list, dict]:

@@ -231,7 +231,7 @@ class _Spec:
 
 
 def test_formats_table():
-    assert sorted(FORMATS) == ["arrow", "jsonl", "parquet", "synthetic"]
+    assert sorted(FORMATS) == ["arrow", "jsonl", "parquet", "synthetic", "webdataset"]
     assert all(issubclass(c, Source) for c in FORMATS.values())
     with pytest.raises(ConfigError, match="unknown format 'csv'"):
         open_source(_Spec(name="x", format="csv"), seed=0)

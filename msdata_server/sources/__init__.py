@@ -1,4 +1,5 @@
-"""Source readers, picked by format name from one table, and ``open_source``.
+"""Source readers (Parquet, Arrow IPC, JSON Lines, WebDataset tar shards, synthetic), picked by format name
+from one table, and ``open_source``.
 
 Every source reads its samples in a deterministic order that is a pure function of (seed, name, epoch)
 (order.py); bad data comes back as ``BadSample`` records, counted and logged once, never raised.
@@ -27,6 +28,7 @@ __all__ = [
     "Source",
     "SourceStats",
     "SyntheticSource",
+    "WebDatasetSource",
     "open_source",
 ]
 
@@ -36,6 +38,7 @@ _FORMAT_TABLE = {
     "jsonl": ("jsonl", "JsonlSource"),
     "parquet": ("parquet", "ParquetSource"),
     "synthetic": ("synthetic", "SyntheticSource"),
+    "webdataset": ("webdataset", "WebDatasetSource"),
 }
 _CLASSES = {cls: fmt for fmt, (_, cls) in _FORMAT_TABLE.items()}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from ._arrow import arrow_records, check_column
+from ._arrow import check_selected, selected_records
 from .base import FileSource
 
 __all__ = ["ArrowSource"]
@@ -40,7 +40,7 @@ class _Mapped:
 
 
 class ArrowSource(FileSource):
-    """Rows of one column of Arrow IPC / Feather v2 files."""
+    """Rows of one column (or a dict of several ``columns``) of Arrow IPC / Feather v2 files."""
 
     format = "arrow"
     extensions = (".arrow", ".feather", ".ipc", ".arrows")
@@ -51,7 +51,7 @@ class ArrowSource(FileSource):
     def _scan(self, i: int, path: str) -> np.ndarray:
         m = self._open(path)
         try:
-            check_column(self.name, path, m.schema, self.column)
+            check_selected(self.name, path, m.schema, self.column, self.columns)
             units = np.array([m.batch(b).num_rows for b in range(m.num_batches)], dtype=np.int64)
         except BaseException:
             m.close()
@@ -69,7 +69,8 @@ class ArrowSource(FileSource):
             frows = rows[sel]
             try:
                 m = self.handle(f)
-                col = m.batch(b).column(m.schema.get_field_index(self.column))
+                batch = m.batch(b)
+                cols = [batch.column(m.schema.get_field_index(c)) for c in (self.columns or (self.column,))]
             except Exception as e:
                 reason = self.error_reason(e)
                 for k, r in zip(sel.tolist(), frows.tolist()):
@@ -79,7 +80,7 @@ class ArrowSource(FileSource):
             def bad(k: int, reason: str, detail: str, _rows=frows) -> object:
                 return self.bad_sample(f, int(_rows[k]), reason, detail)
 
-            recs, nb = arrow_records(col, frows - cum[b], max_bytes=self.max_bytes, bad=bad)
+            recs, nb = selected_records(cols, self.columns, frows - cum[b], max_bytes=self.max_bytes, bad=bad)
             nbytes += nb
             for k, rec in zip(sel.tolist(), recs):
                 out[k] = rec

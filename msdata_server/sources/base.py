@@ -28,6 +28,7 @@ __all__ = [
     "ReadResult",
     "Source",
     "SourceStats",
+    "selected_columns",
 ]
 
 log = logging.getLogger(__name__)
@@ -235,10 +236,25 @@ class _Lru:
         self.total = 0
 
 
+def selected_columns(spec: Any) -> tuple[str, ...] | None:
+    """The spec's ``columns`` (several columns per record: the transform gets a dict by name), or None when it
+    selects one ``column``; ConfigError for a malformed list."""
+    cols = getattr(spec, "columns", None)
+    if cols is None or (not isinstance(cols, str) and len(cols) == 0):
+        return None
+    if isinstance(cols, str) or not all(isinstance(c, str) and c for c in cols) or len(set(cols)) != len(cols):
+        raise ConfigError(
+            f"source {spec.name!r}: columns={cols!r} must be a list of distinct non-empty column names, "
+            f'e.g. columns = ["image", "caption"]'
+        )
+    return tuple(cols)
+
+
 class FileSource(Source):
     """A source over files: path expansion, skipping unreadable files, the order, grouping reads by file,
     retries of transient I/O errors, and a bounded cache of open handles.
 
+    A record is the value of ``column``, or a dict by name of ``columns`` when the spec selects several.
     Subclasses implement ``_scan(i, path) -> unit row counts`` (raise ConfigError for a configuration mistake,
     anything else marks the file unreadable), ``_open(path)``/``_close(handle)``, and
     ``_read_file(f, rows) -> (records, nbytes)``.
@@ -253,6 +269,7 @@ class FileSource(Source):
     def __init__(self, spec: Any, *, seed: int):
         super().__init__(spec, seed=seed)
         self.column: str = spec.column
+        self.columns: tuple[str, ...] | None = selected_columns(spec)
         self.max_bytes: int = int(spec.max_sample_bytes)
         self.paths: tuple[str, ...] = tuple(expand_paths(spec.name, spec.format, spec.paths, self.extensions))
         self._handles: _Lru = _Lru(max_items=self.max_open, max_bytes=1 << 62)

@@ -51,7 +51,7 @@ def line_index(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 class JsonlSource(FileSource):
-    """Values of one field of the JSON objects, one object per line."""
+    """Values of one field (or a dict of several ``columns``) of the JSON objects, one object per line."""
 
     format = "jsonl"
     extensions = (".jsonl", ".ndjson", ".json")
@@ -87,10 +87,18 @@ class JsonlSource(FileSource):
             obj = orjson.loads(line)
         except orjson.JSONDecodeError:
             return  # bad data, counted when read
-        if isinstance(obj, dict) and self.column not in obj:
+        if not isinstance(obj, dict):
+            return
+        if self.columns is None and self.column not in obj:
             raise ConfigError(
                 f"source {self.name!r}: the first object of {path} has no field {self.column!r}; its fields are "
                 f"{sorted(obj)}. Set column = one of them in the source"
+            )
+        missing = [c for c in self.columns or () if c not in obj]
+        if missing:
+            raise ConfigError(
+                f"source {self.name!r}: the first object of {path} has no field(s) {missing}; its fields are "
+                f"{sorted(obj)}. Set columns = [...] to some of them in the source"
             )
 
     def _index_bytes(self) -> int:
@@ -138,6 +146,11 @@ class JsonlSource(FileSource):
             return self.bad_sample(f, row, "bad_json", str(e))
         if not isinstance(obj, dict):
             return self.bad_sample(f, row, "bad_json", f"a line holds a JSON {type(obj).__name__}, not an object")
+        if self.columns is not None:
+            missing = [c for c in self.columns if obj.get(c) is None]
+            if missing:
+                return self.bad_sample(f, row, "missing_field", f"no field(s) {missing} (fields: {sorted(obj)[:10]})")
+            return {c: obj[c] for c in self.columns}
         value = obj.get(self.column)
         if value is None:
             return self.bad_sample(f, row, "missing_field", f"no field {self.column!r} (fields: {sorted(obj)[:10]})")

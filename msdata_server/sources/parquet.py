@@ -1,4 +1,4 @@
-"""Parquet reader: files kept open, a numpy row-group index, only the needed row groups and column read,
+"""Parquet reader: files kept open, a numpy row-group index, only the needed row groups and columns read,
 a small LRU of decoded row groups (windows follow row groups, so a window's reads hit the cache)."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from typing import Any, ClassVar
 import numpy as np
 import pyarrow.parquet as pq
 
-from ._arrow import arrow_records, check_column
+from ._arrow import check_selected, selected_records
 from .base import FileSource, _Lru
 
 __all__ = ["ParquetSource"]
 
 
 class ParquetSource(FileSource):
-    """Rows of one column of Parquet files."""
+    """Rows of one column (or a dict of several ``columns``) of Parquet files."""
 
     format = "parquet"
     extensions = (".parquet", ".parq", ".pq")
@@ -32,7 +32,7 @@ class ParquetSource(FileSource):
     def _scan(self, i: int, path: str) -> np.ndarray:
         pf = self._open(path)
         try:
-            check_column(self.name, path, pf.schema_arrow, self.column)
+            check_selected(self.name, path, pf.schema_arrow, self.column, self.columns)
             md = pf.metadata
             units = np.array([md.row_group(g).num_rows for g in range(md.num_row_groups)], dtype=np.int64)
         except BaseException:
@@ -42,13 +42,16 @@ class ParquetSource(FileSource):
         return units
 
     def _group(self, f: int, g: int):
-        """The decoded column of row group g of file f, or the exception that reading it raised."""
+        """The decoded columns (a list, in ``columns`` order) of row group g of file f, or the exception that
+        reading them raised."""
         key = (f, g)
         got = self._groups.get(key)
         if got is None:
+            names = list(self.columns) if self.columns is not None else [self.column]
             try:
-                got = self._retry(lambda: self.handle(f).read_row_group(g, columns=[self.column]).column(0).combine_chunks())
-                size = got.nbytes
+                table = self._retry(lambda: self.handle(f).read_row_group(g, columns=names))
+                got = [table.column(c).combine_chunks() for c in names]
+                size = sum(c.nbytes for c in got)
             except Exception as e:
                 if self.error_reason(e) == "read_error":
                     return e  # persistent I/O trouble: try again next time
@@ -75,7 +78,7 @@ class ParquetSource(FileSource):
             def bad(k: int, reason: str, detail: str, _rows=frows) -> object:
                 return self.bad_sample(f, int(_rows[k]), reason, detail)
 
-            recs, nb = arrow_records(col, frows - cum[g], max_bytes=self.max_bytes, bad=bad)
+            recs, nb = selected_records(col, self.columns, frows - cum[g], max_bytes=self.max_bytes, bad=bad)
             nbytes += nb
             for k, rec in zip(sel.tolist(), recs):
                 out[k] = rec

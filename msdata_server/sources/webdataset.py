@@ -1,0 +1,254 @@
+"""WebDataset reader: tar shards whose members sharing a key (the path up to the first dot of the basename)
+form one sample, delivered as ``{extension: bytes}``.
+
+Each shard's member headers are scanned once (tarfile) into numpy arrays of data offsets, sizes and extension
+ids, with a CSR index of samples over members; a read is one ``pread`` of a sample's span. Samples are rows
+in the deterministic order like rows of any other file format (one unit per shard), so seek, partitions and
+sample ids behave exactly as for Parquet. A truncated shard, a sample lacking a part (an extension most
+samples have, or one that ``columns`` asks for) or one with a part twice is a counted bad sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tarfile
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..errors import ConfigError
+from .base import FileSource
+
+__all__ = ["ShardIndex", "WebDatasetSource", "shard_index", "split_member_name"]
+
+log = logging.getLogger(__name__)
+
+# webdataset's rule: key = directory + basename up to its first dot; extension = the rest of the basename
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./][^./]*)\.([^/]+)$")
+_BLOCK = 512  # tar block size
+_SPAN_SLACK = 64 << 10  # a sample's unselected members up to this many bytes are read along in the one pread
+
+# why a sample is bad at scan time (ShardIndex.flags)
+_OK, _CUT, _DUPLICATE, _LAST = 0, 1, 2, 3  # _LAST: the last sample before a truncation (bad if it lacks parts)
+
+
+def split_member_name(name: str) -> tuple[str, str] | None:
+    """(key, extension) of a tar member name, or None for a name that belongs to no sample (no extension)."""
+    m = _KEY_EXT.match(name)
+    return (m.group(1), m.group(2)) if m else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardIndex:
+    """One shard's members and samples as arrays: sample s owns members ``starts[s]:starts[s+1]``."""
+
+    offsets: np.ndarray  # int64 per member: where its data starts in the file
+    sizes: np.ndarray  # int64 per member
+    exts: np.ndarray  # int32 per member: extension id (WebDatasetSource.extensions)
+    starts: np.ndarray  # int64 [samples + 1]
+    flags: np.ndarray  # uint8 per sample: _OK, _CUT, _DUPLICATE or _LAST
+    truncated: str  # why the shard looks truncated; "" when it ends with the end-of-archive blocks
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.starts) - 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets.nbytes + self.sizes.nbytes + self.exts.nbytes + self.starts.nbytes + self.flags.nbytes
+
+    @classmethod
+    def empty(cls) -> ShardIndex:
+        z = np.zeros(0, np.int64)
+        return cls(offsets=z, sizes=z, exts=np.zeros(0, np.int32), starts=np.zeros(1, np.int64),
+                   flags=np.zeros(0, np.uint8), truncated="")
+
+
+def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
+    """Scan a tar shard's headers (data is skipped, never read); ``ext_ids`` assigns extension ids and grows.
+
+    tarfile.ReadError for a file that is no tar at all; a shard cut short keeps the samples before the cut and
+    marks the ones it touches.
+    """
+    size = os.path.getsize(path)
+    offsets: list[int] = []
+    sizes: list[int] = []
+    exts: list[int] = []
+    starts: list[int] = []
+    flags: list[int] = []
+    truncated = ""
+    key = None
+    seen: set[int] = set()
+    with open(path, "rb") as fh, tarfile.open(fileobj=fh, mode="r:") as tf:
+        while True:
+            try:
+                m = tf.next()
+            except tarfile.ReadError as e:
+                truncated = str(e)
+                break
+            if m is None:
+                break
+            if not m.isreg():
+                continue
+            ke = split_member_name(m.name)
+            if ke is None:
+                continue
+            if ke[0] != key:  # consecutive members with one key are one sample
+                key = ke[0]
+                seen.clear()
+                starts.append(len(offsets))
+                flags.append(_OK)
+            if m.offset_data + m.size > size:
+                flags[-1] = _CUT
+                truncated = f"member {m.name!r} ends at byte {m.offset_data + m.size} of {size}"
+                break
+            e_id = ext_ids.setdefault(ke[1], len(ext_ids))
+            if e_id in seen:
+                flags[-1] = _DUPLICATE
+            seen.add(e_id)
+            offsets.append(m.offset_data)
+            sizes.append(m.size)
+            exts.append(e_id)
+        if not truncated:
+            end = tf.offset  # where the next header would be: the end-of-archive blocks (zeros) must lie there
+            fh.seek(end)
+            tail = fh.read(_BLOCK)
+            if len(tail) < _BLOCK or tail.count(0) != _BLOCK:
+                truncated = f"no end-of-archive marker at byte {end} of {size}"
+    if truncated and flags and flags[-1] == _OK:
+        flags[-1] = _LAST
+    starts.append(len(offsets))
+    return ShardIndex(
+        offsets=np.array(offsets, dtype=np.int64),
+        sizes=np.array(sizes, dtype=np.int64),
+        exts=np.array(exts, dtype=np.int32),
+        starts=np.array(starts, dtype=np.int64),
+        flags=np.array(flags, dtype=np.uint8),
+        truncated=truncated,
+    )
+
+
+class _Fd:
+    """An open file descriptor read with pread (thread-safe, no shared seek position)."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class WebDatasetSource(FileSource):
+    """Samples of WebDataset tar shards as ``{extension: bytes}``: the extensions named by ``columns`` (an
+    entry "jpg;png" takes the first of them a sample has), or else those that more than half of the samples
+    have (``column`` is not used)."""
+
+    format = "webdataset"
+    extensions = (".tar",)
+    span_slack: ClassVar[int] = _SPAN_SLACK
+
+    def __init__(self, spec: Any, *, seed: int):
+        self.shards: list[ShardIndex] = []
+        self.ext_ids: dict[str, int] = {}
+        super().__init__(spec, seed=seed)
+        names = list(self.ext_ids)
+        if self.columns is not None:  # each entry an extension, or alternatives "jpg;png" (the first present wins)
+            groups = [tuple(e for e in c.split(";") if e) for c in self.columns]
+            missing = [c for c, g in zip(self.columns, groups) if not any(e in self.ext_ids for e in g)]
+            if missing:
+                self.close()
+                raise ConfigError(
+                    f"source {self.name!r}: no sample of its shards has the extension(s) {missing}; the "
+                    f"extensions are {names}. Set columns = [...] to some of them ('jpg;png' takes either)"
+                )
+            wanted = [tuple(self.ext_ids[e] for e in g if e in self.ext_ids) for g in groups]
+        else:  # the extensions most samples have: a sample lacking one of them is bad
+            held = np.zeros(len(names), dtype=np.int64)
+            for s in self.shards:
+                held += np.bincount(s.exts, minlength=len(names))
+            wanted = [(i,) for i in np.flatnonzero(2 * held > self.num_samples).tolist()]
+            rare = [n for i, n in enumerate(names) if (i,) not in wanted]
+            if rare:
+                log.warning("source %s: extensions %s are held by at most half of the samples and not delivered; "
+                            "set columns = [...] to choose the parts", self.name, rare)
+        self.wanted: tuple[tuple[int, ...], ...] = tuple(wanted)  # per record field: its extension ids
+        self.ext_names: tuple[str, ...] = tuple(names)
+        self._wanted_text = [self.columns[k] if self.columns else names[g[0]] for k, g in enumerate(wanted)]
+
+    def _open(self, path: str) -> _Fd:
+        return _Fd(path)
+
+    def _scan(self, i: int, path: str) -> np.ndarray:
+        try:
+            idx = shard_index(path, self.ext_ids)
+        except BaseException:
+            self.shards.append(ShardIndex.empty())
+            raise
+        self.shards.append(idx)
+        if idx.truncated:
+            log.error("source %s: shard %s is truncated (%s); %d samples before the cut indexed, a sample it "
+                      "touches is counted bad", self.name, path, idx.truncated, idx.num_samples)
+        return np.array([idx.num_samples], dtype=np.int64)
+
+    def _index_bytes(self) -> int:
+        return super()._index_bytes() + sum(s.nbytes for s in self.shards)
+
+    def _read_file(self, f: int, rows: np.ndarray) -> tuple[list, int]:
+        shard = self.shards[f]
+        out: list = [None] * len(rows)
+        nbytes = 0
+        try:
+            fd = self.handle(f).fd
+        except OSError as e:
+            reason = self.error_reason(e)
+            for k, r in enumerate(rows.tolist()):
+                out[k] = self.bad_sample(f, r, reason, str(e), f"{self.paths[f]}: {e}")
+            return out, 0
+        for k, r in enumerate(rows.tolist()):
+            out[k], nb = self._sample(f, shard, fd, r)
+            nbytes += nb
+        return out, nbytes
+
+    def _sample(self, f: int, shard: ShardIndex, fd: int, row: int) -> tuple[object, int]:
+        """One sample's record and the bytes it took, or a BadSample and 0."""
+        lo, hi = int(shard.starts[row]), int(shard.starts[row + 1])
+        exts = shard.exts[lo:hi]
+        flag = int(shard.flags[row])
+        if flag == _CUT:
+            return self.bad_sample(f, row, "corrupt", f"shard truncated: {shard.truncated}", f"{self.paths[f]} cut"), 0
+        if flag == _DUPLICATE:
+            return self.bad_sample(f, row, "corrupt", "a part appears twice in the sample (key repeated)"), 0
+        present = exts.tolist()
+        found = [next((e for e in g if e in present), -1) for g in self.wanted]
+        missing = [t for t, e in zip(self._wanted_text, found) if e < 0]
+        if missing:
+            if flag == _LAST:
+                detail = f"shard truncated ({shard.truncated}); the sample lacks {missing}"
+                return self.bad_sample(f, row, "corrupt", detail, f"{self.paths[f]} cut"), 0
+            return self.bad_sample(f, row, "missing_field", f"the sample has no part(s) {missing}"), 0
+        members = np.array([lo + present.index(e) for e in found], dtype=np.int64)
+        offs, sizes = shard.offsets[members], shard.sizes[members]
+        need = int(sizes.sum())
+        if need > self.max_bytes:
+            return self.bad_sample(f, row, "oversize", f"{need} bytes > max_sample_bytes {self.max_bytes}"), 0
+        start, end = int(offs.min()), int((offs + sizes).max())
+        try:
+            if end - start <= 2 * need + self.span_slack:  # one read of the span, headers and all
+                block = self._retry(lambda: os.pread(fd, end - start, start))
+                if len(block) != end - start:
+                    raise EOFError(f"short read: {len(block)} of {end - start} bytes (file changed?)")
+                parts = [block[o - start : o - start + s] for o, s in zip(offs.tolist(), sizes.tolist())]
+            else:  # unselected big members in between: read the wanted ones alone
+                spans = zip(offs.tolist(), sizes.tolist())
+                parts = [self._retry(lambda o=o, s=s: os.pread(fd, s, o)) for o, s in spans]
+                if [len(p) for p in parts] != sizes.tolist():
+                    raise EOFError("short read (file changed?)")
+        except (OSError, EOFError) as e:
+            reason = "read_error" if isinstance(e, EOFError) else self.error_reason(e)
+            return self.bad_sample(f, row, reason, str(e)), 0
+        return {self.ext_names[e]: p for e, p in zip(found, parts)}, need

@@ -154,9 +154,6 @@ class DataClient:
         self._reader = FrameReader()
 
     # ---- state ---------------------------------------------------------------------------------------------
-    def _layout(self) -> dict:
-        return {"mesh": self.spec.mesh.to_dict(), "micro_batches": self.spec.micro_batches, "rows": self.spec.rows}
-
     def state_dict(self) -> dict:
         """This rank's position in the job's global order: small, JSON-serialisable; put it in the checkpoint.
 
@@ -176,7 +173,7 @@ class DataClient:
             "job": self.spec.name,
             "data_digest": self.spec.data_digest(),
             "position": {"step": self._step, "micro": self._micro},
-            "layout": self._layout(),
+            "layout": self.spec.layout(),
             "planner": planner,
         }
 
@@ -208,7 +205,7 @@ class DataClient:
             return
         if not isinstance(planner, dict) or planner.get("step") != step or not isinstance(layout, dict):
             raise CheckpointError("state's planner position does not match its step; it is truncated or edited")
-        if layout != self._layout():
+        if layout != self.spec.layout():
             micro = 0  # another layout: the step restarts under the new partition (see README: resharding)
         self._loaded = dict(state)
         self._step, self._micro = step, micro

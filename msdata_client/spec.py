@@ -165,6 +165,11 @@ class JobSpec:
         """Source names in declaration order (a source's index is its id in plans and batches)."""
         return tuple(s.name for s in self.sources)
 
+    def layout(self) -> dict[str, Any]:
+        """The job's layout (DESIGN 4.2: the mesh, micro_batches and rows); states record it, and a state
+        restored under another layout is a reshard."""
+        return {"mesh": self.mesh.to_dict(), "micro_batches": self.micro_batches, "rows": self.rows}
+
     def data_groups(self) -> int:
         """Number of distinct data streams under this job's `distribute`."""
         return self.mesh.data_groups(self.distribute)

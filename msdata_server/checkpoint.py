@@ -7,12 +7,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import orjson
 
 from .errors import CheckpointError
 
-__all__ = ["StateStore", "start_from_states"]
+__all__ = ["RankStart", "StartPoint", "StateStore", "start_from_states", "start_point"]
 
 log = logging.getLogger(__name__)
 
@@ -97,3 +99,43 @@ def start_from_states(states: dict, layout: dict) -> tuple[dict, dict[int, tuple
         same = st is not None and st.get("layout") == layout
         positions[r] = (step, int(st["position"]["micro"]) if same else 0)
     return first["planner"], positions
+
+
+@dataclass(frozen=True, slots=True)
+class RankStart:
+    """What a rank brings to a run's start: its position (step, micro), a state it loaded, whether it
+    reconnects mid-run (its server restarted: continue where it was)."""
+
+    position: tuple[int, int]
+    state: dict | None = None
+    resume: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StartPoint:
+    """Where a run starts. ``planner``: the state to plan from (None: the beginning, or the stored state at or
+    before ``load_at`` when that is set); ``clear``: the stored states belong to another run, forget them."""
+
+    positions: dict[int, tuple[int, int]]
+    planner: dict | None = None
+    load_at: int | None = None
+    clear: bool = False
+
+
+def start_point(ranks: Mapping[int, RankStart], layout: dict) -> StartPoint:
+    """The one start rule (a single node and the cluster leader alike), in order of precedence:
+
+    1. ranks brought states (``load_state_dict``): they must agree; ranks without one adopt it;
+    2. ranks reconnect mid-run: continue from the stored state at or before the lowest of their steps; ranks
+       that do not resume join at the start of that step;
+    3. otherwise a new run from the beginning, whatever is stored.
+    """
+    if any(r.state is not None for r in ranks.values()):
+        planner, positions = start_from_states({k: r.state for k, r in ranks.items()}, layout)
+        return StartPoint(positions=positions, planner=planner, clear=True)
+    resumed = [r.position for r in ranks.values() if r.resume]
+    if resumed:
+        low = min(resumed)
+        positions = {k: tuple(r.position) if r.resume else (low[0], 0) for k, r in ranks.items()}
+        return StartPoint(positions=positions, load_at=low[0])  # type: ignore[arg-type]
+    return StartPoint(positions={k: (0, 0) for k in ranks}, clear=True)

@@ -1,4 +1,4 @@
-"""`msdata-server`: serve | demo | status | validate | cleanup (DESIGN.md 4.1)."""
+"""`msdata-server`: serve | demo | status | health | validate | cleanup (DESIGN.md 4.1)."""
 
 from __future__ import annotations
 
@@ -13,17 +13,27 @@ import orjson
 
 from msdata_client._paths import ENDPOINT_ENV, default_endpoint
 
-from .config import load_config
+from .config import ROLES, load_config
 from .errors import MsdataError
+from .ops.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 
 __all__ = ["main"]
 
 log = logging.getLogger("msdata_server")
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _endpoint(args) -> str:
+    return args.endpoint or os.environ.get(ENDPOINT_ENV) or default_endpoint()
+
+
+def _positive(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        x = 0.0
+    if not 0 < x < 1e6:
+        raise argparse.ArgumentTypeError(f"{v!r} must be a number of seconds > 0")
+    return x
 
 
 def _lean_arrow() -> None:
@@ -39,7 +49,7 @@ def _cmd_serve(args) -> int:
     from .node import NodeServer
 
     cfg = load_config(args.config)
-    _setup_logging(args.log_level or cfg.node.log_level)
+    configure_logging(args.log_level or cfg.node.log_level, args.log_format or cfg.node.log_format)
 
     async def run() -> None:
         server = NodeServer(cfg)
@@ -51,7 +61,8 @@ def _cmd_serve(args) -> int:
             # the readiness signal: one JSON line on stdout (tests and supervisors wait for it)
             print(orjson.dumps({"event": "ready", "socket": cfg.node.socket, "pid": os.getpid(),
                                 "node": cfg.node.id, "role": server.role,
-                                "listen": server.cluster.listen if server.cluster is not None else None}).decode(),
+                                "listen": server.cluster.listen if server.cluster is not None else None,
+                                "metrics": server.metrics_port}).decode(),
                   flush=True)
             await server.serve_forever()
             log.info("stop requested; draining")
@@ -65,7 +76,18 @@ def _cmd_serve(args) -> int:
 def _cmd_status(args) -> int:
     from msdata_client.wire import request
 
-    endpoint = args.endpoint or os.environ.get(ENDPOINT_ENV) or default_endpoint()
+    endpoint = _endpoint(args)
+    if args.watch:
+        if args.json:
+            print("msdata-server status: --watch draws a screen; it does not combine with --json", file=sys.stderr)
+            return 2
+        from .ops.watch import watch
+
+        try:
+            return watch(endpoint, args.interval)
+        except KeyboardInterrupt:  # the usual way to leave the screen
+            print(file=sys.stderr)
+            return 0
     try:
         f = request(endpoint, {"t": "status"})
     except OSError as e:
@@ -76,6 +98,32 @@ def _cmd_status(args) -> int:
         print(orjson.dumps(st).decode())
         return 0
     print(_format_status(st))
+    return 0
+
+
+def _cmd_health(args) -> int:
+    """Liveness/readiness for probes: 0 when the server answers a status request with a known role, else 1
+    with one line on stderr saying why."""
+    from msdata_client.wire import request
+
+    endpoint = _endpoint(args)
+    try:
+        reply = request(endpoint, {"t": "status"}, timeout=args.timeout)
+    except (OSError, MsdataError) as e:
+        print(f"msdata-server health: unhealthy: no status from {endpoint!r} within {args.timeout:g}s ({e})",
+              file=sys.stderr)
+        return 1
+    st = reply.get("status")
+    if not isinstance(st, dict):
+        print(f"msdata-server health: unhealthy: {endpoint!r} answered {reply.get('t')!r} instead of a status "
+              f"({reply.get('message', '')})", file=sys.stderr)
+        return 1
+    role = st.get("role")
+    if role not in ROLES:
+        print(f"msdata-server health: unhealthy: node {st.get('node')} has no role yet ({role!r}; expected one of "
+              f"{', '.join(ROLES)})", file=sys.stderr)
+        return 1
+    print(f"ok: node {st.get('node')} role {role} jobs {len(st.get('jobs') or [])}")
     return 0
 
 
@@ -139,7 +187,7 @@ def _cmd_demo(args) -> int:
     _lean_arrow()
     from .demo import run_demo
 
-    _setup_logging(args.log_level or "WARNING")
+    configure_logging(args.log_level or "WARNING", "text")
     return run_demo(steps=args.steps, ranks=args.ranks)
 
 
@@ -148,17 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run the node daemon in the foreground")
     s.add_argument("--config", help="node.toml (default: built-in defaults)")
-    s.add_argument("--log-level", help="override [node] log_level")
+    s.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, help="override [node] log_level")
+    s.add_argument("--log-format", choices=LOG_FORMATS, help="override [node] log_format")
     s.set_defaults(fn=_cmd_serve)
     d = sub.add_parser("demo", help="run the embedded default job end to end and print a summary")
     d.add_argument("--steps", type=int, default=200, help="training steps to run")
     d.add_argument("--ranks", type=int, default=4, help="simulated trainer ranks")
-    d.add_argument("--log-level", help="log level (default WARNING)")
+    d.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, help="log level (default WARNING)")
     d.set_defaults(fn=_cmd_demo)
     st = sub.add_parser("status", help="show a running server's jobs, ranks, rates and memory")
     st.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
     st.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    st.add_argument("--watch", action="store_true", help="redraw a live screen until interrupted")
+    st.add_argument("--interval", type=_positive, default=2.0, help="seconds between --watch redraws (default 2)")
     st.set_defaults(fn=_cmd_status)
+    h = sub.add_parser("health", help="exit 0 when the server answers with a known role, else 1 (for probes)")
+    h.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
+    h.add_argument("--timeout", type=_positive, default=5.0, help="seconds to wait for the answer (default 5)")
+    h.set_defaults(fn=_cmd_health)
     v = sub.add_parser("validate", help="check configs and data paths without serving")
     v.add_argument("--config", help="node.toml")
     v.add_argument("--job", help="job.toml to check too (sources are opened)")

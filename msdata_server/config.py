@@ -11,8 +11,11 @@ from dataclasses import dataclass, field, fields
 from msdata_client._paths import default_endpoint
 
 from .errors import ConfigError
+from .ops.logs import LOG_FORMATS, LOG_LEVELS
 
-__all__ = ["ClusterConfig", "NodeConfig", "ServerConfig", "load_config", "parse_config"]
+__all__ = ["ClusterConfig", "NodeConfig", "ROLES", "ServerConfig", "load_config", "parse_config", "parse_host_port"]
+
+ROLES = ("leader", "follower", "single")  # what `status` reports as "role"; "single": no [cluster]
 
 
 def _check_keys(table: dict, cls, where: str) -> None:
@@ -29,12 +32,23 @@ def _int(where: str, key: str, v, lo: int, hi: int | None = None) -> int:
     return v
 
 
-def _parse_listen(v: str) -> tuple[str, int]:
+def parse_host_port(v: str, key: str = "listen") -> tuple[str, int]:
+    """ "HOST:PORT" (IPv6 in brackets) -> (host, port); ``key`` names the [node] key in the error. The host must
+    be an IP address or localhost (DESIGN.md 5: bind to loopback unless configured)."""
     host, sep, port = str(v).rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f'[node] listen = {v!r} must be "HOST:PORT", e.g. "127.0.0.1:7460" (port 0: any)')
+        raise ConfigError(f'[node] {key} = {v!r} must be "HOST:PORT", e.g. "127.0.0.1:{_EXAMPLE_PORT[key]}" '
+                          "(port 0: any)")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if host != "localhost":
+            raise ConfigError(f"[node] {key} host {host!r} must be an IP address or localhost") from None
     return host, int(port)
+
+
+_EXAMPLE_PORT = {"listen": 7460, "metrics": 9460}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +65,8 @@ class NodeConfig:
     max_slot_mib: int = 1024  # a batch larger than this is refused with a clear error
     drain_timeout: float = 10.0  # graceful-shutdown budget before tasks are cancelled
     log_level: str = "INFO"
+    log_format: str = "text"  # "text" or "json" (one object per line)
+    metrics: str = ""  # "HOST:PORT" serves Prometheus text at /metrics; "" = off
 
     def __post_init__(self):
         if not self.id or not all(c.isalnum() or c in "-_." for c in self.id):
@@ -59,12 +75,11 @@ class NodeConfig:
             raise ConfigError("[node] socket must be a path")
         if len(self.socket.encode()) > 107:
             raise ConfigError(f"[node] socket = {self.socket!r} is longer than a Unix socket path may be (107 bytes)")
-        host, _ = _parse_listen(self.listen)
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            if host != "localhost":
-                raise ConfigError(f"[node] listen host {host!r} must be an IP address or localhost") from None
+        parse_host_port(self.listen, "listen")
+        if not isinstance(self.metrics, str):
+            raise ConfigError(f'[node] metrics = {self.metrics!r} must be a string "HOST:PORT" ("" turns it off)')
+        if self.metrics:
+            parse_host_port(self.metrics, "metrics")
         if not self.shm_prefix or not all(c.isalnum() or c in "_" for c in self.shm_prefix) or len(self.shm_prefix) > 16:
             raise ConfigError(f"[node] shm_prefix = {self.shm_prefix!r} must be 1-16 letters, digits or '_'")
         _int("node", "workers", self.workers, 0, 1024)
@@ -72,12 +87,19 @@ class NodeConfig:
         _int("node", "max_slot_mib", self.max_slot_mib, 1)
         if not isinstance(self.drain_timeout, (int, float)) or self.drain_timeout < 0:
             raise ConfigError(f"[node] drain_timeout = {self.drain_timeout!r} must be a number >= 0 (seconds)")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise ConfigError(f"[node] log_level = {self.log_level!r} must be DEBUG, INFO, WARNING or ERROR")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"[node] log_level = {self.log_level!r} must be one of {', '.join(LOG_LEVELS)}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"[node] log_format = {self.log_format!r} must be one of "
+                              f"{', '.join(map(repr, LOG_FORMATS))}")
 
     @property
     def listen_addr(self) -> tuple[str, int]:
-        return _parse_listen(self.listen)
+        return parse_host_port(self.listen, "listen")
+
+    @property
+    def metrics_addr(self) -> tuple[str, int] | None:
+        return parse_host_port(self.metrics, "metrics") if self.metrics else None
 
     @property
     def state_path(self) -> str:
@@ -124,7 +146,8 @@ def parse_config(doc: dict, *, base_dir: str | None = None) -> ServerConfig:
         v = node_t.get(key)
         if isinstance(v, str) and v and base_dir and not os.path.isabs(v):
             node_t[key] = os.path.join(base_dir, v)
-    for key, typ in (("id", str), ("socket", str), ("listen", str), ("shm_prefix", str), ("state_dir", str), ("log_level", str)):
+    for key, typ in (("id", str), ("socket", str), ("listen", str), ("shm_prefix", str), ("state_dir", str), ("log_level", str),
+                      ("log_format", str), ("metrics", str)):
         if key in node_t and not isinstance(node_t[key], typ):
             raise ConfigError(f"[node] {key} = {node_t[key]!r} must be a string")
     node = NodeConfig(**node_t)

@@ -7,6 +7,7 @@ from msdata_client.errors import (
     MsdataError,
     PeerLostError,
     ProtocolError,
+    RemoteError,
 )
 
 __all__ = [
@@ -17,8 +18,9 @@ __all__ = [
     "MsdataError",
     "PeerLostError",
     "ProtocolError",
-    "RingFullError",
+    "RemoteError",
     "ShmError",
+    "SlotSizeError",
 ]
 
 
@@ -26,8 +28,9 @@ class ShmError(MsdataError, OSError):
     """Shared memory could not be created or sized (often: /dev/shm too small)."""
 
 
-class RingFullError(MsdataError):
-    """A batch does not fit a ring slot."""
+class SlotSizeError(ConfigError):
+    """A micro-batch of the job needs a ring slot larger than [node] max_slot_mib allows: a configuration
+    (rows x seq_len, or the node's limit) to change. Ranks see it as a RemoteError of this kind."""
 
 
 class BadSampleError(MsdataError):

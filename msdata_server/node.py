@@ -13,10 +13,14 @@ from msdata_client.graph import JobSpec
 from msdata_client.wire import PROTOCOL_VERSION
 
 from .config import ServerConfig
-from .control import ClientConn, UnixEndpoint
+from .endpoint import ClientConn, UnixEndpoint
 from .errors import ConfigError, MsdataError, ProtocolError
 from .job import Job, RankPosition
+from .job.local import LocalStarter
+from .job.rings import RingConfig
 from .metrics import proc_memory, tree_memory
+from .ops.prometheus import start_metrics_server
+from .ops.sdnotify import Notifier
 from .shm import cleanup
 from .tasks import TaskSet
 
@@ -37,8 +41,12 @@ class NodeServer:
         self.pool = None
         self.cluster = None  # a ClusterNode when node.toml has [cluster] (msdata_server.cluster.runtime)
         self.cluster_jobs = None  # its job layer (msdata_server.cluster.jobs.ClusterJobs)
+        self.starter = None  # who starts jobs: a LocalStarter, or the cluster job layer
         self.started = time.monotonic()
         self.ready = asyncio.Event()
+        self.notifier = Notifier()  # systemd: READY, WATCHDOG from this loop, STOPPING (no-ops without systemd)
+        self.metrics_server: asyncio.Server | None = None
+        self.metrics_port: int | None = None
         self._stopping = asyncio.Event()
         self._closed = False
 
@@ -65,9 +73,15 @@ class NodeServer:
 
             self.cluster = ClusterNode(self.config)
             await self.cluster.start()
-            self.cluster_jobs = ClusterJobs(self)
+            self.cluster_jobs = self.starter = ClusterJobs(self)
             await self.cluster_jobs.start()
+        else:
+            self.starter = LocalStarter(pool=self.pool, state_dir=cfg.state_path, ring_slots=cfg.ring_slots)
         self.tasks.spawn(self.endpoint.serve(self.tasks), name="accept")
+        if cfg.metrics:  # a bad address or a port in use is a ConfigError (the CLI prints it)
+            self.metrics_server, self.metrics_port = await start_metrics_server(cfg.metrics, self.status)
+        self.tasks.spawn(self.notifier.watchdog_loop(), name="sd-watchdog")
+        self.notifier.ready(f"serving on {cfg.socket} (role {self.role})")
         self.ready.set()
         log.info("node %s serving on %s (role %s, %d workers)", cfg.id, cfg.socket, self.role, cfg.workers)
 
@@ -91,7 +105,8 @@ class NodeServer:
             job = conn.job
             if job is not None:
                 job.detach(conn)
-                if job.connected == 0 and self.jobs.get(job.name) is job:
+                await self.starter.ranks_changed(job)
+                if job.ranks.connected == 0 and self.jobs.get(job.name) is job:
                     log.info("job %s: every rank left; closing it", job.name)
                     self.forget(job)
                     nxt = self.pending.pop(job.name, None)
@@ -99,8 +114,8 @@ class NodeServer:
                         self.jobs[job.name] = nxt
                     await job.aclose()
                     if nxt is not None:
-                        nxt.may_start()
-                elif job.connected == 0 and self.pending.get(job.name) is job:
+                        nxt.may_start.set()
+                elif job.ranks.connected == 0 and self.pending.get(job.name) is job:
                     del self.pending[job.name]
                     await job.aclose()
 
@@ -151,7 +166,7 @@ class NodeServer:
                               "(client and server msdata versions differ?)")
         job = self.jobs.get(spec.name)
         if job is not None and job.digest != digest:
-            live = job.live_ranks()
+            live = job.ranks.live_ranks()
             if live:
                 raise ConfigError(f"job {spec.name!r} is running here with another definition (digest {job.digest[:12]}, "
                                   f"yours {digest[:12]}) and {len(live)} rank(s) connected; every rank must register the "
@@ -161,9 +176,9 @@ class NodeServer:
             job = None
         if job is not None and job.state == "running" and not resume:
             # a new run of this job (it brings a state or none): never join the old run's stream
-            live = job.live_ranks()
+            live = job.ranks.live_ranks()
             if rank in live:
-                job.check_rank(rank, world)  # the same rank of the old run is still there: refuse clearly
+                job.ranks.check_rank(rank, world)  # the same rank of the old run is still there: refuse clearly
             if not live:
                 self.forget(job)
                 await job.aclose()
@@ -171,16 +186,23 @@ class NodeServer:
             else:
                 nxt = self.pending.get(spec.name)
                 if nxt is None or nxt.digest != digest:
-                    nxt = self.pending[spec.name] = Job(self, spec, digest, hold=True)
+                    nxt = self.pending[spec.name] = self._new_job(spec, digest, hold=True)
                     log.warning("job %s: a new run registers while %d rank(s) of the previous run are still "
-                                "connected; it starts when they leave", spec.name, len(job.live_ranks()))
+                                "connected; it starts when they leave", spec.name, len(job.ranks.live_ranks()))
                 job = nxt
         if job is None:
-            job = self.jobs[spec.name] = Job(self, spec, digest)
+            job = self.jobs[spec.name] = self._new_job(spec, digest)
             log.info("job %s registered (digest %s, %d ranks)", spec.name, digest[:12], spec.mesh.world_size)
-        job.check_rank(rank, world)
-        job.check_state(state)
+        job.ranks.check_rank(rank, world)
+        job.ranks.check_state(state)
         await job.attach(conn, rank, position, state=state, resume=resume)
+        if job.state == "waiting":
+            await self.starter.ranks_changed(job)
+
+    def _new_job(self, spec: JobSpec, digest: str, hold: bool = False) -> Job:
+        cfg = self.config.node
+        rings = RingConfig(prefix=cfg.shm_prefix, slots=cfg.ring_slots, max_slot_mib=cfg.max_slot_mib)
+        return Job(spec, digest, node_id=cfg.id, rings=rings, forget=self.forget, hold=hold)
 
     async def _request(self, conn: ClientConn, job: Job, frame: dict) -> None:
         """Answer a rank's state or mixture request; a refusal goes back to that rank only."""
@@ -189,7 +211,7 @@ class NodeServer:
             if t == "state":
                 step = int(frame["step"])
                 conn.send({"t": "state", "id": rid, "step": step, "planner": await job.state_at(step),
-                           "layout": job._layout()})
+                           "layout": job.spec.layout()})
             else:
                 weights = frame.get("weights")
                 if not isinstance(weights, dict):
@@ -199,10 +221,10 @@ class NodeServer:
             conn.send({"t": "refused", "id": rid, "kind": type(e).__name__, "message": str(e)})
 
     def forget(self, job: Job) -> None:
+        """A job closes: it no longer takes ranks (the starter hears of it: a cluster reports it)."""
         if self.jobs.get(job.name) is job:
             del self.jobs[job.name]
-        if self.cluster_jobs is not None:
-            self.cluster_jobs.changed()
+        self.tasks.spawn(self.starter.ranks_changed(job), name=f"forget-{job.name}")
 
     # ---- status ----------------------------------------------------------------------------------------
     def status(self) -> dict:
@@ -228,6 +250,9 @@ class NodeServer:
         if self._closed:
             return
         self._closed = True
+        self.notifier.stopping()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         timeout = self.config.node.drain_timeout
         self.endpoint.close()
         for conn in list(self.endpoint.conns):
@@ -240,9 +265,7 @@ class NodeServer:
             log.warning("jobs did not close within %.1fs", timeout)
         finally:
             for job in list(self.jobs.values()):
-                for grp in job.groups:  # whatever happened above, never leave shared memory behind
-                    for ring in grp.rings.values():
-                        ring.close()
+                job.close_rings()  # whatever happened above, never leave shared memory behind
             self.jobs.clear()
             self.pending.clear()
             for conn in list(self.endpoint.conns):
@@ -260,4 +283,7 @@ class NodeServer:
                     log.warning("leaving the cluster did not finish cleanly: %s", e)
             if self.pool is not None:
                 await self.pool.aclose()
+            if self.metrics_server is not None:
+                await self.metrics_server.wait_closed()
+            self.notifier.close()
         log.info("node %s stopped", self.config.node.id)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from msdata_client.ring import layout_fields
-from msdata_server.constructor import (
+from msdata_server.batch import (
     MicroBatchPieces,
     build_micro_batch,
     count_segments,

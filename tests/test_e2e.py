@@ -74,7 +74,7 @@ def test_cp_slices_reassemble(server_factory):
     full_spec = small_job(dp=1, cp=1, micro_batches=1, seq_len=256)
     _, kept = run_ranks(spec, srv.socket, 3, keep=True)
     _, kept_full = run_ranks(full_spec, srv.socket, 3, keep=True)
-    from msdata_server.constructor import zigzag_index
+    from msdata_server.batch import zigzag_index
 
     idx = zigzag_index(256, 2)
     for i in range(3):

@@ -10,9 +10,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 MODULES = ["msdata_client", "msdata_client.graph", "msdata_client.mesh", "msdata_client.ring", "msdata_client.wire",
-           "msdata_client.errors", "msdata_client.client", "msdata_server.shm", "msdata_server.constructor",
-           "msdata_server.node", "msdata_server.job", "msdata_server.control", "msdata_server.config",
-           "msdata_server.planner", "msdata_server.sources", "msdata_server.loader", "msdata_server.pool"]
+           "msdata_client.errors", "msdata_client.client", "msdata_server.shm", "msdata_server.batch",
+           "msdata_server.node", "msdata_server.job", "msdata_server.endpoint", "msdata_server.config",
+           "msdata_server.planner", "msdata_server.sources", "msdata_server.loader", "msdata_server.pool",
+           "msdata_client.choices", "msdata_client.spec", "msdata_server.checkpoint", "msdata_server.job.pieces",
+           "msdata_server.job.seams"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from msdata_server.pieces import PieceRefs
+from msdata_server.job.pieces import PieceRefs
 from msdata_server.planner import Mixture, Planner, PlannerConfig
 
 

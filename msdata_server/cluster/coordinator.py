@@ -10,35 +10,25 @@ re-sent ones equal the old ones and nodes ignore them. The planner state of each
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import uuid
 
-from msdata_client.graph import JobSpec
+from msdata_client.spec import JobSpec
 
-from ..checkpoint import start_from_states
+from ..checkpoint import RankStart, start_point
 from ..errors import CheckpointError, ClosedError, MsdataError, PeerLostError
-from ..planner import Mixture, Planner, PlannerConfig
+from ..job.view import ThreadView
+from ..planner import Planner
+from ..planner.history import StateHistory
+from ..planner.spec import planner_config
 from ..tasks import TaskSet
+from .catchup import CatchUp
 from .planwire import encode_plan
 from .statestore import EtcdStateStore
 
 __all__ = ["Coordinator", "JobCoordinator"]
 
 log = logging.getLogger(__name__)
-
-
-def planner_config(spec: JobSpec) -> PlannerConfig:
-    """The PlannerConfig of a job, exactly as Job builds it on a single node."""
-    if spec.mix.schedule:
-        mixture = Mixture.schedule([(st, dict(w)) for st, w in spec.mix.schedule], interpolate=spec.mix.interpolate)
-    else:
-        mixture = Mixture.constant(dict(spec.mix.weights))
-    return PlannerConfig(
-        sources=spec.source_names(), seq_len=spec.seq_len, dp=spec.mesh.data_groups(spec.distribute),
-        micro_batches=spec.micro_batches, rows=spec.rows, method=spec.balance.method, alpha=spec.balance.alpha,
-        beta=spec.balance.beta, cost_fn=None if spec.balance.cost == "attention" else spec.balance.cost,
-        long_docs=spec.long_docs, mixture=mixture)
 
 
 def _resuming(entry: dict) -> bool:
@@ -53,10 +43,6 @@ def _pick(entries: list[tuple[str, dict]], keep) -> dict[str, dict]:
         if keep(nid, j) and (nid not in per or len(j["ranks"]) > len(per[nid]["ranks"])):
             per[nid] = j
     return per
-
-
-def _layout(spec: JobSpec) -> dict:
-    return {"mesh": spec.mesh.to_dict(), "micro_batches": spec.micro_batches, "rows": spec.rows}
 
 
 class Coordinator:
@@ -90,6 +76,11 @@ class Coordinator:
             c.acked.set()  # a node that left no longer holds planning back
         self.evaluate()
 
+    def coordinating(self, frame: dict) -> JobCoordinator | None:
+        """The coordinator of the run a frame names, while we lead it."""
+        c = self.coords.get(frame.get("digest")) if self.leading else None  # type: ignore[arg-type]
+        return c if c is not None and c.run_id == frame.get("run") else None
+
     def on_frame(self, frame: dict) -> None:
         if frame["t"] == "jobs":
             self.reports[str(frame["node"])] = frame
@@ -102,7 +93,7 @@ class Coordinator:
             c.ack(str(frame["node"]), int(frame["step"]))
         elif frame["t"] == "need":
             c.ack(str(frame["node"]), int(frame["fed"]))
-            c.resend(str(frame["node"]), int(frame["step"]))
+            c.catchup.resend(str(frame["node"]), int(frame["step"]))
 
     def link_up(self, nid: str) -> None:
         """Our link to a node is (back) up: it may have missed a start or plans meanwhile; send them again."""
@@ -111,7 +102,7 @@ class Coordinator:
         by = self._entries()
         for digest, c in self.coords.items():
             c.update(c.own(by.get(digest, [])))
-            c.resend(nid, c.acks.get(nid, c._low_ack()) + 1)
+            c.catchup.resend(nid, c.acks.get(nid, c.low_ack()) + 1)
 
     def _entries(self) -> dict[str, list[tuple[str, dict]]]:
         """Every node's job entries by digest (a node may hold two of one job: a run and the next one waiting)."""
@@ -182,6 +173,7 @@ class JobCoordinator:
         self.run_id = run_id
         self.insts: dict[str, set[str]] = {nid: {str(j["inst"])} for nid, j in per.items()}  # registrations in it
         self._closed = asyncio.Event()
+        self.views: set[ThreadView] = set()  # planner threads' look-ups, cancelled when we stop
         self.tasks = TaskSet(f"coordinator {spec.name}", on_error=self._failed)
         cl = self.jobs.cluster
         self.store = EtcdStateStore(cl.etcd, cl.election, prefix=self.jobs.node.config.cluster.prefix, job=spec.name,
@@ -190,26 +182,25 @@ class JobCoordinator:
         self.acked = asyncio.Event()
         self.rank_nodes: dict[int, str] = {}
         self.start_frame: dict | None = None
-        self._stopped = False
-        self._pending: set = set()
+        self.stopped = False
         self.planned = 0  # the next step the main planner will send
         self.sent: dict[int, tuple[dict, bytes]] = {}  # encoded plans not yet fed on every live node (to re-send)
-        self._resending: dict[str, asyncio.Task] = {}
+        self.catchup = CatchUp(self)
         self.planner: Planner | None = None
         self._plan_lock = asyncio.Lock()  # one step planned and sent, or one mixture change, at a time
         self.gen = 0  # mixture changes so far (plans carry it; nodes drop plans of an older one)
         self.last_cut: int | None = None  # the step of the latest change (plans carry it: a node that missed it)
         self.mixing = False  # a change holds the nodes right now
-        self.states: dict[int, dict] = {}  # recent planner states by step (a mixture change re-plans from one)
+        self.states = StateHistory(256)  # recent planner states by step (a mixture change re-plans from one)
         self.mix_states: dict[int, dict] = {}  # cut -> the state with that change (a replay switches to it)
 
     def _failed(self, task, exc) -> None:
         log.error("coordinator of %s failed: %s", self.spec.name, exc, exc_info=exc)
 
     def stop(self, end: bool = False) -> None:
-        self._stopped = True
-        for fut in list(self._pending):
-            fut.cancel()
+        self.stopped = True
+        for view in list(self.views):
+            view.close()
         self.acked.set()
 
         async def wind_down():
@@ -222,7 +213,7 @@ class JobCoordinator:
         if end:
             frame = {"t": "jstop", "digest": self.digest, "run": self.run_id}
             for nid in self.jobs.live_nodes():
-                self.jobs.tasks.spawn(self.jobs._quiet_send(nid, frame), name="jstop")
+                self.jobs.tasks.spawn(self.jobs.rpc.quiet_send(nid, frame), name="jstop")
 
     def own(self, entries: list[tuple[str, dict]], adopt: bool = False) -> dict[str, dict]:
         """The nodes' entries that belong to this run; with ``adopt``, registrations that rejoin it (ranks that
@@ -265,32 +256,14 @@ class JobCoordinator:
             if j["ranks"] and not j["running"]:
                 low = min(int(info["pos"][0]) for info in j["ranks"].values())
                 delay = 0.05
-                while not self._stopped:  # a node that restarted at once is linked again shortly
+                while not self.stopped:  # a node that restarted at once is linked again shortly
                     try:
-                        await self.jobs.send(nid, frame)
+                        await self.jobs.rpc.send(nid, frame)
                         break
                     except PeerLostError:
                         await asyncio.sleep(delay)  # back-off until the link to the restarted node is up
                         delay = min(2 * delay, 0.5)
-                await self._replay(nid, low)
-
-    def resend(self, nid: str, step: int) -> None:
-        """Send a node the plans of [step, planned) again (it lost some): from memory, else re-planned."""
-        if self._stopped or self.start_frame is None or step >= self.planned or nid in self._resending:
-            return
-        t = self.tasks.spawn(self._resend(nid, max(step, 0)), name=f"resend-{nid}")
-        self._resending[nid] = t
-        t.add_done_callback(lambda _t: self._resending.pop(nid, None))
-
-    async def _resend(self, nid: str, step: int) -> None:
-        end = self.planned
-        log.info("job %s: re-sending the plans of steps %d..%d to %s", self.spec.name, step, end - 1, nid)
-        for s in range(step, end):
-            kept = self.sent.get(s)
-            if kept is None:  # no longer in memory (or planned by an earlier leader): re-plan from etcd
-                await self._replay(nid, s)
-                return
-            await self.jobs._quiet_send(nid, *kept)
+                await self.catchup.replay(nid, low)
 
     @property
     def token(self) -> int:
@@ -307,20 +280,15 @@ class JobCoordinator:
             if found is None:
                 raise CheckpointError(f"job {self.spec.name!r}: no planner state in etcd at or before step {low}")
             return found[1], positions
-        if any(info.get("state") is not None for info in ranks.values()):
-            planner, starts = start_from_states({r: ranks[r].get("state") for r in positions}, _layout(self.spec))
-            positions.update({r: list(p) for r, p in starts.items()})
+        sp = start_point({r: RankStart((int(info["pos"][0]), int(info["pos"][1])), info.get("state"),
+                                       bool(info.get("resume"))) for r, info in ranks.items()}, self.spec.layout())
+        if sp.clear:
             await self.store.clear()
-            return planner, positions
-        if any(info.get("resume") for info in ranks.values()):
-            low = min(tuple(positions[r]) for r, info in ranks.items() if info.get("resume"))
-            for r, info in ranks.items():
-                if not info.get("resume"):
-                    positions[r] = [low[0], 0]
-            found = await self.store.load_at_or_before(low[0])
-            return (found[1] if found else None), positions
-        await self.store.clear()
-        return None, {r: [0, 0] for r in positions}
+        state = sp.planner
+        if sp.load_at is not None:
+            found = await self.store.load_at_or_before(sp.load_at)
+            state = found[1] if found else None
+        return state, {r: list(p) for r, p in sp.positions.items()}
 
     def _insts(self) -> dict[str, list[str]]:
         return {nid: sorted(v) for nid, v in self.insts.items()}
@@ -352,7 +320,7 @@ class JobCoordinator:
                 if j.get("fed") is not None and nid in self.acks:
                     self.acks[nid] = max(self.acks[nid], int(j["fed"]))
         for nid in live:
-            await self.jobs._quiet_send(nid, frame)
+            await self.jobs.rpc.quiet_send(nid, frame)
         log.info("job %s: %s run %s across %d node(s) from step %d (token %d)", self.spec.name,
                  "resumed" if resume else "started", self.run_id, len(live), planner.step, self.token)
         await self._plan_loop(planner)
@@ -367,14 +335,14 @@ class JobCoordinator:
         run = self.jobs.runs.get(self.digest)  # our own jstart went through the same handler, synchronously
         if run is None or run.id != self.run_id:
             raise ClosedError(f"job {self.spec.name}: this node did not take up the run it started")
-        view = _RemoteView(self, run, loop)
+        view = self.view(run, loop)
         window = self.spec.prefetch_steps + 1
         self.planner = planner
-        while not self._stopped:
-            while not self._stopped and self.planner.step > self._low_ack() + window:
+        while not self.stopped:
+            while not self.stopped and self.planner.step > self.low_ack() + window:
                 self.acked.clear()
                 await self.acked.wait()
-            if self._stopped:
+            if self.stopped:
                 return
             async with self._plan_lock:
                 if not await self._plan_one(view):
@@ -399,15 +367,13 @@ class JobCoordinator:
         header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
         header.update(state=state, gen=self.gen, run=self.run_id, cut=self.last_cut)
         self.sent[step] = (header, buf)
-        self.states[step] = state
-        for old in [s for s in self.states if s <= step - 256]:
-            del self.states[old]
-        low = self._low_ack()
+        self.states.record(step, state)
+        low = self.low_ack()
         for old in [s for s in self.sent if s <= low]:
             del self.sent[old]
         self.planned = step + 1
         for nid in self.jobs.live_nodes():
-            await self.jobs._quiet_send(nid, header, buf)
+            await self.jobs.rpc.quiet_send(nid, header, buf)
         return True
 
     async def set_mixture(self, weights: dict) -> int:
@@ -419,30 +385,22 @@ class JobCoordinator:
         mixture (the rank is told to retry); once etcd has it, a successor plans with the new one. Either way
         every node builds one consistent sequence of steps."""
         async with self._plan_lock:
-            if self._stopped or self.planner is None:
+            if self.stopped or self.planner is None:
                 raise PeerLostError(f"job {self.spec.name}: not planning here (starting or leader changed); retry")
             nodes = self.jobs.live_nodes()
             frame: dict = {"t": "mixcut", "digest": self.digest, "run": self.run_id, "cut": None, "token": self.token}
             self.mixing = True
             try:
-                replies = await asyncio.gather(*(self.jobs.request(n, {"t": "mixhold", "digest": self.digest,
-                                                                       "run": self.run_id, "token": self.token})
+                replies = await asyncio.gather(*(self.jobs.rpc.request(n, {"t": "mixhold", "digest": self.digest,
+                                                                           "run": self.run_id, "token": self.token})
                                                  for n in nodes))
-                if self.jobs._stall_mix:  # tests only (MSDATA_TEST_FAULTS=1): the leader dies during a change
-                    log.warning("job %s: test fault: the mixture change stalls with every node held", self.spec.name)
-                    await asyncio.Event().wait()
                 cut = min(max(int(h["committed"]) for h, _ in replies) + 1, self.planner.step)
-                base = self.planner.state_dict() if cut == self.planner.step else self.states.get(cut)
-                if base is None:
-                    raise CheckpointError(f"job {self.spec.name}: no planner state of step {cut} on the leader "
-                                          f"(it holds {min(self.states, default=0)}..{self.planner.step})")
-                planner = Planner(planner_config(self.spec), state=base)
-                planner.set_mixture(cut, weights)  # ConfigError for unknown sources or bad weights: nothing changed
+                planner = self.states.rebase(self.planner, cut, weights)  # ConfigError: nothing changed
                 state = planner.state_dict()
                 frame.update(cut=cut, gen=self.gen + 1)
             finally:  # release every node (with the cut, or without one when the change failed)
                 for n in nodes:
-                    await self.jobs._quiet_send(n, frame)
+                    await self.jobs.rpc.quiet_send(n, frame)
                 self.mixing = False
             end = self.planner.step
             self.gen += 1  # the nodes dropped plans of steps >= cut: never send those again
@@ -456,9 +414,7 @@ class JobCoordinator:
                 raise PeerLostError(f"job {self.spec.name}: lost the leadership while changing the mixture; the "
                                     "next leader continues without the change: call set_mixture again")
             self.planner, self.planned = planner, cut
-            for s in [s for s in self.states if s >= cut]:
-                del self.states[s]
-            self.states[cut] = self.mix_states[cut] = state
+            self.mix_states[cut] = state
             for s in [s for s in self.mix_states if s > cut]:
                 del self.mix_states[s]
         self.acked.set()
@@ -466,48 +422,16 @@ class JobCoordinator:
                  end - cut)
         return cut
 
-    def _low_ack(self) -> int:
+    def view(self, run, loop: asyncio.AbstractEventLoop) -> ThreadView:
+        """The planner's MetadataView here: lengths asked of the partition owners (from the planner thread)."""
+        view = ThreadView(lambda s, a, n: self.jobs.fetch_lengths(run, s, a, n), loop, closed="no longer leader")
+        self.views.add(view)
+        if self.stopped:
+            view.close()
+        return view
+
+    def low_ack(self) -> int:
         """The lowest step fed on a live node that has ranks of the job (a dead node never holds planning back)."""
         live = set(self.jobs.live_nodes())
         nodes = {n for n in self.rank_nodes.values() if n in live}
         return min((self.acks.get(n, -1) for n in nodes), default=-(1 << 62))
-
-    async def _replay(self, nid: str, low: int) -> None:
-        """Re-plan steps [low, now) for a node that rejoined (deterministic: the same plans)."""
-        found = await self.store.load_at_or_before(low)
-        if found is None:
-            return
-        step, state = found
-        planner = Planner(planner_config(self.spec), state=state)
-        run = self.jobs.runs.get(self.digest)
-        if run is None or run.id != self.run_id:
-            return
-        view = _RemoteView(self, run, asyncio.get_running_loop())
-        gen, last_cut = self.gen, self.last_cut  # a mixture change meanwhile makes these plans stale (nodes drop them)
-        while planner.step < self.planned and not self._stopped:
-            if planner.step in self.mix_states and planner.step > step:  # a mixture change from this step on
-                planner = Planner(planner_config(self.spec), state=self.mix_states[planner.step])
-            st = planner.state_dict()
-            plan = await asyncio.to_thread(planner.plan_step, view)
-            header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
-            header.update(state=st, gen=gen, run=self.run_id, cut=last_cut)
-            await self.jobs._quiet_send(nid, header, buf)
-
-
-class _RemoteView:
-    """The planner's MetadataView on the leader: lengths asked of the partition owners (from the planner thread)."""
-
-    def __init__(self, coord: JobCoordinator, run, loop: asyncio.AbstractEventLoop):
-        self.coord, self.run, self.loop = coord, run, loop
-
-    def lengths(self, source: int, start: int, count: int):
-        if self.coord._stopped:
-            raise ClosedError("no longer leader")
-        fut = asyncio.run_coroutine_threadsafe(self.coord.jobs.fetch_lengths(self.run, source, start, count), self.loop)
-        self.coord._pending.add(fut)
-        try:
-            return fut.result()
-        except concurrent.futures.CancelledError:
-            raise ClosedError("planning stopped") from None
-        finally:
-            self.coord._pending.discard(fut)

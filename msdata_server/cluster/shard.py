@@ -13,49 +13,26 @@ import logging
 
 import numpy as np
 
-from ..errors import BadSampleError, PeerLostError, ProtocolError
+from ..errors import (
+    BadSampleError,
+    CheckpointError,
+    ConfigError,
+    MsdataError,
+    PeerLostError,
+    ProtocolError,
+    RemoteError,
+)
+from ..job.payloads import loader_figures
+from ..job.pieces import PieceRefs, hold_figures
 from ..loader import SourceLoader
-from ..pieces import PieceRefs, hold_figures
 from ..sources import open_source
 from .placement import partition_costs, place_sources
 
-__all__ = ["BLOCK", "JobShard"]
+__all__ = ["BLOCK", "JobShard", "ShardPayloads"]
 
 log = logging.getLogger(__name__)
 
 BLOCK = 64  # SourceLoader's default batch: the unit partitions are dealt in
-
-
-class _SourceName:
-    __slots__ = ("name",)
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def close(self) -> None:  # the shard owns the real sources
-        pass
-
-
-class _SourceProxy:
-    """What Job's status and shutdown see of a source in cluster mode (the shard owns the loaders)."""
-
-    def __init__(self, shard: JobShard, s: int):
-        self.shard, self.s = shard, s
-        self.source = _SourceName(shard.spec.sources[s].name)
-
-    def statistics(self) -> dict:
-        lds = [ld for (s, _), ld in sorted(self.shard.loaders.items()) if s == self.s]
-        return {"partitions_here": len(lds), "nparts": self.shard.nparts,
-                **hold_figures(self.s, lds, self.shard.refs, self.shard.state)}
-
-    async def aclose(self) -> None:
-        pass
-
-    def release(self, ordinals) -> None:  # payload lifetime is counted by the shard (fetch/skip)
-        pass
-
-    def sample_ids(self, ordinals) -> np.ndarray:
-        return self.shard.sample_ids(self.s, ordinals)
 
 
 class JobShard:
@@ -74,7 +51,6 @@ class JobShard:
         self.refs = PieceRefs()  # payloads of partitions here held for planned pieces (per building node)
         self.cursor: list[int] | None = None  # where new loaders seek to (a recent planner position)
         self.state: dict | None = None  # the planner state at the start of the newest step received
-        self.proxies = [_SourceProxy(self, s) for s in range(len(spec.sources))]
         self.costs = partition_costs(spec.mix, spec.source_names(), nparts)
         self.closed = False
 
@@ -209,7 +185,7 @@ class JobShard:
                                            return_exceptions=True)
             lost = None
             for (nid, idx), r in zip(by.items(), results):
-                if isinstance(r, (PeerLostError, TimeoutError, ProtocolError)):
+                if retryable(r):
                     lost = r
                     continue
                 if isinstance(r, BaseException):
@@ -225,7 +201,7 @@ class JobShard:
         s_sel, o_sel = src[idx].astype(np.int64), ords[idx].astype(np.int64)
         if nid == self.jobs.node_id:
             return await self.serve_tokens(s_sel, o_sel)
-        head, payload = await self.jobs.request(nid, {"t": "fetch", "digest": self.digest, "run": self.run,
+        head, payload = await self.jobs.rpc.request(nid, {"t": "fetch", "digest": self.digest, "run": self.run,
                                                        "s": s_sel.tolist(), "o": o_sel.tolist()})
         return split_docs(head, payload)
 
@@ -240,10 +216,56 @@ class JobShard:
                 self.unref(src[idx], ords[idx])
             else:
                 try:
-                    await self.jobs.send(nid, {"t": "skip", "digest": self.digest, "run": self.run,
+                    await self.jobs.rpc.send(nid, {"t": "skip", "digest": self.digest, "run": self.run,
                                                "s": src[idx].tolist(), "o": ords[idx].tolist()})
                 except PeerLostError:
                     pass  # the owner is gone: its payloads went with it
+
+    async def lengths(self, s: int, start: int, count: int) -> np.ndarray:
+        """Lengths of [start, start+count) of source s, asked of the nodes that own the blocks (retrying)."""
+        while True:
+            pl = self.placement()
+            spans: dict[str, list[list[int]]] = {}
+            pos, end = start, start + count
+            while pos < end:
+                hi = min(end, (pos // BLOCK + 1) * BLOCK)
+                spans.setdefault(pl[s][self.part(pos)], []).append([pos, hi - pos])
+                pos = hi
+            try:
+                out = np.empty(count, dtype=np.int64)
+                res = await asyncio.gather(*(self._lengths_from(nid, s, sp) for nid, sp in spans.items()))
+                for sp, arr in zip(spans.values(), res):
+                    off = 0
+                    for a, n in sp:
+                        out[a - start : a - start + n] = arr[off : off + n]
+                        off += n
+                return out
+            except Exception as e:
+                if not retryable(e):
+                    raise
+                log.info("node %s: asking lengths: %s; retrying after placement settles", self.jobs.node_id, e)
+                await self.jobs.members_settle()
+
+    async def _lengths_from(self, nid: str, s: int, spans: list) -> np.ndarray:
+        if nid == self.jobs.node_id:
+            return np.concatenate([await self.serve_lengths(s, a, n) for a, n in spans])
+        _, body = await self.jobs.rpc.request(nid, {"t": "len", "digest": self.digest, "run": self.run, "s": s,
+                                                    "spans": spans})
+        a = np.frombuffer(body or b"", dtype="<i8")
+        if len(a) != sum(n for _, n in spans):
+            raise ProtocolError(f"lengths reply of {len(a)} values for {sum(n for _, n in spans)} asked")
+        return a
+
+    def status(self, newest_state: dict | None) -> dict[str, dict]:
+        """Per source: the partitions read here, their loaders' figures summed, and the held-payload bound."""
+        out = {}
+        for s, sp in enumerate(self.spec.sources):
+            lds = [ld for (si, _), ld in sorted(self.loaders.items()) if si == s]
+            figs = [loader_figures(ld) for ld in lds]
+            summed = {k: sum(f[k] for f in figs) for k in ("samples_done", "bytes_read", "errors", "inflight")}
+            out[sp.name] = {"partitions_here": len(lds), "nparts": self.nparts, **(summed if figs else {}),
+                            **hold_figures(s, lds, self.refs, newest_state)}
+        return out
 
     async def aclose(self) -> None:
         self.closed = True
@@ -256,6 +278,30 @@ class JobShard:
         for src in self._ids_src.values():
             src.close()
         self._ids_src.clear()
+
+
+def retryable(e: BaseException) -> bool:
+    """Whether a failed request for payloads or lengths is worth sending again once placement settles: the
+    owner is gone or not ready (it closed a loader, its run had not started), the reply was garbled, or a
+    read failed (transient errors are retried; DESIGN 4.5). A peer that failed on our request (RemoteError)
+    or a job that does not fit (config, checkpoint) is not: the job fails with the peer's message."""
+    return isinstance(e, (MsdataError, TimeoutError)) and not isinstance(e, (RemoteError, ConfigError,
+                                                                             CheckpointError))
+
+
+class ShardPayloads:
+    """The cluster PayloadSource of a job: its run's shard. The run owns the shard (a node may serve data of a
+    run after its own ranks left), so closing the job leaves the shard to the run's end."""
+
+    def __init__(self, shard: JobShard):
+        self.shard = shard
+        self.fetch = shard.fetch
+        self.skip = shard.skip
+        self.sample_ids = shard.sample_ids
+        self.status = shard.status
+
+    async def aclose(self) -> None:
+        """Nothing to close here: ``ClusterJobs`` closes the shard when the run ends."""
 
 
 def pack_docs(docs: list[np.ndarray]) -> tuple[dict, bytes]:

@@ -1,0 +1,66 @@
+"""Fault injection for tests, in one place: lost frames, a broken link, a leader that stalls mid-change.
+
+Only a server started with ``MSDATA_TEST_FAULTS=1`` installs it (``install``); production paths carry no
+test branches. Once installed, a ``fault`` peer frame (sent by a test that holds the cluster token) arms:
+
+- ``drop_plans: n`` / ``drop_cuts: n``: the next n ``plan`` / ``mixcut`` frames to ``node`` are lost;
+- ``close: true``: our link to ``node`` is closed;
+- ``stall_mix: true``: a ``mixcut`` never leaves (the leader stalls with every node held, until killed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+__all__ = ["ENV", "install"]
+
+log = logging.getLogger(__name__)
+
+ENV = "MSDATA_TEST_FAULTS"
+
+
+class _Faults:
+    def __init__(self, jobs):
+        self.jobs = jobs
+        self.node_id = jobs.node_id
+        self.drop: dict[tuple[str, str], int] = {}  # (frame type, node) -> frames still to lose
+        self.stall_mix = False
+        self._send = jobs.rpc.send
+
+    async def send(self, nid: str, frame: dict, payload=None) -> None:
+        t = frame.get("t")
+        if self.drop.get((t, nid), 0) > 0:
+            self.drop[(t, nid)] -= 1
+            if t == "plan":
+                log.warning("node %s: test fault: dropped the plan of step %s to %s", self.node_id, frame.get("step"), nid)
+            else:
+                log.warning("node %s: test fault: dropped a mixcut (cut %s) to %s", self.node_id, frame.get("cut"), nid)
+            return
+        if t == "mixcut" and self.stall_mix:
+            log.warning("node %s: test fault: the mixture change stalls with every node held", self.node_id)
+            await asyncio.Event().wait()
+        await self._send(nid, frame, payload)
+
+    async def on_fault(self, peer: str, frame: dict, payload) -> None:
+        nid = str(frame["node"])
+        self.drop[("plan", nid)] = int(frame.get("drop_plans", 0))
+        self.drop[("mixcut", nid)] = int(frame.get("drop_cuts", 0))
+        self.stall_mix = bool(frame.get("stall_mix", False))
+        link = self.jobs.cluster.links.get(nid)
+        if frame.get("close") and link is not None:
+            self.jobs.tasks.spawn(link.aclose(), name="fault-close")
+        log.warning("node %s: test fault: next %d plan(s) to %s dropped%s", self.node_id, self.drop[("plan", nid)],
+                    nid, ", link closed" if frame.get("close") else "")
+
+
+def install(jobs) -> bool:
+    """Arm fault injection on a node's job layer when the environment asks for it; True if it did."""
+    if os.environ.get(ENV) != "1":
+        return False
+    faults = _Faults(jobs)
+    jobs.rpc.send = faults.send
+    jobs.handlers["fault"] = faults.on_fault
+    log.warning("node %s: test fault injection is armed (%s=1); never set it in production", jobs.node_id, ENV)
+    return True

@@ -1,0 +1,86 @@
+"""Requests and replies over the peer links: one outstanding future per request id, failed at once when the
+link to that peer breaks (rather than at the timeout). Frames to this node itself go straight to ``local``.
+
+``send`` is the one path every job-layer frame leaves by; ``cluster.faults`` wraps it in tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+
+from .. import errors
+from ..errors import MsdataError, PeerLostError, RemoteError
+
+__all__ = ["PeerRpc", "error_reply"]
+
+# a refusal travels with the name of its type, and is raised again as that type when it is one of ours
+_KINDS: dict[str, type[MsdataError]] = {
+    name: cls for name in errors.__all__
+    if isinstance(cls := getattr(errors, name), type) and issubclass(cls, MsdataError)}
+
+
+def error_reply(e: BaseException) -> dict:
+    """The reply head of a request this node could not serve (see ``PeerRpc.request``)."""
+    return {"error": f"{type(e).__name__}: {e}", "kind": type(e).__name__}
+
+Local = Callable[[str, dict, memoryview | None], Awaitable[None]]
+
+
+class PeerRpc:
+    """Send, request/reply and fire-and-forget frames to peers by node id."""
+
+    def __init__(self, cluster, node_id: str, local: Local, *, timeout: float):
+        self.cluster = cluster
+        self.node_id = node_id
+        self._local = local
+        self.timeout = timeout
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, tuple[str, asyncio.Future]] = {}  # request id -> (peer, its reply)
+
+    async def send(self, nid: str, frame: dict, payload=None) -> None:
+        if nid == self.node_id:
+            await self._local(nid, frame, None if payload is None else memoryview(payload))
+        else:
+            await self.cluster.send(nid, frame, payload)
+
+    async def quiet_send(self, nid: str, frame: dict, payload=None) -> None:
+        """Send, and let a lost peer go (its catch-up comes with the link's return)."""
+        with suppress(PeerLostError):
+            await self.send(nid, frame, payload)
+
+    async def request(self, nid: str, frame: dict, payload=None) -> tuple[dict, bytes | None]:
+        """Send a request and await its reply. PeerLostError if the peer goes or stays silent; if it answers
+        that it cannot serve the request, the error it names (one of ours), else RemoteError: the peer failed."""
+        rid = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = (nid, fut)
+        try:
+            await self.send(nid, {**frame, "id": rid, "from": self.node_id}, payload)
+            head, body = await asyncio.wait_for(fut, self.timeout)
+        except TimeoutError:
+            raise PeerLostError(f"peer {nid} did not answer {frame.get('t')!r} within {self.timeout:.0f}s") from None
+        finally:
+            self._waiting.pop(rid, None)
+        if head.get("error"):
+            msg = f"peer {nid} could not answer {frame.get('t')!r}: {head['error']}"
+            kind = _KINDS.get(str(head.get("kind")))
+            raise kind(msg) if kind is not None and kind is not RemoteError else RemoteError(msg, str(head.get("kind")))
+        return head, body
+
+    async def reply(self, frame: dict, head: dict, payload=None) -> None:
+        await self.quiet_send(str(frame["from"]), {**head, "t": "rep", "id": frame["id"]}, payload)
+
+    def answered(self, frame: dict, payload) -> None:
+        """A ``rep`` frame arrived: complete its request."""
+        _, fut = self._waiting.get(frame.get("id"), (None, None))
+        if fut is not None and not fut.done():
+            fut.set_result((frame, None if payload is None else bytes(payload)))
+
+    def link_lost(self, nid: str) -> None:
+        """Requests to a peer whose link broke get no answer: fail them now rather than at the timeout."""
+        for peer, fut in list(self._waiting.values()):
+            if peer == nid and not fut.done():
+                fut.set_exception(PeerLostError(f"the link to peer {nid} broke before it answered"))

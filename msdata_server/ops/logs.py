@@ -1,0 +1,53 @@
+"""Log output of the `msdata-server` CLI: human text, or one JSON object per line for log collectors.
+
+Only the CLI calls ``configure_logging`` (library code never configures logging). The JSON lines carry
+``time`` (UTC, ISO 8601), ``level``, ``logger``, ``message`` and, when present, ``exc_info``/``stack_info`` text.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import IO, Literal, get_args
+
+import orjson
+
+__all__ = ["JsonFormatter", "LOG_FORMATS", "LOG_LEVELS", "LogFormat", "configure_logging"]
+
+LogFormat = Literal["text", "json"]
+LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line (a message's own newlines are escaped by JSON)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exc_info"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            doc["exc_info"] = record.exc_text
+        if record.stack_info:
+            doc["stack_info"] = self.formatStack(record.stack_info)
+        return orjson.dumps(doc, default=str).decode()
+
+
+def configure_logging(level: str | int = "INFO", fmt: str = "text", *, stream: IO[str] | None = None) -> None:
+    """Send every log record at ``level`` or above to ``stream`` (stderr) as ``fmt``; replaces earlier handlers."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format {fmt!r} must be one of {list(LOG_FORMATS)}")
+    if isinstance(level, str):
+        if level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log level {level!r} must be one of {list(LOG_LEVELS)}")
+        level = getattr(logging, level.upper())
+    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=level, handlers=[handler], force=True)

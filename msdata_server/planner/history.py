@@ -1,0 +1,57 @@
+"""Planner states at the start of recent steps, and the one rule for a mixture change at a cut step.
+
+Both planning homes keep one: a single node's plan feed and the cluster leader's coordinator. A rank's
+``state_dict()`` reads the state of its step from it; a mixture change re-plans from the state of the cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from msdata_server.errors import CheckpointError
+
+from .planner import Planner
+
+__all__ = ["StateHistory"]
+
+
+class StateHistory:
+    """States by step, the newest ``keep`` steps (bounded: a state is kilobytes)."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.states: dict[int, dict] = {}
+
+    def __contains__(self, step: int) -> bool:
+        return step in self.states
+
+    def record(self, step: int, state: dict) -> None:
+        """The state at the start of ``step``; states older than ``keep`` steps before it are dropped."""
+        self.states[step] = state
+        for old in [s for s in self.states if s <= step - self.keep]:
+            del self.states[old]
+
+    def get(self, step: int) -> dict | None:
+        return self.states.get(step)
+
+    def newest(self) -> dict | None:
+        return self.states[max(self.states)] if self.states else None
+
+    def span(self) -> str:
+        """The steps held, for error messages."""
+        return f"{min(self.states, default=0)}..{max(self.states, default=0)}"
+
+    def rebase(self, planner: Planner, cut: int, weights: Mapping[str, float]) -> Planner:
+        """A planner at ``cut`` (a step not yet taken up anywhere) that uses ``weights`` from there on; records
+        its state at ``cut`` and forgets the states after it (those steps are planned again). ConfigError for
+        unknown sources or bad weights, and then nothing changed."""
+        base = planner.state_dict() if cut == planner.step else self.states.get(cut)
+        if base is None:
+            raise CheckpointError(f"no planner state of step {cut} (states held: {self.span()}, planned up to "
+                                  f"{planner.step})")
+        rebased = Planner(planner.config, state=base)
+        rebased.set_mixture(cut, weights)
+        for s in [s for s in self.states if s > cut]:
+            del self.states[s]
+        self.states[cut] = rebased.state_dict()
+        return rebased

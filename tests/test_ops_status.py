@@ -1,0 +1,235 @@
+"""Two renderings of one status dict: the Prometheus exporter (scraped over real HTTP and parsed) and the
+`status --watch` screen."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import io
+import re
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from msdata_server.errors import ConfigError
+from msdata_server.ops.prometheus import METRICS, families, start_metrics_server
+from msdata_server.ops.watch import CLEAR, render, watch
+
+
+def _source(samples: int, bad: dict) -> dict:
+    return {"name": "x", "samples_per_s": 812.5, "samples_done": samples, "bytes_read": 7 * samples, "ready": 40,
+            "buffer_fill": 0.625, "memory_bytes": 1 << 20, "bad_samples": bad, "errors": 1, "inflight": 2,
+            "cursor": samples + 40, "held_ahead": 12, "readahead": 64, "held": 40, "held_bound": 96,
+            "held_pinned": 32, "workers": 3}
+
+
+# What NodeServer.status() returns (node.py, job/job.py status(), loader statistics, cluster status), plus the
+# ranks_detail and autoscale keys the node will add.
+SAMPLE = {
+    "node": "node-0", "role": "leader", "pid": 4242, "socket": "/run/msdata/msdata.sock", "uptime_s": 3725.5,
+    "workers": 4,
+    "memory": {"server_pss": 210 << 20, "total_pss": 812 << 20, "total_uss": 600 << 20},
+    "autoscale": {"enabled": True, "sources": {"web": {"workers": 3, "partitions": 2, "demand_samples_s": 800.0,
+                                                       "supply_samples_s": 950.0, "cpu_s_per_sample": 0.004}}},
+    "jobs": [{
+        "name": "pretrain", "digest": "0123456789abcdef", "state": "running", "error": None, "world_size": 4,
+        "mesh": {"dp": 4}, "ranks": [0, 1, 2, 3], "steps_planned": 1200, "micro_batches_published": 4800,
+        "micro_batches_per_s": 38.1, "bytes_per_s": 1.3e8, "imbalance": 1.031, "padding_fraction": 0.02,
+        "plan_ms": 2.5, "last_step": {"imbalance": 1.05, "padding_fraction": 0.01, "tokens": {"web": 100}},
+        "tokens_per_source": {"web": 9_000_000, "code": 3_000_000},
+        "rings": [{"group": 0, "ring": 0, "slots": 8, "in_use": 3, "slot_size": 1 << 20},
+                  {"group": 0, "ring": 1, "slots": 8, "in_use": 2, "slot_size": 1 << 20},
+                  {"group": 1, "ring": 2, "slots": 8, "in_use": 1, "slot_size": 1 << 20}],
+        "sources": {"web": _source(50_000, {"decode": 3, "oversize": 1}), "code": _source(20_000, {})},
+        "ranks_detail": {str(r): {"delivered": 1200, "wait_s": 3.25 + r, "wait_p50_s": 0.0011, "wait_p99_s": 0.015,
+                                  "wait_frac": 0.012, "step": 299} for r in range(4)},
+    }],
+    "cluster": {"leader": "node-0", "token": 42, "leader_token": 42, "listen": "127.0.0.1:7460",
+                "members": ["node-0", "node-1"], "links": ["node-1"], "incoming": ["node-1"], "lease_alive": True,
+                "traffic": {"bytes_in": 123456, "bytes_out": 654321}, "runs": []},
+}
+
+NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+
+
+def _scrape(port: int, path: str = "/metrics") -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.headers["Content-Type"], r.read().decode()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers["Content-Type"], e.read().decode()
+
+
+def _values(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_scrape_over_http_parses_with_the_status_values(arun):
+    calls = []
+
+    def status() -> dict:
+        calls.append(1)
+        return SAMPLE
+
+    async def main() -> tuple:
+        server, port = await start_metrics_server("127.0.0.1:0", status)
+        try:
+            assert calls == []  # registering does not call status()
+            first = await asyncio.to_thread(_scrape, port)
+            second = await asyncio.to_thread(_scrape, port)
+            missing = await asyncio.to_thread(_scrape, port, "/")
+        finally:
+            server.close()
+            await server.wait_closed()
+        with pytest.raises(OSError):  # closed: nobody listens any more
+            await asyncio.open_connection("127.0.0.1", port)
+        return first, second, missing
+
+    first, second, missing = arun(main())
+    assert len(calls) == 2  # once per scrape, nothing cached
+    code, ctype, text = first
+    assert code == 200 and ctype.startswith("text/plain") and "version=" in ctype
+    assert second[0] == 200 and missing[0] == 404
+    v = _values(text)
+    web, rank1, g0 = (("job", "pretrain"), ("source", "web")), (("job", "pretrain"), ("rank", "1")), \
+        (("group", "0"), ("job", "pretrain"))
+    assert v[("msdata_source_samples_total", web)] == 50_000
+    assert v[("msdata_source_read_bytes_total", web)] == 350_000
+    assert v[("msdata_source_bad_samples_total", (*web[:1], ("kind", "decode"), web[1]))] == 3
+    assert v[("msdata_source_held_payloads", web)] == 40
+    assert v[("msdata_source_readahead_fill_ratio", web)] == 0.625
+    assert v[("msdata_source_workers", web)] == 3
+    assert v[("msdata_job_steps_planned_total", (("job", "pretrain"),))] == 1200
+    assert v[("msdata_job_plan_seconds_total", (("job", "pretrain"),))] == pytest.approx(3.0)
+    assert v[("msdata_job_tokens_total", (("job", "pretrain"), ("source", "code")))] == 3_000_000
+    assert v[("msdata_rank_data_wait_seconds_total", rank1)] == 4.25
+    assert v[("msdata_rank_micro_batches_delivered_total", rank1)] == 1200
+    assert v[("msdata_ring_slots_in_use", g0)] == 5  # two rings of group 0 summed: one series per group
+    assert v[("msdata_role", (("role", "leader"),))] == 1 and v[("msdata_role", (("role", "single"),))] == 0
+    assert v[("msdata_cluster_peer_sent_bytes_total", ())] == 654321
+    assert v[("msdata_memory_total_pss_bytes", ())] == 812 << 20
+    assert v[("msdata_autoscale_supply_samples_per_second", (("source", "web"),))] == 950.0
+
+
+def test_names_types_and_label_sets_follow_the_conventions(arun):
+    async def main() -> str:
+        server, port = await start_metrics_server("127.0.0.1:0", lambda: SAMPLE)
+        try:
+            return (await asyncio.to_thread(_scrape, port))[2]
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    fams = list(text_string_to_metric_families(arun(main())))
+    assert {f.name for f in fams} == {n.removesuffix("_total") for n in METRICS}
+    for f in fams:
+        assert f.name.startswith("msdata_") and NAME.match(f.name), f.name
+        if f.type == "counter":
+            assert all(s.name == f.name + "_total" for s in f.samples), f.name
+        else:
+            assert not f.name.endswith("_total"), f.name
+        keys = [tuple(sorted(s.labels.items())) for s in f.samples]
+        assert len(keys) == len(set(keys)), f"{f.name} repeats a series"
+        if "job" in (METRICS.get(f.name) or METRICS[f.name + "_total"])[2]:
+            assert all(s.labels["job"] == "pretrain" for s in f.samples)
+
+
+def test_each_scrape_reflects_the_status_of_that_moment():
+    st = copy.deepcopy(SAMPLE)
+    before = {f.name: f for f in families(st)}
+    st["jobs"][0]["sources"]["web"]["samples_done"] += 7
+    after = {f.name: f for f in families(st)}
+
+    def pick(fams: dict) -> float:
+        return next(s.value for s in fams["msdata_source_samples"].samples if s.labels["source"] == "web")
+
+    assert pick(after) - pick(before) == 7
+
+
+def test_a_partial_status_and_a_failing_status_do_not_break_the_exporter(arun):
+    assert families({"node": "n", "role": "single", "jobs": []})  # no cluster, no autoscale, no jobs
+
+    def broken() -> dict:
+        raise RuntimeError("status is broken")
+
+    async def main() -> int:
+        server, port = await start_metrics_server("127.0.0.1:0", broken)
+        try:
+            return (await asyncio.to_thread(_scrape, port))[0]
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert arun(main()) == 500
+
+
+@pytest.mark.parametrize("addr", ["9460", "nohost:9460", "127.0.0.1:99999", ""])
+def test_a_bad_metrics_address_is_a_config_error(addr, arun):
+    with pytest.raises(ConfigError, match="metrics"):
+        arun(start_metrics_server(addr, lambda: SAMPLE))
+
+
+def test_a_port_in_use_is_a_config_error(arun):
+    async def main() -> None:
+        server, port = await start_metrics_server("127.0.0.1:0", lambda: SAMPLE)
+        try:
+            with pytest.raises(ConfigError, match=rf"metrics = '127\.0\.0\.1:{port}' cannot be served.*free port"):
+                await start_metrics_server(f"127.0.0.1:{port}", lambda: SAMPLE)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    arun(main())
+
+
+# ---- the watch screen ---------------------------------------------------------------------------------------
+def _many_ranks() -> dict:
+    st = copy.deepcopy(SAMPLE)
+    job = st["jobs"][0]
+    job["name"] = "a-job-name-that-is-far-too-long-to-fit-in-one-line-of-eighty-columns-of-text"
+    job["error"] = "source 'web': file /data/web/part-00017.parquet is truncated " * 3
+    job["ranks_detail"] = {str(r): {**job["ranks_detail"]["0"], "wait_frac": r / 100} for r in range(40)}
+    job["sources"]["a-source-name-longer-than-its-column"] = job["sources"]["web"]
+    return st
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_render_fits_the_width_and_shows_the_figures(width):
+    for st in (SAMPLE, _many_ranks()):
+        screen = render(st, width)
+        assert all(len(line) <= width for line in screen.splitlines()), screen
+    screen = render(SAMPLE)
+    assert "…" not in screen  # the sample needs no clipping at 80 columns
+    assert "pretrain [running]" in screen and "node-0  leader" in screen
+    assert re.search(r"^\s+1\s+299\s+1200\s+4\.25s\s+1\.1ms\s+15\.0ms\s+1\.2%$", screen, re.MULTILINE), screen
+    assert re.search(r"^  web\s+812\.5\s+341\.8 KiB\s+40/96\s+0\.62\s+4\s+1$", screen, re.MULTILINE), screen
+    assert "g0 5/8" not in screen and "g0 5/16" in screen and "g1 1/8" in screen
+    assert "… 24 more ranks; most waiting: rank 39 39.0%" in render(_many_ranks())
+    assert render({"node": "n", "role": "single", "jobs": []}).endswith("no jobs")
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_watch_redraws_and_clears_only_a_terminal():
+    piped, tty = io.StringIO(), _Tty()
+    assert watch("/nowhere.sock", 0.01, iterations=2, stream=piped, fetch=lambda: SAMPLE) == 0
+    assert CLEAR not in piped.getvalue() and piped.getvalue().count("pretrain [running]") == 2
+    watch("/nowhere.sock", 0.01, iterations=1, stream=tty, fetch=lambda: SAMPLE)
+    assert tty.getvalue().startswith(CLEAR)
+
+    def down() -> dict:
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    out = io.StringIO()
+    watch("/nowhere.sock", 0.01, iterations=1, stream=out, fetch=down)
+    assert "no server at '/nowhere.sock'" in out.getvalue()

@@ -100,6 +100,7 @@ class DataClient:
         self._rings: dict[int, RingMap] = {}  # ring id -> this rank's private mapping of it
         self._gen = 0  # connection generation: releases from an older connection are void
         self._releases: deque[tuple[int, int, int]] = deque()
+        self._waits: list[float] = []  # seconds each next() blocked, not yet reported (sent with releases)
         self._send_lock = threading.Lock()
         self._iterating = False
         self._closed = False
@@ -260,16 +261,22 @@ class DataClient:
         if self._closed:
             raise ClosedError("DataClient is closed; create a new one to read more")
         self._iterating = True
+        t0 = time.perf_counter()
         if self._sock is None:
             self._connect()
         if self._pending:
-            return self._make_batch(self._pending.popleft())
+            return self._waited(t0, self._make_batch(self._pending.popleft()))
         while True:
             frame = self._recv_frame()
             t = frame["t"]
             if t == "batch":
-                return self._make_batch(frame)
+                return self._waited(t0, self._make_batch(frame))
             self._control(frame)
+
+    def _waited(self, t0: float, batch: Batch) -> Batch:
+        """Note how long this ``next()`` waited for its batch (the server hears it with the next releases)."""
+        self._waits.append(round(time.perf_counter() - t0, 6))
+        return batch
 
     def release(self, batch: Batch) -> None:
         """Return the batch's slot now (its tensors must not be used afterwards)."""
@@ -323,9 +330,10 @@ class DataClient:
                     r, s, g = self._releases.popleft()
                     if g == self._gen:
                         items.append([r, s])
-                if items and self._sock is not None:
+                waits, self._waits = self._waits, []
+                if (items or waits) and self._sock is not None:
                     try:
-                        self._sock.sendall(encode({"t": "release", "s": items}))
+                        self._sock.sendall(encode({"t": "release", "s": items, "w": waits, "step": self._step}))
                     except OSError:
                         pass  # the reconnect path re-registers; the server freed our slots
             finally:

@@ -127,6 +127,8 @@ class NodeServer:
                 raise ProtocolError("release before hello")
             for ring, slot in frame.get("s", ()):
                 job.release(conn, int(ring), int(slot))
+            if frame.get("w"):  # how long each next() of this rank waited (ops.waits; ProtocolError if malformed)
+                job.waits.record(conn.rank, frame["w"], step=frame.get("step"))
         elif t == "hello":
             await self._hello(conn, frame)
         elif t in ("state", "mixture"):

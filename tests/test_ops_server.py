@@ -69,3 +69,28 @@ def test_systemd_ready_and_stopping_reach_the_notify_socket(server_factory, sock
             rest.append(sock.recv(4096).decode())
     finally:
         sock.close()
+
+
+def test_data_wait_per_rank_is_measured_where_it_happens(server_factory):
+    """A rank that computes 30 ms per batch finds its data ready: it waits for the first batch (the job's
+    start) and hardly after; the server reports every next() it made and how long each blocked."""
+    import msdata_client as msd
+    from msdata_client.wire import request
+
+    srv = server_factory().start()
+    spec = small_job("waits", dp=1, samples=300)
+    n, compute = 24, 0.03
+    with msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1, connect_timeout=30) as dc:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            b = next(dc)
+            time.sleep(compute)  # the rank's "training step"
+            dc.release(b)  # flushes the release, and the waits with it
+        wall = time.perf_counter() - t0
+        job = request(srv.socket, {"t": "status"})["status"]["jobs"][0]
+    fig = job["ranks_detail"]["0"]
+    assert fig["delivered"] == n
+    assert fig["step"] == n // spec.micro_batches
+    assert 0 <= fig["wait_p50_s"] < compute  # data was ready: the median next() did not block for long
+    assert fig["wait_s"] < wall - n * compute * 0.9  # waits are what the wall time had beyond computing
+    assert fig["wait_frac"] is not None and fig["wait_frac"] < 0.5

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from msdata_client.spec import JobSpec
 
 from ..errors import MsdataError
+from ..ops.waits import WaitStats
 from ..planner import StepPlan
 from ..tasks import TaskSet
 from .constructor import Constructor, estimate_slot
@@ -53,6 +54,7 @@ class Job:
         self.feed: PlanFeed | None = None
         self.payloads: PayloadSource | None = None
         self.plans = PlanLog()
+        self.waits = WaitStats()  # how long each rank waited for data (reported by the clients)
         self.started_at: float | None = None
         self.start_step = 0
         self.inst = uuid.uuid4().hex[:16]  # this registration of the job on this node (the leader tells runs apart)
@@ -233,6 +235,7 @@ class Job:
             "world_size": self.mesh.world_size,
             "mesh": self.mesh.to_dict(),
             "ranks": self.ranks.connected_ranks(),
+            "ranks_detail": self.waits.snapshot(),
             "steps_planned": plans.pop("steps_planned"),
             "micro_batches_published": published,
             "micro_batches_per_s": published / elapsed if elapsed else 0.0,

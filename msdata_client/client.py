@@ -58,7 +58,7 @@ def _env_int(name: str) -> int | None:
 
 
 class DataClient:
-    """Iterate a job's micro-batches for one rank (see DESIGN.md 4.2)."""
+    """Iterate a job's micro-batches for one rank (see ARCHITECTURE §4.2)."""
 
     def __init__(self, job: DGraph | JobSpec, endpoint: str | None = None, rank: int | None = None,
                  world_size: int | None = None, *, connect_timeout: float = 60.0):

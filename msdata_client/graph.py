@@ -1,6 +1,6 @@
 """DGraph: the job's declarative data strategy (sources, mixture, cost, packing, mesh), built in Python.
 
-A job is written in Python with the DGraph builder or in TOML (DESIGN 4.3); both give the same frozen,
+A job is written in Python with the DGraph builder or in TOML (ARCHITECTURE §4.3); both give the same frozen,
 validated JobSpec (`msdata_client.spec`), whose digest every rank registers with its node server.
 The spec types and the tables of choices are importable from here too.
 """
@@ -141,7 +141,7 @@ class DGraph:
         middle: Sequence[str] | None = None,
         last: Sequence[str] | None = None,
     ) -> DGraph:
-        """Override the batch fields of pipeline stages (those not given keep the defaults of DESIGN 4.4)."""
+        """Override the batch fields of pipeline stages (those not given keep the defaults of ARCHITECTURE §4.4)."""
         given = {k: v for k, v in (("first", first), ("middle", middle), ("last", last)) if v is not None}
         self._job["pp_fields"] = given or None
         return self

@@ -29,7 +29,7 @@ AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
 DISTRIBUTE: tuple[str, ...] = ("dp", "cp", "world")
 PP_STAGES: tuple[str, ...] = ("first", "middle", "last")
 
-# Default per-stage fields (DESIGN 4.4). Fields not named in LABEL_FIELDS or ATTENTION_FIELDS are inputs
+# Default per-stage fields (ARCHITECTURE §4.4). Fields not named in LABEL_FIELDS or ATTENTION_FIELDS are inputs
 # (tokens and other modalities' keys) and go to the first stage only.
 LABEL_FIELDS: frozenset[str] = frozenset({"labels", "loss_mask"})
 ATTENTION_FIELDS: frozenset[str] = frozenset({"cu_seqlens", "position_ids", "step", "micro"})
@@ -188,7 +188,7 @@ class ClientPlaceTree:
         all_fields: Sequence[str],
         pp_fields: Mapping[str, Sequence[str]] | None = None,
     ) -> tuple[str, ...]:
-        """Batch fields `rank` receives (DESIGN 4.4), in the order of `all_fields`.
+        """Batch fields `rank` receives (ARCHITECTURE §4.4), in the order of `all_fields`.
 
         pp == 1: every field. Otherwise by stage; `pp_fields` ({"first"|"middle"|"last": [...]}, as in the
         job's `pp_fields`) replaces the default list of the stages it names.

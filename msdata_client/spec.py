@@ -1,4 +1,4 @@
-"""JobSpec: a validated, frozen job (DESIGN 4.3), with BalanceSpec and the digests ranks compare.
+"""JobSpec: a validated, frozen job (ARCHITECTURE §4.3), with BalanceSpec and the digests ranks compare.
 
 Its parts, SourceSpec (`[[source]]`) and MixSpec (`[mix]`), live in `source.py` and `mix.py`.
 """
@@ -166,7 +166,7 @@ class JobSpec:
         return tuple(s.name for s in self.sources)
 
     def layout(self) -> dict[str, Any]:
-        """The job's layout (DESIGN 4.2: the mesh, micro_batches and rows); states record it, and a state
+        """The job's layout (ARCHITECTURE §4.2: the mesh, micro_batches and rows); states record it, and a state
         restored under another layout is a reshard."""
         return {"mesh": self.mesh.to_dict(), "micro_batches": self.micro_batches, "rows": self.rows}
 
@@ -189,7 +189,7 @@ class JobSpec:
     # -- serialisation ------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict in the shape of the job TOML (DESIGN 4.3)."""
+        """Plain JSON-able dict in the shape of the job TOML (ARCHITECTURE §4.3)."""
         job: dict[str, Any] = {
             "name": self.name,
             "seed": self.seed,

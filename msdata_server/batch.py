@@ -21,7 +21,7 @@ __all__ = [
     "zigzag_index",
 ]
 
-# Every field of a token micro-batch (DESIGN 4.2), in the order ranks see them
+# Every field of a token micro-batch (ARCHITECTURE §4.2), in the order ranks see them
 BATCH_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "sample_ids", "source_ids", "step",
                 "micro")
 # Fields shaped [rows, seq_len] (or the CP slice [rows, seq_len/cp]); the others are per document.

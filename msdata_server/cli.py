@@ -1,4 +1,4 @@
-"""`msdata-server`: serve | demo | status | health | validate | cleanup (DESIGN.md 4.1)."""
+"""`msdata-server`: serve | demo | status | health | validate | cleanup (ARCHITECTURE §4.1)."""
 
 from __future__ import annotations
 

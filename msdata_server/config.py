@@ -34,7 +34,7 @@ def _int(where: str, key: str, v, lo: int, hi: int | None = None) -> int:
 
 def parse_host_port(v: str, key: str = "listen") -> tuple[str, int]:
     """ "HOST:PORT" (IPv6 in brackets) -> (host, port); ``key`` names the [node] key in the error. The host must
-    be an IP address or localhost (DESIGN.md 5: bind to loopback unless configured)."""
+    be an IP address or localhost (ARCHITECTURE §6: bind to loopback unless configured)."""
     host, sep, port = str(v).rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
@@ -61,7 +61,7 @@ class NodeConfig:
     shm_prefix: str = "msd"
     workers: int = 2
     state_dir: str = ""  # default: beside the socket
-    ring_slots: int = 8  # slots per ring; 8-16 lets notices overlap with work (DESIGN.md 8)
+    ring_slots: int = 8  # slots per ring; 8-16 lets notices overlap with work (ARCHITECTURE §9)
     max_slot_mib: int = 1024  # a batch larger than this is refused with a clear error
     drain_timeout: float = 10.0  # graceful-shutdown budget before tasks are cancelled
     log_level: str = "INFO"

@@ -1,5 +1,5 @@
 """Process memory as the kernel accounts it: PSS and USS from /proc/PID/smaps_rollup (RSS overstates shared
-pages, DESIGN.md 8)."""
+pages, ARCHITECTURE §9)."""
 
 from __future__ import annotations
 

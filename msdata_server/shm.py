@@ -171,7 +171,7 @@ def create_segment(prefix: str, kind: str, size: int, *, info: dict | None = Non
 
 
 def _touch(mm: mmap.mmap, total: int) -> None:
-    """Fault every page in once, so later writes run at memcpy speed (DESIGN.md 8)."""
+    """Fault every page in once, so later writes run at memcpy speed (ARCHITECTURE §9)."""
     try:
         mm.madvise(_MADV_POPULATE_WRITE)
         return

@@ -282,7 +282,7 @@ def _mutations():
 
 
 LAYOUT = {"micro_batches", "rows", "prefetch_steps", "method", "mesh_dp", "mesh_order"}
-# The data identity per DESIGN 4.2: name, seed, sources, transforms, mixture and cost.
+# The data identity per ARCHITECTURE §4.2: name, seed, sources, transforms, mixture and cost.
 IDENTITY = {
     "name",
     "seed",

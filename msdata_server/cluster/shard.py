@@ -283,7 +283,7 @@ class JobShard:
 def retryable(e: BaseException) -> bool:
     """Whether a failed request for payloads or lengths is worth sending again once placement settles: the
     owner is gone or not ready (it closed a loader, its run had not started), the reply was garbled, or a
-    read failed (transient errors are retried; DESIGN 4.5). A peer that failed on our request (RemoteError)
+    read failed (transient errors are retried; ARCHITECTURE §4.5). A peer that failed on our request (RemoteError)
     or a job that does not fit (config, checkpoint) is not: the job fails with the peer's message."""
     return isinstance(e, (MsdataError, TimeoutError)) and not isinstance(e, (RemoteError, ConfigError,
                                                                              CheckpointError))

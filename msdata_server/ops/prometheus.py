@@ -1,4 +1,4 @@
-"""Prometheus text at ``/metrics`` (DESIGN.md 4.6: names prefixed ``msdata_``, job series labelled ``job``).
+"""Prometheus text at ``/metrics`` (ARCHITECTURE §4.6: names prefixed ``msdata_``, job series labelled ``job``).
 
 Every scrape renders the node's status dict (what ``msdata-server status --json`` prints) through a custom
 collector: the status stays the one source of truth, nothing is counted twice or kept in sync by hand.
@@ -11,7 +11,7 @@ Status keys read (absent keys are skipped): ``node``, ``role``, ``uptime_s``, ``
 ``last_step.imbalance``, ``tokens_per_source``, ``rings[]`` (``group``, ``slots``, ``in_use``, ``slot_size``),
 ``sources{}`` (``samples_done``, ``bytes_read``, ``bad_samples{kind: n}``, ``errors``, ``held`` or ``ready``,
 ``held_bound``, ``held_pinned``, ``memory_bytes``, ``buffer_fill``, ``readahead``, ``inflight``, ``workers``),
-``ranks_detail`` (the shape of ``msdata_server.ops.waits``); ``autoscale`` (DESIGN.md 4.6); ``cluster``
+``ranks_detail`` (the shape of ``msdata_server.ops.waits``); ``autoscale`` (ARCHITECTURE §4.6); ``cluster``
 (``leader``, ``leader_token``, ``members``, ``links``, ``incoming``, ``lease_alive``, ``traffic``, ``runs``).
 
 The server is a few lines on ``asyncio.start_server`` (no thread): a scrape calls ``status()`` on the loop.

@@ -9,7 +9,7 @@ from .layout import Layout
 from .mixture import Interpolate, Mixture
 from .pack import LongDocs, next_fit, pieces
 from .partition import greedy_partition, kk_partition
-from .planner import MetadataView, PlanStats, Planner, PlannerConfig, StepPlan
+from .planner import MetadataView, Planner, PlannerConfig, PlanStats, StepPlan
 
 __all__ = [
     "Interpolate",

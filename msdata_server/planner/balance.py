@@ -18,10 +18,11 @@ import numpy as np
 
 from msdata_client.choices import Method
 
-from ._rows import Rows, order_by
 from .layout import Layout
 from .pack import next_fit
 from .partition import kk_partition
+from .refine import consolidate, refine
+from .rows import Rows, order_by
 
 __all__ = ["Layout", "Method", "Placement", "method_of", "place"]
 
@@ -29,7 +30,7 @@ __all__ = ["Layout", "Method", "Placement", "method_of", "place"]
 # at 16k tokens it covers dp 64 (~150 long pieces), not dp 512 (~1200, some 50 ms more).
 KK_BUDGET = 1 << 17
 REFINE_ITERS = 32  # bounded refinement: move/swap passes that lower the costliest rank
-CONSOLIDATE_PASSES = 4  # rounds of trading left-over pieces (see Rows.consolidate)
+CONSOLIDATE_PASSES = 4  # rounds of trading left-over pieces (see refine.consolidate)
 
 
 def method_of(value: str) -> Method:
@@ -64,7 +65,7 @@ def place(
     tuple); beyond KK_BUDGET pieces x ranks, where every rank holds many pieces and the greedy rounds
     balance as well, this is skipped, as KK's O(n dp log dp) would pass the time budget. The greedy
     rounds place the rest ("greedy": everything) longest first; a few refinement moves and swaps
-    lower the costliest rank; and when more than CARRY_KEEP pieces are left over, short ones are
+    lower the costliest rank; and when more than refine.CARRY_KEEP pieces are left over, short ones are
     traded for fewer long ones (a small state). "none" packs in the given order, rank by rank: the
     baseline. `tolerance`: no rank takes a piece that lifts its cost above (1 + tolerance) x the mean
     expected when the longest pieces fill the step (never below the costliest piece), leaving padding
@@ -97,18 +98,35 @@ def place(
             fill = float(costs[short].sum()) / max(int(lengths[short].sum()), 1)
             loads = st.rcost + st.rtok * fill
             ranks = kk_partition(costs[big] - lengths[big] * fill, layout.dp, loads)
-            failed = st.fixed(big, ranks)
+            failed = _on_ranks(st, big, ranks)
             keep = np.ones(n, bool)
             keep[big] = False
             keep[failed] = True
             rest = rest[keep[rest]]
     st.greedy(rest)
-    st.refine(REFINE_ITERS)
+    refine(st, REFINE_ITERS)
     for _ in range(CONSOLIDATE_PASSES):
-        if not st.consolidate(priority):
+        if not consolidate(st, priority):
             break
     rank, slot, rank_cost, micro_cost = st.result()
     return Placement(rank=rank, slot=slot, rank_cost=rank_cost, micro_cost=micro_cost)
+
+
+def _on_ranks(st: Rows, idx: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Place pieces on given ranks, each rank's longest first; returns the pieces that did not fit."""
+    if idx.size == 0:
+        return idx
+    o = np.lexsort((idx, -st.L[idx], ranks))
+    idx, ranks = idx[o], ranks[o]
+    starts = np.flatnonzero(np.r_[True, ranks[1:] != ranks[:-1]])
+    nth = np.arange(idx.size) - np.repeat(starts, np.diff(np.r_[starts, idx.size]))
+    failed = []
+    for j in range(int(nth.max()) + 1):
+        sel = np.flatnonzero(nth == j)
+        rate = st.rate()
+        bad = st.put(idx[sel], ranks[sel], rate)
+        failed.append(idx[sel][bad])
+    return np.concatenate(failed)
 
 
 def _arrival(lengths: np.ndarray, costs: np.ndarray, layout: Layout) -> Placement:

@@ -8,7 +8,7 @@ into the rows of the DP ranks; what does not fit is carried over to the next ste
 A plan is a pure function of (planner state, config, document lengths): no clocks, no set or dict
 order, only stable sorts, so an interrupted and restored run plans bit for bit what an
 uninterrupted one does. The state is a position in each source's order plus the carried pieces
-(at most about balance's CARRY_KEEP) and token counters: tens of kilobytes at most, whatever the data.
+(at most about refine.CARRY_KEEP) and token counters: tens of kilobytes at most, whatever the data.
 """
 
 from __future__ import annotations
@@ -17,43 +17,24 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from msdata_server.errors import BadSampleError, CheckpointError, ConfigError, ProtocolError
+from msdata_server.errors import ConfigError
 
-from ._rows import order_by
 from .balance import method_of, place
 from .cost import check_cost_fn, make_cost
 from .layout import Layout
+from .lengths import LengthReader, MetadataView
 from .mixture import Mixture
-from .pack import LongDocs, long_docs_mode, pieces
+from .pack import long_docs_mode, pieces
+from .rows import order_by
+from .state import CARRY_KEYS, Position
 
 __all__ = ["MetadataView", "PlanStats", "Planner", "PlannerConfig", "StepPlan"]
 
 log = logging.getLogger(__name__)
-
-STATE_VERSION = 1
-# state_dict keys
-K_VERSION, K_STEP, K_SOURCES, K_SEQ_LEN, K_LONG_DOCS = "version", "step", "sources", "seq_len", "long_docs"
-K_CURSOR, K_TAKEN, K_TARGET, K_PLACED, K_CARRY, K_MIXTURE = "cursor", "taken", "target", "placed", "carry", "mixture"
-_STATE_KEYS = frozenset(
-    {K_VERSION, K_STEP, K_SOURCES, K_SEQ_LEN, K_LONG_DOCS, K_CURSOR, K_TAKEN, K_TARGET, K_PLACED, K_CARRY, K_MIXTURE}
-)
-_CARRY_KEYS = ("source", "ordinal", "offset", "length")
-
-MIN_CHUNK, MAX_CHUNK = 64, 1 << 16  # ordinals per MetadataView.lengths call (the loaders hold what was asked)
-MAX_SKIPPED = 1 << 20  # consecutive empty (bad) samples before a source is declared broken
-
-
-class MetadataView(Protocol):
-    """Lengths of samples by ordinal; what the planner reads (the node server implements it)."""
-
-    def lengths(self, source: int, start: int, count: int) -> np.ndarray:
-        """int64 token lengths of ordinals [start, start+count) of `source`; 0 = a skipped bad sample."""
-        ...
 
 
 def _pos_int(name: str, v: object, minimum: int = 1) -> None:
@@ -202,15 +183,6 @@ class StepPlan:
         )
 
 
-def _empty_carry() -> dict[str, np.ndarray]:
-    return {
-        "source": np.zeros(0, np.int32),
-        "ordinal": np.zeros(0, np.int64),
-        "offset": np.zeros(0, np.int64),
-        "length": np.zeros(0, np.int64),
-    }
-
-
 class Planner:
     """Plans steps one after another from a deterministic position; see the module docstring."""
 
@@ -221,20 +193,12 @@ class Planner:
         self._cost = make_cost(alpha=cfg.alpha, beta=cfg.beta, cost_fn=cfg.cost_fn)
         self._mode = long_docs_mode(cfg.long_docs)
         self._method = method_of(cfg.method)
-        n = len(cfg.sources)
-        self._step = 0
-        self._cursor = np.zeros(n, np.int64)  # next unread ordinal per source
-        self._taken = np.zeros(n, np.int64)  # tokens taken from each stream (placed + carried)
-        self._target = np.zeros(n, np.float64)  # tokens each stream should have given by now
-        self._placed = np.zeros(n, np.int64)  # tokens placed in plans
-        self._carry = _empty_carry()
-        self._mixture = cfg.mixture
-        # not state: a look-ahead of lengths already read (pure values, so safe to drop) and
-        # a running mean length per source that only sizes the read chunks
-        self._ahead: list[tuple[int, np.ndarray]] = [(0, np.zeros(0, np.int64)) for _ in range(n)]
-        self._mean_len = np.full(n, max(1.0, cfg.seq_len / 8))
-        if state is not None:
-            self._load(state)
+        if state is None:
+            self._pos = Position.start(len(cfg.sources), cfg.mixture)
+        else:
+            self._pos = Position.load(state, cfg.sources, cfg.seq_len, self._mode.value)
+        # not state: a look-ahead of lengths already read and the chunk sizes (pure values, safe to drop)
+        self._reader = LengthReader(cfg.sources, cfg.seq_len, self._mode)
 
     @classmethod
     def from_state(cls, cfg: PlannerConfig, state: Mapping) -> Planner:
@@ -244,7 +208,7 @@ class Planner:
     @property
     def step(self) -> int:
         """The next step plan_step will plan."""
-        return self._step
+        return self._pos.step
 
     @property
     def config(self) -> PlannerConfig:
@@ -253,18 +217,23 @@ class Planner:
     @property
     def mixture(self) -> Mixture:
         """The mixture in force, run-time overrides included."""
-        return self._mixture
+        return self._pos.mixture
 
     def set_mixture(self, step: int, weights: Mapping[str, float]) -> None:
         """Use `weights` from `step` on. Steps already planned cannot change: restore their state first."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < self._step:
+        now = self._pos.step
+        if isinstance(step, bool) or not isinstance(step, int) or step < now:
             raise ConfigError(
-                f"set_mixture at step {step!r}: this planner has planned up to step {self._step - 1}; pick a step"
-                f" >= {self._step}, or restore the planner state of step {step!r} first"
+                f"set_mixture at step {step!r}: this planner has planned up to step {now - 1}; pick a step"
+                f" >= {now}, or restore the planner state of step {step!r} first"
             )
-        mixture = self._mixture.with_override(step, weights)
+        mixture = self._pos.mixture.with_override(step, weights)
         mixture.weights_at(step, self._cfg.sources)  # unknown names fail now, not at that step
-        self._mixture = mixture
+        self._pos = replace(self._pos, mixture=mixture)
+
+    def state_dict(self) -> dict:
+        """Small JSON-able state at the current step boundary; Planner(cfg, state) continues from it."""
+        return self._pos.state_dict(self._cfg.sources, self._cfg.seq_len, self._mode.value)
 
     # -- planning ---------------------------------------------------------------------------
 
@@ -273,18 +242,18 @@ class Planner:
 
         All or nothing: if the view raises, the planner is left at the same step, unchanged.
         """
-        cfg = self._cfg
+        cfg, pos = self._cfg, self._pos
         t0 = time.perf_counter()
         ingest = [0.0]
-        weights = self._mixture.weights_at(self._step, cfg.sources)
-        carry = self._carry
+        weights = pos.mixture.weights_at(pos.step, cfg.sources)
+        carry = pos.carry
         # tokens to draw: the step's capacity less the carry-over, plus what the streams gave beyond
         # their targets last time (each overshoots by less than one document), so that the pool
         # holds at least a step's capacity; the cumulative target is then placed + capacity
-        surplus = float(self._taken.sum()) - float(self._target.sum())
+        surplus = float(pos.taken.sum()) - float(pos.target.sum())
         need = max(0.0, cfg.capacity - float(carry["length"].sum()) + surplus)
-        target = self._target + weights * need
-        taken, cursor = self._taken.copy(), self._cursor.copy()
+        target = pos.target + weights * need
+        taken, cursor = pos.taken.copy(), pos.cursor.copy()
 
         parts: list[tuple[np.ndarray, ...]] = []
         for s in range(len(cfg.sources)):
@@ -292,7 +261,7 @@ class Planner:
             if deficit <= 0:
                 continue
             start = int(cursor[s])
-            lens = self._draw(view, s, start, deficit, ingest)
+            lens = self._reader.draw(view, s, start, deficit, ingest)
             cursor[s] = start + lens.size
             doc, off, plen = pieces(lens, cfg.seq_len, self._mode)
             taken[s] += int(plen.sum())
@@ -300,7 +269,7 @@ class Planner:
             key = (np.cumsum(plen) - plen) / max(float(weights[s]), 1e-12)
             parts.append((np.full(doc.size, s, np.int32), start + doc, off, plen, key))
 
-        src, ords, off, lens = (carry[k] for k in _CARRY_KEYS)
+        src, ords, off, lens = (carry[k] for k in CARRY_KEYS)
         if parts:
             cols = [np.concatenate(c) for c in zip(*parts)]
             order = np.argsort(cols[4], kind="stable")  # ties: by source, then position (concat order)
@@ -331,7 +300,7 @@ class Planner:
         last = ~np.isin(doc_key[idx], doc_key[left])
         lower = max(mean, float(costs[idx].max()) if idx.size else 0.0)
         plan = StepPlan(
-            step=self._step,
+            step=pos.step,
             source=src[idx].astype(np.int32),
             ordinal=ords[idx].astype(np.int64),
             offset=off[idx].astype(np.int32),
@@ -356,168 +325,17 @@ class Planner:
         )
         log.debug(
             "step %d: %d pieces, imbalance %.4f, padding %.4f, %d carried, %.1f ms (+%.1f ms metadata)",
-            self._step, idx.size, plan.stats.imbalance, plan.stats.padding_fraction, plan.stats.carried,
+            pos.step, idx.size, plan.stats.imbalance, plan.stats.padding_fraction, plan.stats.carried,
             plan.stats.plan_ms, ingest[0],
         )
         # commit
-        self._target, self._taken, self._cursor = target, taken, cursor
-        self._placed = self._placed + per_source
-        self._carry = {"source": src[left], "ordinal": ords[left], "offset": off[left], "length": lens[left]}
-        self._step += 1
+        self._pos = Position(
+            step=pos.step + 1,
+            cursor=cursor,
+            taken=taken,
+            target=target,
+            placed=pos.placed + per_source,
+            carry={"source": src[left], "ordinal": ords[left], "offset": off[left], "length": lens[left]},
+            mixture=self._pos.mixture,  # plan_step never changes the mixture
+        )
         return plan
-
-    def _read(self, view: MetadataView, s: int, start: int, count: int, ingest: list[float]) -> np.ndarray:
-        """Lengths of [start, start+count) of source s, from the look-ahead or the view."""
-        a_start, ahead = self._ahead[s]
-        if a_start == start and ahead.size:
-            return ahead
-        t = time.perf_counter()
-        raw = view.lengths(s, start, count)
-        ingest[0] += (time.perf_counter() - t) * 1e3
-        arr = np.asarray(raw)
-        if arr.shape != (count,) or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-            raise ProtocolError(
-                f"MetadataView.lengths({s}, {start}, {count}) returned {arr.dtype} shape {arr.shape};"
-                f" it must return {count} integer lengths"
-            )
-        arr = arr.astype(np.int64, copy=False)
-        if arr.size and int(arr.min()) < 0:
-            raise ProtocolError(f"MetadataView.lengths({s}, {start}, {count}) returned a negative length")
-        return arr
-
-    def _draw(self, view: MetadataView, s: int, start: int, deficit: float, ingest: list[float]) -> np.ndarray:
-        """Lengths of source s's next documents from `start`, in order, until `deficit` tokens are covered.
-
-        The last one crosses the deficit (never short of it); empty (bad) samples are passed over.
-        """
-        cfg = self._cfg
-        cur = start
-        got: list[np.ndarray] = []
-        have = 0
-        empty_run = 0
-        while True:
-            count = int(min(MAX_CHUNK, max(MIN_CHUNK, 1.1 * (deficit - have) / self._mean_len[s] + 16)))
-            arr = self._read(view, s, cur, count, ingest)
-            used = np.minimum(arr, cfg.seq_len) if self._mode is LongDocs.TRUNCATE else arr
-            ends = np.cumsum(used)
-            j = int(np.searchsorted(ends, deficit - have, side="left"))
-            nonzero = int(np.count_nonzero(arr))
-            if nonzero:
-                self._mean_len[s] = max(1.0, float(ends[-1]) / nonzero)
-                empty_run = 0
-            else:
-                empty_run += arr.size
-                if empty_run >= MAX_SKIPPED:
-                    raise BadSampleError(
-                        f"source {cfg.sources[s]!r} gave {empty_run} empty (bad) samples in a row up to ordinal"
-                        f" {cur + arr.size - 1}; check its files and transform",
-                        source=cfg.sources[s],
-                    )
-            if j < arr.size:
-                got.append(arr[: j + 1])
-                self._ahead[s] = (cur + j + 1, arr[j + 1 :])
-                return np.concatenate(got) if len(got) > 1 else got[0]
-            got.append(arr)
-            have += int(ends[-1])
-            cur += arr.size
-
-    # -- state ------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict:
-        """Small JSON-able state at the current step boundary; Planner(cfg, state) continues from it."""
-        cfg = self._cfg
-        return {
-            K_VERSION: STATE_VERSION,
-            K_STEP: self._step,
-            K_SOURCES: list(cfg.sources),
-            K_SEQ_LEN: cfg.seq_len,
-            K_LONG_DOCS: self._mode.value,
-            K_CURSOR: [int(x) for x in self._cursor],
-            K_TAKEN: [int(x) for x in self._taken],
-            K_TARGET: [float(x) for x in self._target],
-            K_PLACED: [int(x) for x in self._placed],
-            K_CARRY: {k: [int(x) for x in self._carry[k]] for k in _CARRY_KEYS},
-            K_MIXTURE: self._mixture.to_dict(),
-        }
-
-    def _load(self, state: Mapping) -> None:
-        """Strictly validate and adopt a state; CheckpointError says what does not fit and why."""
-        cfg = self._cfg
-        n = len(cfg.sources)
-        if not isinstance(state, Mapping):
-            raise CheckpointError(f"planner state must be a dict, got {type(state).__name__}")
-        keys = set(state)
-        if keys != _STATE_KEYS:
-            raise CheckpointError(
-                f"planner state keys differ: unknown {sorted(keys - _STATE_KEYS)}, missing {sorted(_STATE_KEYS - keys)}"
-            )
-        if state[K_VERSION] != STATE_VERSION:
-            raise CheckpointError(
-                f"planner state version {state[K_VERSION]!r} is not {STATE_VERSION}; it was saved by another msdata"
-            )
-        if list(state[K_SOURCES]) != list(cfg.sources):
-            raise CheckpointError(
-                f"planner state is for sources {state[K_SOURCES]!r}, this job has {list(cfg.sources)!r};"
-                " restore into the job that saved it"
-            )
-        if state[K_SEQ_LEN] != cfg.seq_len:
-            raise CheckpointError(
-                f"planner state has seq_len={state[K_SEQ_LEN]!r}, this job {cfg.seq_len}; keep seq_len to restore"
-            )
-        if state[K_LONG_DOCS] != self._mode.value:
-            raise CheckpointError(f"planner state has long_docs={state[K_LONG_DOCS]!r}, this job {self._mode.value!r}")
-        step = state[K_STEP]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointError(f"planner state step={step!r} must be an int >= 0")
-
-        def ints(key: str, minimum: int = 0) -> np.ndarray:
-            v = state[key]
-            if (
-                not isinstance(v, list)
-                or len(v) != n
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= minimum for x in v)
-            ):
-                raise CheckpointError(f"planner state {key!r} must be {n} ints >= {minimum}, got {v!r}")
-            return np.array(v, dtype=np.int64)
-
-        cursor, taken, placed = ints(K_CURSOR), ints(K_TAKEN), ints(K_PLACED)
-        target = state[K_TARGET]
-        if (
-            not isinstance(target, list)
-            or len(target) != n
-            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in target)
-        ):
-            raise CheckpointError(f"planner state 'target' must be {n} finite numbers, got {target!r}")
-        carry_raw = state[K_CARRY]
-        if not isinstance(carry_raw, Mapping) or set(carry_raw) != set(_CARRY_KEYS):
-            raise CheckpointError(f"planner state 'carry' must have keys {list(_CARRY_KEYS)}")
-        cols = []
-        for k in _CARRY_KEYS:
-            v = carry_raw[k]
-            if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-                raise CheckpointError(f"planner state carry[{k!r}] must be a list of ints")
-            cols.append(np.array(v, dtype=np.int64))
-        c_src, c_ord, c_off, c_len = cols
-        if len({c.size for c in cols}) != 1:
-            raise CheckpointError("planner state carry columns have different lengths")
-        if c_src.size and (
-            c_src.min() < 0
-            or c_src.max() >= n
-            or c_ord.min() < 0
-            or (c_ord >= cursor[c_src]).any()
-            or c_off.min() < 0
-            or c_len.min() < 1
-            or c_len.max() > cfg.seq_len
-        ):
-            raise CheckpointError("planner state carry holds a piece outside its source, cursor or seq_len")
-        try:
-            mixture = Mixture.from_dict(state[K_MIXTURE])
-            mixture.weights_at(step, cfg.sources)
-        except ConfigError as exc:
-            raise CheckpointError(f"planner state mixture does not fit this job: {exc}") from exc
-        self._step = step
-        self._cursor, self._taken, self._placed = cursor, taken, placed
-        self._target = np.array(target, dtype=np.float64)
-        self._carry = {"source": c_src.astype(np.int32), "ordinal": c_ord, "offset": c_off, "length": c_len}
-        self._mixture = mixture
-        self._ahead = [(0, np.zeros(0, np.int64)) for _ in range(n)]

@@ -1,0 +1,127 @@
+"""Where pieces go: the next pieces paired with ranks, tiny pieces matched to row slots, the pieces that fit no rank.
+
+The choices of the placement rounds, as pure functions of the fill arrays of `rows.Rows` (free
+tokens per row, cost and free tokens per rank); `Rows` applies what they return.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["match_tiny", "pair_round", "scan_infeasible"]
+
+
+def pair_round(
+    rcost: np.ndarray,
+    rtok: np.ndarray,
+    elig: np.ndarray,
+    lengths: np.ndarray,
+    costs: np.ndarray,
+    rate: float,
+    floor: int,
+) -> np.ndarray:
+    """Ranks for the next pieces of a greedy round (lengths/costs of the pieces from the queue's head on).
+
+    The projection of rank r is `rcost[r] + rtok[r] * rate`. A round takes the next pieces that all
+    raise (or all lower) a projection and gives them to as many distinct ranks of `elig` (those that
+    can take the head piece): the lowest (highest) projected ones, at least `floor` of them and more
+    while their projections are within the head piece's effect of the extreme, where sequential LPT
+    would choose among them anyway. Since the queue is longest first and `rate` is the average of
+    what is left, nearly every round raises. Returns the rank of each of the first len(result) pieces.
+    """
+    delta = costs - lengths * rate
+    grow = bool(delta[0] >= 0)
+    same = delta >= 0 if grow else delta < 0
+    run = lengths.size if same[-1] and same.all() else int(np.argmin(same))
+    proj = rcost[elig] + rtok[elig] * rate
+    if grow:
+        near = int(np.count_nonzero(proj <= proj.min() + delta[0]))
+    else:
+        near = int(np.count_nonzero(proj >= proj.max() + delta[:run].min()))
+    take = min(run, max(near, floor))
+    by_proj = elig[np.argsort(proj, kind="stable")]
+    if grow:  # the largest raise to the lowest projection
+        return by_proj[:take]
+    ranks = np.empty(take, np.int64)  # the largest lowering to the highest projection
+    ranks[np.argsort(delta[:take], kind="stable")] = by_proj[::-1][:take]
+    return ranks
+
+
+def match_tiny(
+    rem: np.ndarray,
+    rcost: np.ndarray,
+    rtok: np.ndarray,
+    lengths: np.ndarray,
+    costs: np.ndarray,
+    cap: float | None,
+    rate: float,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Match tiny pieces (longest first) to rows, many per rank and row; (placed mask, flat row of each placed).
+
+    `rem` [dp, slots] free tokens, `rcost`/`rtok` per rank, `cap` the rank cost cap (None: uncapped),
+    `rate` the cost per token of what is left. Each row's free tokens are cut into slots the size of
+    the longest piece here, plus one slot for the remainder. Slots are dealt round-robin over rows
+    (the first slot of every row, then the second, ...; lower projected ranks first), remainders
+    last, roomiest first, and the pieces matched to them greedily: a piece takes the roomiest unused
+    slot if it fits, else waits for the next round. A rank near the cap offers no more slots than the
+    costliest of these pieces fits under it. None: no piece fits.
+    """
+    k = rem.shape[1]
+    size = int(lengths[0])
+    full = rem // size
+    part = rem % size >= lengths[-1]
+    if cap is not None:
+        allow = np.floor((cap - rcost) / max(float(costs.max()), 1e-300)).astype(np.int64)
+        room = allow[:, None] - (np.cumsum(full + part, axis=1) - (full + part))  # slots left in the rank
+        full = np.clip(np.minimum(full, room), 0, None)
+        part &= full < room
+    rows = np.flatnonzero(full + part)
+    if rows.size == 0:
+        return None
+    full, part = full.reshape(-1)[rows], part.reshape(-1)[rows]
+    full = np.minimum(full, -(-lengths.size // rows.size) + 1)  # enough for this round
+    reps = full + part
+    slot_row = np.repeat(rows, reps)
+    nth = np.arange(slot_row.size) - np.repeat(np.cumsum(reps) - reps, reps)
+    slot_size = np.where(nth < np.repeat(full, reps), size, rem.reshape(-1)[slot_row] % size)
+    proj = rcost[slot_row // k] + rtok[slot_row // k] * rate
+    o = np.lexsort((slot_row, proj, nth, -slot_size))
+    slot_row, slot_size = slot_row[o], slot_size[o]
+    fits = np.searchsorted(-slot_size, -lengths, side="right")  # slots with room for each piece
+    n = np.arange(lengths.size)
+    matched = np.minimum(n + 1, np.minimum.accumulate(fits - n) + n)  # greedy matches so far
+    got = np.diff(matched, prepend=0) > 0
+    if not got.any():
+        return None
+    return got, slot_row[matched[got] - 1]
+
+
+def scan_infeasible(
+    maxrem: np.ndarray,
+    rcost: np.ndarray,
+    cap: float,
+    lengths: np.ndarray,
+    costs: np.ndarray,
+    queue: np.ndarray,
+    i: int,
+    window: int,
+) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Split the queue from i into the pieces left (the head fits a rank, or none left) and those that fit none.
+
+    `maxrem` is each rank's roomiest row, `rcost` its cost, `lengths`/`costs` per piece. Checks
+    `window` pieces at a time (later pieces are shorter, so likelier to fit, and get checked when they
+    come up); returns the queue left and the pieces that fit no rank now, hence never will, window by window.
+    """
+    o = np.argsort(-maxrem, kind="stable")
+    room = maxrem[o]
+    budget = np.maximum.accumulate(cap - rcost[o])
+    dropped: list[np.ndarray] = []
+    while i < queue.size:
+        part = queue[i : i + window]
+        cnt = np.searchsorted(-room, -lengths[part], side="right")  # ranks with a row this long
+        feasible = (cnt > 0) & (budget[np.maximum(cnt - 1, 0)] >= costs[part])
+        dropped.append(part[~feasible])
+        if feasible.any():
+            return np.concatenate([part[feasible], queue[i + part.size :]]), dropped
+        i += part.size
+    return queue[:0], dropped

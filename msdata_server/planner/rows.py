@@ -1,0 +1,278 @@
+"""The engine of balance.place: the fill state of one step and the placement rounds on it.
+
+`Rows` holds the free tokens of every row and the cost of every rank and micro-batch, and places
+pieces in vectorised rounds (many pieces on distinct ranks, or tiny pieces into many rows at once,
+matched by `fit`); `refine` holds the passes that improve a placement.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .fit import match_tiny, pair_round, scan_infeasible
+from .layout import Layout
+
+__all__ = ["Rows", "order_by"]
+
+ROUND_DIV = 4  # a greedy round places at least dp / ROUND_DIV pieces...
+TINY = 32  # ...and pieces shorter than seq_len / TINY go several per row (`_tiny_round`)
+TAIL_GIVE_UP = 16  # a tiny round that places under 1/16 of the pieces left ends the step's filling
+
+_BIG = np.iinfo(np.int64).max
+
+
+def order_by(keys: np.ndarray, bound: int) -> np.ndarray:
+    """Stable argsort of int keys in [0, bound): numpy's radix sort when they fit 16 bits (5x faster)."""
+    if bound <= 1 << 16:
+        return np.argsort(keys.astype(np.uint16), kind="stable")
+    return np.argsort(keys, kind="stable")
+
+
+class Rows:
+    """Mutable fill state of one step: free tokens per row, cost per rank and micro-batch."""
+
+    def __init__(self, lengths: np.ndarray, costs: np.ndarray, layout: Layout):
+        self.L, self.c, self.lay = lengths, costs, layout
+        dp, k = layout.dp, layout.slots
+        self.rem = np.full((dp, k), layout.seq_len, np.int64)
+        self.maxrem = np.full(dp, layout.seq_len, np.int64)
+        self.rtok = np.full(dp, k * layout.seq_len, np.int64)
+        self.rcost = np.zeros(dp)
+        self.mcost = np.zeros((dp, layout.micro))
+        self.mtok = np.full((dp, layout.micro), layout.rows * layout.seq_len, np.int64)
+        self.micro_of = np.arange(k) // layout.rows
+        self.rank = np.full(lengths.size, -1, np.int64)
+        self.slot = np.full(lengths.size, -1, np.int64)
+        self.pool_cost = float(costs.sum())  # pieces not yet placed or given up
+        self.pool_tok = int(lengths.sum())
+        self.cap = np.inf
+        self.capped = False
+        self.spread = True
+        self.monotone = True  # cost never decreases with length (set by `place`)
+
+    def set_cap(self, desc: np.ndarray, tolerance: float | None) -> None:
+        """Cap rank costs at (1 + tolerance) x the mean expected if the longest pieces fill the step.
+
+        (Pieces left over are the shortest, so the placed ones are the longest that fit.)
+        """
+        if tolerance is None or desc.size == 0:
+            return
+        n = int(np.searchsorted(np.cumsum(self.L[desc]), self.lay.capacity, side="right"))
+        mean = float(self.c[desc[: max(n, 1)]].sum()) / self.lay.dp
+        self.cap = max(mean * (1.0 + tolerance), float(self.c.max()))
+        self.capped = True
+
+    def rate(self) -> float:
+        return self.pool_cost / self.pool_tok if self.pool_tok > 0 else 0.0
+
+    def give_up(self, idx: np.ndarray) -> None:
+        self.pool_cost -= float(self.c[idx].sum())
+        self.pool_tok -= int(self.L[idx].sum())
+
+    def put(self, idx: np.ndarray, ranks: np.ndarray, rate: float, check: bool = True) -> np.ndarray:
+        """Put pieces idx on distinct ranks; returns a mask of the pieces that did not fit (or pass the cap).
+
+        Row: the least projected micro-batch of the rank with a row the piece fits (so micro-batches
+        balance as ranks do), its tightest such row; without `spread` (the carry-over, placed before
+        the long pieces) simply the tightest row, which keeps whole rows free.
+        """
+        l = self.L[idx]
+        c = self.c[idx]
+        bad = np.zeros(idx.size, bool)
+        if check:
+            bad = self.maxrem[ranks] < l
+            if self.capped:
+                bad |= self.rcost[ranks] + c > self.cap
+            if bad.any():
+                ok = ~bad
+                idx, ranks, l, c = idx[ok], ranks[ok], l[ok], c[ok]
+        k = self.lay.slots
+        if k == 1:
+            w = np.zeros(idx.size, np.int64)
+        else:
+            rr = self.rem[ranks]
+            fit = rr >= l[:, None]
+            if self.spread and self.lay.micro > 1:
+                score = self.mcost[ranks] + self.mtok[ranks] * rate  # micro-batch projections
+                if self.lay.rows > 1:
+                    score = score[:, self.micro_of]
+                score = np.where(fit, score, np.inf)
+                fit = score == score.min(axis=1, keepdims=True)
+            w = np.argmin(np.where(fit, rr, _BIG), axis=1)
+        self.rem.reshape(-1)[ranks * k + w] -= l
+        self.maxrem[ranks] = self.rem[ranks].max(axis=1) if k > 1 else self.rem[ranks, 0]
+        self.rtok[ranks] -= l
+        self.rcost[ranks] += c
+        if self.lay.micro > 1:
+            mi = ranks * self.lay.micro + self.micro_of[w]
+            self.mcost.reshape(-1)[mi] += c
+            self.mtok.reshape(-1)[mi] -= l
+        else:
+            self.mcost[ranks, 0] += c
+            self.mtok[ranks, 0] -= l
+        self.rank[idx] = ranks
+        self.slot[idx] = w
+        self.pool_cost -= float(c.sum())
+        self.pool_tok -= int(l.sum())
+        return bad
+
+    def greedy(self, queue: np.ndarray) -> None:
+        """Place queue (longest first) in rounds; each round pairs pieces with ranks by projection.
+
+        A round (`fit.pair_round`) gives the next pieces to distinct ranks that can take the head
+        piece, at least dp / ROUND_DIV of them. Tiny pieces go by `_tiny_round`; pieces that fit
+        nowhere any more are given up (the caller carries them).
+        """
+        L, c = self.L, self.c
+        floor = max(1, self.lay.dp // ROUND_DIV)
+        tiny = self.lay.seq_len / TINY
+        retry: list[np.ndarray] = []
+        i, n = 0, queue.size
+        while i < n:
+            head = queue[i]
+            mask = self.maxrem >= L[head]
+            if self.capped:
+                mask &= self.rcost <= self.cap - c[head]
+            elig = np.flatnonzero(mask)
+            if elig.size == 0:
+                queue, i = self._drop_infeasible(queue, i), 0
+                n = queue.size
+                continue
+            if L[head] < tiny and self.spread:  # (not for carry-over: it would touch every row)
+                rest = self._tiny_round(queue, i)
+                if rest is not None:
+                    queue, i, n = rest, 0, rest.size
+                    continue
+            rate = self.pool_cost / self.pool_tok if self.pool_tok > 0 else 0.0
+            cand = queue[i : i + elig.size]
+            ranks = pair_round(self.rcost, self.rtok, elig, L[cand], c[cand], rate, floor)
+            idx = cand[: ranks.size]
+            # ranks were chosen to fit the head; pieces after it are shorter and, when cost grows
+            # with length, no costlier, so they fit too
+            failed = self.put(idx, ranks, rate, check=not self.monotone)
+            if failed.any():
+                retry.append(idx[failed])
+            i += ranks.size
+        for piece in np.concatenate(retry) if retry else ():  # a cost_fn not growing with length; rare
+            self.one(int(piece))
+
+    def _tiny_round(self, queue: np.ndarray, i: int) -> np.ndarray | None:
+        """Place the next tiny pieces (`fit.match_tiny`); returns the queue left (None: none placed).
+
+        Tiny pieces barely move a projection, so placing thousands at once costs no balance, and the
+        tail (many short pieces, few rows with room) takes a few rounds instead of one per rank. When
+        a round places only a trickle, the rest of the queue is given up (carried over): the room
+        left is then on ranks at the cap.
+        """
+        cand = queue[i : i + 4 * self.lay.dp * self.lay.slots]
+        cap = self.cap if self.capped else None
+        match = match_tiny(self.rem, self.rcost, self.rtok, self.L[cand], self.c[cand], cap, self.rate())
+        if match is None:
+            return None
+        got, rows = match
+        idx = cand[got]
+        self._put_rows(idx, rows)
+        rest = np.concatenate([cand[~got], queue[i + cand.size :]])
+        if idx.size * TAIL_GIVE_UP < rest.size:  # a trickle: the room left is on ranks at the cap
+            self.give_up(rest)
+            return rest[:0]
+        return rest
+
+    def _put_rows(self, idx: np.ndarray, rows: np.ndarray) -> None:
+        """Put pieces idx into the given flat rows (rank * slots + slot), several per rank and row."""
+        L, c, lay = self.L, self.c, self.lay
+        k = lay.slots
+        ranks, w = rows // k, rows % k
+        l, cc = L[idx], c[idx]
+        rem = self.rem.reshape(-1)
+        rem -= np.bincount(rows, l, minlength=rem.size).astype(np.int64)
+        touched = np.unique(ranks)
+        self.maxrem[touched] = self.rem[touched].max(axis=1)
+        self.rtok -= np.bincount(ranks, l, minlength=lay.dp).astype(np.int64)
+        self.rcost += np.bincount(ranks, cc, minlength=lay.dp)
+        mi = ranks * lay.micro + self.micro_of[w]
+        self.mcost += np.bincount(mi, cc, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
+        self.mtok -= np.bincount(mi, l, minlength=lay.dp * lay.micro).astype(np.int64).reshape(lay.dp, lay.micro)
+        self.rank[idx] = ranks
+        self.slot[idx] = w
+        self.pool_cost -= float(cc.sum())
+        self.pool_tok -= int(l.sum())
+
+    def _drop_infeasible(self, queue: np.ndarray, i: int) -> np.ndarray:
+        """Give up the next queued pieces (from i) that fit no rank now, hence never will; return the rest."""
+        window = max(4 * self.lay.dp, 1024)
+        rest, dropped = scan_infeasible(self.maxrem, self.rcost, self.cap, self.L, self.c, queue, i, window)
+        for part in dropped:
+            self.give_up(part)
+        return rest
+
+    def one(self, piece: int) -> None:
+        """Place a single piece on the best eligible rank, or give it up."""
+        elig = np.flatnonzero((self.maxrem >= self.L[piece]) & (self.rcost + self.c[piece] <= self.cap))
+        if elig.size == 0:
+            self.give_up(np.array([piece]))
+            return
+        rate = self.rate()
+        proj = self.rcost[elig] + self.rtok[elig] * rate
+        grow = self.c[piece] - self.L[piece] * rate >= 0
+        r = elig[np.argmin(proj)] if grow else elig[np.argmax(proj)]
+        self.put(np.array([piece]), np.array([r]), rate)
+
+    # -- moves of placed pieces (refine.py decides them) ----------------------------------------
+
+    def move(self, p: int, q: int) -> None:
+        """Move placed piece p to rank q, into its tightest row that fits."""
+        self._take(p)
+        free = self.rem[q]
+        w = int(np.argmin(np.where(free >= self.L[p], free, _BIG)))  # best fit
+        self._drop(p, q, w)
+
+    def swap(self, a: int, b: int) -> None:
+        """Exchange the rows of placed pieces a and b."""
+        ra, wa = self._take(a)
+        rb, wb = self._take(b)
+        self._drop(a, rb, wb)
+        self._drop(b, ra, wa)
+
+    def trade(self, out: np.ndarray, into: np.ndarray, counts: np.ndarray, dtok: np.ndarray, dcost: np.ndarray) -> None:
+        """Carry placed pieces `out` over and put in each one's row the next counts[j] pieces of `into`.
+
+        dtok, dcost: the tokens freed and the cost added in each of those rows (one row per piece of out).
+        """
+        r, w = self.rank[out], self.slot[out]
+        m = self.micro_of[w]
+        self.rem[r, w] += dtok
+        np.add.at(self.rtok, r, dtok)
+        np.add.at(self.rcost, r, dcost)
+        np.add.at(self.mcost, (r, m), dcost)
+        np.add.at(self.mtok, (r, m), dtok)
+        touched = np.unique(r)
+        self.maxrem[touched] = self.rem[touched].max(axis=1)
+        self.rank[out] = self.slot[out] = -1
+        self.rank[into] = np.repeat(r, counts)
+        self.slot[into] = np.repeat(w, counts)
+
+    def _take(self, p: int) -> tuple[int, int]:
+        r, w = int(self.rank[p]), int(self.slot[p])
+        m = self.micro_of[w]
+        self.rem[r, w] += self.L[p]
+        self.maxrem[r] = self.rem[r].max()
+        self.rtok[r] += self.L[p]
+        self.rcost[r] -= self.c[p]
+        self.mcost[r, m] -= self.c[p]
+        self.mtok[r, m] += self.L[p]
+        return r, w
+
+    def _drop(self, p: int, r: int, w: int) -> None:
+        m = self.micro_of[w]
+        self.rem[r, w] -= self.L[p]
+        self.maxrem[r] = self.rem[r].max()
+        self.rtok[r] -= self.L[p]
+        self.rcost[r] += self.c[p]
+        self.mcost[r, m] += self.c[p]
+        self.mtok[r, m] -= self.L[p]
+        self.rank[p], self.slot[p] = r, w
+
+    def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(rank, slot) per piece, cost per rank, cost per (rank, micro-batch)."""
+        return self.rank, self.slot, self.rcost, self.mcost

@@ -1,0 +1,160 @@
+"""The planner's checkpoint: a position in each source's order, the carried pieces and token counters.
+
+`Position` is where a planner stands between steps. `state_dict` composes it from named keys with
+a version; `Position.load` takes one back strictly: CheckpointError says what does not fit and why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from msdata_server.errors import CheckpointError, ConfigError
+
+from .mixture import Mixture
+
+__all__ = ["CARRY_KEYS", "STATE_VERSION", "Position"]
+
+STATE_VERSION = 1
+# state_dict keys
+K_VERSION, K_STEP, K_SOURCES, K_SEQ_LEN, K_LONG_DOCS = "version", "step", "sources", "seq_len", "long_docs"
+K_CURSOR, K_TAKEN, K_TARGET, K_PLACED, K_CARRY, K_MIXTURE = "cursor", "taken", "target", "placed", "carry", "mixture"
+_STATE_KEYS = frozenset(
+    {K_VERSION, K_STEP, K_SOURCES, K_SEQ_LEN, K_LONG_DOCS, K_CURSOR, K_TAKEN, K_TARGET, K_PLACED, K_CARRY, K_MIXTURE}
+)
+CARRY_KEYS = ("source", "ordinal", "offset", "length")  # a column per carried piece
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Position:
+    """Where a planner stands between steps: a pure value, replaced whole when a step is planned."""
+
+    step: int  # the next step to plan
+    cursor: np.ndarray  # int64 per source: next unread ordinal
+    taken: np.ndarray  # int64 per source: tokens taken from each stream (placed + carried)
+    target: np.ndarray  # float64 per source: tokens each stream should have given by now
+    placed: np.ndarray  # int64 per source: tokens placed in plans
+    carry: dict[str, np.ndarray]  # CARRY_KEYS: the pieces carried over to the next step
+    mixture: Mixture  # run-time overrides included
+
+    @classmethod
+    def start(cls, n: int, mixture: Mixture) -> Position:
+        """Step 0 of n sources: nothing read, taken or carried."""
+        return cls(
+            step=0,
+            cursor=np.zeros(n, np.int64),
+            taken=np.zeros(n, np.int64),
+            target=np.zeros(n, np.float64),
+            placed=np.zeros(n, np.int64),
+            carry={
+                "source": np.zeros(0, np.int32),
+                "ordinal": np.zeros(0, np.int64),
+                "offset": np.zeros(0, np.int64),
+                "length": np.zeros(0, np.int64),
+            },
+            mixture=mixture,
+        )
+
+    def state_dict(self, sources: tuple[str, ...], seq_len: int, long_docs: str) -> dict:
+        """Small JSON-able state, with the job's sources, seq_len and long_docs that it only fits."""
+        return {
+            K_VERSION: STATE_VERSION,
+            K_STEP: self.step,
+            K_SOURCES: list(sources),
+            K_SEQ_LEN: seq_len,
+            K_LONG_DOCS: long_docs,
+            K_CURSOR: [int(x) for x in self.cursor],
+            K_TAKEN: [int(x) for x in self.taken],
+            K_TARGET: [float(x) for x in self.target],
+            K_PLACED: [int(x) for x in self.placed],
+            K_CARRY: {k: [int(x) for x in self.carry[k]] for k in CARRY_KEYS},
+            K_MIXTURE: self.mixture.to_dict(),
+        }
+
+    @classmethod
+    def load(cls, state: Mapping, sources: tuple[str, ...], seq_len: int, long_docs: str) -> Position:
+        """Strictly validate a state_dict of the job with these sources, seq_len and long_docs."""
+        n = len(sources)
+        if not isinstance(state, Mapping):
+            raise CheckpointError(f"planner state must be a dict, got {type(state).__name__}")
+        keys = set(state)
+        if keys != _STATE_KEYS:
+            raise CheckpointError(
+                f"planner state keys differ: unknown {sorted(keys - _STATE_KEYS)}, missing {sorted(_STATE_KEYS - keys)}"
+            )
+        if state[K_VERSION] != STATE_VERSION:
+            raise CheckpointError(
+                f"planner state version {state[K_VERSION]!r} is not {STATE_VERSION}; it was saved by another msdata"
+            )
+        if list(state[K_SOURCES]) != list(sources):
+            raise CheckpointError(
+                f"planner state is for sources {state[K_SOURCES]!r}, this job has {list(sources)!r};"
+                " restore into the job that saved it"
+            )
+        if state[K_SEQ_LEN] != seq_len:
+            raise CheckpointError(
+                f"planner state has seq_len={state[K_SEQ_LEN]!r}, this job {seq_len}; keep seq_len to restore"
+            )
+        if state[K_LONG_DOCS] != long_docs:
+            raise CheckpointError(f"planner state has long_docs={state[K_LONG_DOCS]!r}, this job {long_docs!r}")
+        step = state[K_STEP]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"planner state step={step!r} must be an int >= 0")
+
+        def ints(key: str, minimum: int = 0) -> np.ndarray:
+            v = state[key]
+            if (
+                not isinstance(v, list)
+                or len(v) != n
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= minimum for x in v)
+            ):
+                raise CheckpointError(f"planner state {key!r} must be {n} ints >= {minimum}, got {v!r}")
+            return np.array(v, dtype=np.int64)
+
+        cursor, taken, placed = ints(K_CURSOR), ints(K_TAKEN), ints(K_PLACED)
+        target = state[K_TARGET]
+        if (
+            not isinstance(target, list)
+            or len(target) != n
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in target)
+        ):
+            raise CheckpointError(f"planner state 'target' must be {n} finite numbers, got {target!r}")
+        carry_raw = state[K_CARRY]
+        if not isinstance(carry_raw, Mapping) or set(carry_raw) != set(CARRY_KEYS):
+            raise CheckpointError(f"planner state 'carry' must have keys {list(CARRY_KEYS)}")
+        cols = []
+        for k in CARRY_KEYS:
+            v = carry_raw[k]
+            if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise CheckpointError(f"planner state carry[{k!r}] must be a list of ints")
+            cols.append(np.array(v, dtype=np.int64))
+        c_src, c_ord, c_off, c_len = cols
+        if len({c.size for c in cols}) != 1:
+            raise CheckpointError("planner state carry columns have different lengths")
+        if c_src.size and (
+            c_src.min() < 0
+            or c_src.max() >= n
+            or c_ord.min() < 0
+            or (c_ord >= cursor[c_src]).any()
+            or c_off.min() < 0
+            or c_len.min() < 1
+            or c_len.max() > seq_len
+        ):
+            raise CheckpointError("planner state carry holds a piece outside its source, cursor or seq_len")
+        try:
+            mixture = Mixture.from_dict(state[K_MIXTURE])
+            mixture.weights_at(step, sources)
+        except ConfigError as exc:
+            raise CheckpointError(f"planner state mixture does not fit this job: {exc}") from exc
+        return cls(
+            step=step,
+            cursor=cursor,
+            taken=taken,
+            target=np.array(target, dtype=np.float64),
+            placed=placed,
+            carry={"source": c_src.astype(np.int32), "ordinal": c_ord, "offset": c_off, "length": c_len},
+            mixture=mixture,
+        )

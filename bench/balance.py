@@ -69,7 +69,7 @@ def msdata(seq_len: int, dp: int, steps: int, seed: int, method: str, tolerance:
         wall = (time.perf_counter() - t) * 1e3
         s = plan.stats
         costliest = np.zeros(dp)
-        np.maximum.at(costliest, plan.dp, attention_cost(plan.length, **COST))
+        np.maximum.at(costliest, plan.group, attention_cost(plan.length, **COST))
         micro = s.micro_cost.max(axis=1) / np.maximum(s.micro_cost.mean(axis=1), costliest)
         out.append(
             {

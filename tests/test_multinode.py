@@ -363,7 +363,7 @@ def test_plan_frame_round_trip_is_exact():
     header, buf = encode_plan(plan, job="j", digest="d" * 64, token=17)
     assert header["token"] == 17 and header["step"] == plan.step == 1
     got = decode_plan(orjson_round(header), memoryview(buf))
-    for f in ("source", "ordinal", "offset", "length", "dp", "micro", "row", "bounds"):
+    for f in ("source", "ordinal", "offset", "length", "group", "micro", "row", "bounds"):
         a, b = getattr(plan, f), getattr(got, f)
         assert a.dtype == b.dtype and np.array_equal(a, b), f
     assert np.array_equal(got.stats.micro_cost, plan.stats.micro_cost)

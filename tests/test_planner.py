@@ -68,15 +68,15 @@ def run(planner, view, steps):
 
 
 def plan_arrays(plan):
-    return [getattr(plan, f).tobytes() for f in ("source", "ordinal", "offset", "length", "dp", "micro", "row")]
+    return [getattr(plan, f).tobytes() for f in ("source", "ordinal", "offset", "length", "group", "micro", "row")]
 
 
 def check_plan(plan, cfg):
     """Sorted by (dp, micro, row), rows within seq_len, dtypes, micro_batch slices."""
     assert plan.source.dtype == np.int32 and plan.ordinal.dtype == np.int64
     assert plan.offset.dtype == np.int32 and plan.length.dtype == np.int32
-    assert plan.dp.dtype == plan.micro.dtype == plan.row.dtype == np.int32
-    key = (plan.dp.astype(np.int64) * cfg.micro_batches + plan.micro) * cfg.rows + plan.row
+    assert plan.group.dtype == plan.micro.dtype == plan.row.dtype == np.int32
+    key = (plan.group.astype(np.int64) * cfg.micro_batches + plan.micro) * cfg.rows + plan.row
     assert (np.diff(key) >= 0).all()
     used = np.bincount(key, plan.length, minlength=cfg.dp * cfg.micro_batches * cfg.rows)
     assert used.max() <= cfg.seq_len and (plan.length > 0).all()
@@ -85,7 +85,7 @@ def check_plan(plan, cfg):
         for m in range(cfg.micro_batches):
             mb = plan.micro_batch(d, m)
             assert isinstance(mb, StepPlan)
-            assert (mb.dp == d).all() and (mb.micro == m).all()
+            assert (mb.group == d).all() and (mb.micro == m).all()
             total += len(mb)
     assert total == len(plan)
     s = plan.stats

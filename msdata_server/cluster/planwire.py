@@ -14,7 +14,7 @@ from ..planner.planner import PlanStats
 
 __all__ = ["decode_plan", "encode_plan"]
 
-_ARRAYS = (("source", "<i4"), ("ordinal", "<i8"), ("offset", "<i4"), ("length", "<i4"), ("dp", "<i4"),
+_ARRAYS = (("source", "<i4"), ("ordinal", "<i8"), ("offset", "<i4"), ("length", "<i4"), ("group", "<i4"),
            ("micro", "<i4"), ("row", "<i4"), ("last", "|b1"), ("bounds", "<i8"), ("cost", "<f8"), ("micro_cost", "<f8"))
 _SCALARS = ("imbalance", "lower_bound", "padding_fraction", "docs", "carried", "plan_ms", "ingest_ms")
 
@@ -48,14 +48,14 @@ def decode_plan(header: dict, payload) -> StepPlan:
                 raise ValueError(f"array {name} {shape} at {off}+{n} does not fit a {len(buf)}-byte payload")
             got[name] = np.frombuffer(buf[off : off + n], dtype=dtype).reshape(shape)
         n = got["source"].shape[0]
-        if any(got[k].shape != (n,) for k in ("ordinal", "offset", "length", "dp", "micro", "row", "last")):
+        if any(got[k].shape != (n,) for k in ("ordinal", "offset", "length", "group", "micro", "row", "last")):
             raise ValueError("plan columns differ in length")
         stats = PlanStats(cost=got["cost"], micro_cost=got["micro_cost"],
                           tokens={str(k): int(v) for k, v in header["tokens"].items()},
                           **{k: type_(header[k]) for k, type_ in zip(_SCALARS, (float, float, float, int, int, float,
                                                                                  float))})
         return StepPlan(step=int(header["step"]), source=got["source"], ordinal=got["ordinal"], offset=got["offset"],
-                        length=got["length"], dp=got["dp"], micro=got["micro"], row=got["row"], last=got["last"], stats=stats,
+                        length=got["length"], group=got["group"], micro=got["micro"], row=got["row"], last=got["last"], stats=stats,
                         bounds=got["bounds"])
     except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError(f"malformed plan frame for step {header.get('step')!r}: {e}") from None

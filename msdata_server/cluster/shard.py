@@ -146,7 +146,7 @@ class JobShard:
         pl = self.placement()
         idx = [i for i, (s, o) in enumerate(zip(plan.source.tolist(), plan.ordinal.tolist()))
                if pl[s][self.part(o)] == me]
-        return np.asarray(idx, dtype=np.int64), [len(group_nodes.get(int(g), ())) for g in plan.dp[idx].tolist()]
+        return np.asarray(idx, dtype=np.int64), [len(group_nodes.get(int(g), ())) for g in plan.group[idx].tolist()]
 
     def add_refs(self, plan, group_nodes: dict[int, tuple[str, ...]]) -> None:
         """A new plan: each occurrence of a piece owned here is fetched (or skipped) once per building node."""

@@ -98,7 +98,7 @@ class Constructor:
     def _micro_slices(self, plan: StepPlan):
         """(micro-batch, slice of the plan) of this group's micro-batches of a step, in order."""
         mb = self.spec.micro_batches
-        key = plan.dp.astype(np.int64) * mb + plan.micro
+        key = plan.group.astype(np.int64) * mb + plan.micro
         g = self.group.index
         for m in range(mb):
             lo, hi = np.searchsorted(key, [g * mb + m, g * mb + m + 1])

@@ -138,14 +138,17 @@ class PlanStats:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    """One step: an entry per document piece, sorted by (dp, micro, row, position in row)."""
+    """One step: an entry per document piece, sorted by (group, micro, row, position in row).
+
+    ``group`` is the data group (the distinct data stream: a DP rank under ``distribute = "dp"``, a rank under
+    ``"world"``) that receives the piece; the planner's ``dp`` is the number of data groups."""
 
     step: int
     source: np.ndarray  # int32 source index
     ordinal: np.ndarray  # int64 sample ordinal in its source
     offset: np.ndarray  # int32 first token of the piece within its document
     length: np.ndarray  # int32 tokens in the piece
-    dp: np.ndarray  # int32
+    group: np.ndarray  # int32 data group
     micro: np.ndarray  # int32
     row: np.ndarray  # int32
     # bool: no piece of this piece's document is left over (carried) after this step, so once the step's
@@ -158,15 +161,15 @@ class StepPlan:
     def __len__(self) -> int:
         return int(self.source.size)
 
-    def micro_batch(self, dp: int, micro: int) -> StepPlan:
+    def micro_batch(self, group: int, micro: int) -> StepPlan:
         """The pieces of one micro-batch, as a StepPlan of array views (no copy)."""
         n_micro = self.stats.micro_cost.shape[1]
-        n_dp = self.stats.micro_cost.shape[0]
-        if not (0 <= dp < n_dp and 0 <= micro < n_micro):
+        n_groups = self.stats.micro_cost.shape[0]
+        if not (0 <= group < n_groups and 0 <= micro < n_micro):
             raise ConfigError(
-                f"micro-batch ({dp=}, {micro=}) is outside this plan's {n_dp} ranks x {n_micro} micro-batches"
+                f"micro-batch ({group=}, {micro=}) is outside this plan's {n_groups} groups x {n_micro} micro-batches"
             )
-        i = dp * n_micro + micro
+        i = group * n_micro + micro
         sl = slice(int(self.bounds[i]), int(self.bounds[i + 1]))
         return StepPlan(
             step=self.step,
@@ -174,7 +177,7 @@ class StepPlan:
             ordinal=self.ordinal[sl],
             offset=self.offset[sl],
             length=self.length[sl],
-            dp=self.dp[sl],
+            group=self.group[sl],
             micro=self.micro[sl],
             row=self.row[sl],
             last=self.last[sl],
@@ -305,7 +308,7 @@ class Planner:
             ordinal=ords[idx].astype(np.int64),
             offset=off[idx].astype(np.int32),
             length=lens[idx].astype(np.int32),
-            dp=rank.astype(np.int32),
+            group=rank.astype(np.int32),
             micro=micro.astype(np.int32),
             row=(slot % cfg.rows).astype(np.int32),
             last=last,

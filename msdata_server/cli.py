@@ -51,7 +51,7 @@ def _cmd_serve(args) -> int:
     cfg = load_config(args.config)
     configure_logging(args.log_level or cfg.node.log_level, args.log_format or cfg.node.log_format)
 
-    async def run() -> None:
+    async def run() -> int:
         server = NodeServer(cfg)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -68,9 +68,9 @@ def _cmd_serve(args) -> int:
             log.info("stop requested; draining")
         finally:
             await server.aclose()
+        return 1 if server.failure is not None else 0
 
-    uvloop.run(run())
-    return 0
+    return uvloop.run(run())
 
 
 def _cmd_status(args) -> int:

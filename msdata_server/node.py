@@ -48,6 +48,7 @@ class NodeServer:
         self.metrics_server: asyncio.Server | None = None
         self.metrics_port: int | None = None
         self._stopping = asyncio.Event()
+        self.failure: BaseException | None = None  # set by fatal(): the CLI exits non-zero
         self._closed = False
 
     @property
@@ -71,7 +72,7 @@ class NodeServer:
 
             from .cluster.jobs import ClusterJobs
 
-            self.cluster = ClusterNode(self.config)
+            self.cluster = ClusterNode(self.config, on_fatal=self.fatal)
             await self.cluster.start()
             self.cluster_jobs = self.starter = ClusterJobs(self)
             await self.cluster_jobs.start()
@@ -89,6 +90,13 @@ class NodeServer:
         await self._stopping.wait()
 
     def request_stop(self) -> None:
+        self._stopping.set()
+
+    def fatal(self, exc: BaseException) -> None:
+        """This server cannot go on consistently (a role change failed half-way): stop, and exit non-zero so
+        that the supervisor (systemd, the DaemonSet) starts it again clean."""
+        log.critical("node %s stops after a fatal error: %r", self.config.node.id, exc)
+        self.failure = exc
         self._stopping.set()
 
     # ---- clients ---------------------------------------------------------------------------------------

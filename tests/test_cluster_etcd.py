@@ -425,3 +425,33 @@ def test_closing_leader_hands_over_at_once(etcd_server):
             await close_all(nodes)
 
     run(main(), "uvloop")
+
+
+def test_a_failing_role_callback_is_fatal_not_ignored(etcd_server):
+    """A role callback that raises must not leave the node half-way into a role: the failure goes to the
+    node's fatal hook (the server stops and its supervisor restarts it clean), never only to a log line."""
+    from msdata_server.cluster.election import run_callbacks
+
+    async def main():
+        p = prefix()
+        node = Node(etcd_server.url, p, 0)
+        fatal: list[BaseException] = []
+        seen: list[str] = []
+        node.e.on_fatal = fatal.append
+        node.e.on_change(lambda role, _who, _token: (_ for _ in ()).throw(RuntimeError(f"broken on {role}")))
+        node.e.on_change(lambda role, _who, _token: seen.append(role))  # later callbacks still run
+        await node.start()
+        try:
+            await node.e.wait_leader()
+            async with asyncio.timeout(10 * TTL):
+                while not fatal:
+                    await asyncio.sleep(0.01)  # the election task runs the callbacks; poll its outcome
+            assert isinstance(fatal[0], RuntimeError) and "broken on leader" in str(fatal[0])
+            assert seen and seen[0] == "leader"
+        finally:
+            await node.aclose()
+        # with no handler the exception propagates to whoever fired the change
+        with pytest.raises(ValueError, match="bad"):
+            run_callbacks([lambda: (_ for _ in ()).throw(ValueError("bad"))], (), None, "a test")
+
+    run(main(), "uvloop")

@@ -26,12 +26,30 @@ from ..errors import ClosedError, ConfigError
 from ..tasks import TaskSet
 from .etcd import Compare, Etcd, EtcdError, EtcdUnavailable, KV, Op
 
-__all__ = ["Fence", "LeaderElection", "Membership"]
+__all__ = ["Fence", "LeaderElection", "Membership", "run_callbacks"]
 
 log = logging.getLogger(__name__)
 
 LeaseEvent = Literal["granted", "lost", "unreachable", "reachable"]
 Role = Literal["leader", "follower"]
+
+
+def run_callbacks(callbacks: list, args: tuple, on_fatal: Callable[[BaseException], None] | None, what: str) -> None:
+    """Call every role or lease callback; one that fails must not leave the node half-way into a role, so the
+    failure is fatal: ``on_fatal(exc)`` (the node server stops, and its supervisor restarts it clean), or, with
+    no handler, the exception propagates to the caller."""
+    failed: BaseException | None = None
+    for cb in list(callbacks):
+        try:
+            cb(*args)
+        except Exception as e:
+            log.critical("a callback failed on %s: %r; this node cannot continue in a consistent role", what, e,
+                         exc_info=e)
+            failed = failed or e
+    if failed is not None:
+        if on_fatal is None:
+            raise failed
+        on_fatal(failed)
 
 
 class Membership:
@@ -66,6 +84,7 @@ class Membership:
         self._watchdog: asyncio.TimerHandle | None = None
         self._tasks = TaskSet("membership")
         self._closed = False
+        self.on_fatal: Callable[[BaseException], None] | None = None  # a callback failed (see run_callbacks)
 
     @classmethod
     def from_config(cls, etcd: Etcd, config, **info) -> Membership:
@@ -84,11 +103,7 @@ class Membership:
         self._callbacks.append(callback)
 
     def _notify(self, event: LeaseEvent) -> None:
-        for cb in list(self._callbacks):
-            try:
-                cb(event)
-            except Exception:
-                log.exception("membership callback %r failed on %r", cb, event)
+        run_callbacks(self._callbacks, (event,), self.on_fatal, f"the lease event {event!r}")
 
     async def start(self) -> None:
         """Grant the lease, register, start renewing. Raises EtcdUnavailable when etcd cannot be reached."""
@@ -239,6 +254,7 @@ class LeaderElection:
         self._wake = asyncio.Event()
         self._tasks = TaskSet("election")
         self._closed = False
+        self.on_fatal: Callable[[BaseException], None] | None = None  # a callback failed (see run_callbacks)
         membership.on_change(self._on_lease)
 
     # ---- public ---------------------------------------------------------------------------------------
@@ -301,11 +317,8 @@ class LeaderElection:
     # ---- state changes --------------------------------------------------------------------------------
     def _fire(self) -> None:
         role: Role = "leader" if self._leading else "follower"
-        for cb in list(self._callbacks):
-            try:
-                cb(role, self.leader_id, self.leader_token)
-            except Exception:
-                log.exception("election callback %r failed", cb)
+        run_callbacks(self._callbacks, (role, self.leader_id, self.leader_token), self.on_fatal,
+                      f"the change to role {role!r}")
 
     def _on_lease(self, event: LeaseEvent) -> None:
         if event in ("lost", "unreachable"):

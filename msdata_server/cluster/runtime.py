@@ -35,11 +35,13 @@ class ClusterNode:
     live member (reconnected when a member re-registers). Frames that are not handled here go to ``handler``.
     """
 
-    def __init__(self, config, *, handler: FrameHandler | None = None):
+    def __init__(self, config, *, handler: FrameHandler | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.config = config
         self.node_id = config.node.id
         self.cc = config.cluster
         self.handler = handler
+        self.on_fatal = on_fatal  # a role or lease callback failed: the node server must stop
         self.token = load_token(self.cc.token_file)
         self.etcd = Etcd(list(self.cc.etcd), timeout=max(1.0, self.cc.lease_ttl))
         self.traffic = Traffic()  # bytes over every peer link of this node, both ways
@@ -66,6 +68,7 @@ class ClusterNode:
         self.membership = Membership(self.etcd, node_id=self.node_id, prefix=self.cc.prefix, ttl=self.cc.lease_ttl,
                                      info={"listen": self.listen})
         self.election = LeaderElection(self.etcd, self.membership)
+        self.membership.on_fatal = self.election.on_fatal = self.on_fatal
         self.election.on_change(self._on_role)
         await self.membership.start()
         await self.election.start()

@@ -1,0 +1,256 @@
+# .venv/bin/python bench/soak.py --quick        (3 minutes; the full soak: --minutes 30)
+"""Soak (issues 14 and 16): the demo's job at full rate for a long while, the way a real run treats a server.
+
+Two ranks iterate the demo job (examples/demo_job.toml) as fast as they can; rank 0 changes the mixture
+every minute (alternating two mixtures) and saves its ``state_dict()`` every 200 steps; every five minutes
+both ranks are killed and started again from the newest saved state, as a launcher restarts a job after a
+failure. Every 10 s the driver samples the server's and its workers' PSS and USS, the server's open file
+descriptors and threads, the bytes of this server's segments in /dev/shm, and the ranks' data wait (from
+``status``). After a warm-up (the first fifth of the run, at least 60 s) it fits a line to each series and
+reports the growth per hour; a PNG plot of the series goes to bench/out/soak.png.
+
+Targets: server PSS growth under 2 % per hour after warm-up in the 30-minute run; fds and /dev/shm flat.
+The last line is one JSON object (``pss_growth_pct_per_hour``, ``fd_growth``, ``shm_growth_bytes``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from msdata_client.wire import request  # noqa: E402
+
+JOB = ROOT / "examples" / "demo_job.toml"
+OUT = ROOT / "bench" / "out"
+
+RANK = textwrap.dedent("""\
+    import json, os, sys, time
+    import msdata_client as msd
+    job, ep, rank, statefile, mix_every = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
+    spec = msd.DGraph.from_toml(job).plan()
+    mixes = [{"chat": 0.3, "web": 0.5, "code": 0.2}, {"chat": 0.5, "web": 0.3, "code": 0.2}]
+    with msd.DataClient(spec, endpoint=ep, rank=rank, world_size=spec.mesh.world_size, connect_timeout=120) as dc:
+        if os.path.exists(statefile):
+            with open(statefile) as f:
+                dc.load_state_dict(json.load(f))
+        last_mix, n = time.monotonic(), 0
+        while True:
+            b = next(dc)
+            del b
+            n += 1
+            if rank == 0 and time.monotonic() - last_mix > mix_every:
+                last_mix = time.monotonic()
+                dc.set_mixture(mixes[int(last_mix // mix_every) % 2])
+            if rank == 0 and n % (200 * spec.micro_batches) == 0:
+                tmp = statefile + ".tmp"
+                with open(tmp, "w") as f:
+                    json.dump(dc.state_dict(), f)
+                os.replace(tmp, statefile)
+    """)
+
+
+def smaps(pid: int) -> dict[str, int]:
+    out = {}
+    for ln in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        k, v = ln.split(":", 1)
+        out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def children(pid: int) -> list[int]:
+    """Every descendant of pid (the pool's forkserver and its workers), from the parent ids in /proc."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def sample(server: subprocess.Popen, prefix: str, socket: str) -> dict:
+    pid = server.pid
+    me = smaps(pid)
+    workers = [smaps(k) for k in children(pid) if Path(f"/proc/{k}").exists()]
+    threads = int(next(ln.split()[1] for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
+                       if ln.startswith("Threads:")))
+    shm = sum(p.stat().st_size for p in Path("/dev/shm").glob(f"{prefix}*"))
+    wait = None
+    try:
+        st = request(socket, {"t": "status"}, timeout=30)["status"]
+        jobs = st.get("jobs") or []
+        if jobs:
+            det = jobs[0].get("ranks_detail") or {}
+            fr = [d.get("wait_frac") for d in det.values() if d.get("wait_frac") is not None]
+            wait = max(fr) if fr else None
+    except OSError:
+        pass
+    return {"pss": me.get("Pss", 0), "uss": me.get("Private_Clean", 0) + me.get("Private_Dirty", 0),
+            "workers_pss": sum(w.get("Pss", 0) for w in workers), "fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "threads": threads, "shm": shm, "wait_frac": wait}
+
+
+def slope_per_hour(ts: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over ts (seconds), per hour."""
+    n = len(ts)
+    if n < 2:
+        return 0.0
+    mt, my = sum(ts) / n, sum(ys) / n
+    var = sum((t - mt) ** 2 for t in ts)
+    return 3600 * sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var if var else 0.0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r["t"] / 60 for r in rows]
+    fig, ax = plt.subplots(2, 2, figsize=(9, 5.5))
+    ax[0][0].plot(t, [r["pss"] / 2**20 for r in rows], label="server PSS")
+    ax[0][0].plot(t, [r["uss"] / 2**20 for r in rows], label="server USS")
+    ax[0][0].plot(t, [r["workers_pss"] / 2**20 for r in rows], label="workers PSS")
+    ax[0][0].set_ylabel("MiB")
+    ax[0][0].legend(fontsize=7)
+    ax[0][1].plot(t, [r["fds"] for r in rows], label="fds")
+    ax[0][1].plot(t, [r["threads"] for r in rows], label="threads")
+    ax[0][1].legend(fontsize=7)
+    ax[1][0].plot(t, [r["shm"] / 2**20 for r in rows])
+    ax[1][0].set_ylabel("/dev/shm MiB")
+    ax[1][1].plot(t, [r["wait_frac"] if r["wait_frac"] is not None else float("nan") for r in rows])
+    ax[1][1].set_ylabel("max rank data-wait fraction")
+    for a in ax.flat:
+        a.set_xlabel("minutes")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--quick", action="store_true", help="3 minutes")
+    ap.add_argument("--every", type=float, default=10.0, help="seconds between samples")
+    ap.add_argument("--mix-every", type=float, default=60.0)
+    ap.add_argument("--restart-every", type=float, default=300.0)
+    args = ap.parse_args()
+    minutes = 3.0 if args.quick else args.minutes
+    base = Path(tempfile.mkdtemp(prefix="mssoak-", dir="/tmp"))
+    prefix = "sk" + secrets.token_hex(3)
+    sock = str(base / "msdata.sock")
+    cfg = base / "node.toml"
+    cfg.write_text(textwrap.dedent(f"""\
+        [node]
+        id = "soak"
+        socket = "{sock}"
+        shm_prefix = "{prefix}"
+        workers = 2
+        state_dir = "{base / 'state'}"
+        """))
+    statefile = str(base / "rank0-state.json")
+    log = open(base / "server.log", "ab")
+    server = subprocess.Popen([sys.executable, "-m", "msdata_server", "serve", "--config", str(cfg)],
+                              stdout=subprocess.PIPE, stderr=log, cwd=str(ROOT))
+    if not server.stdout.readline():
+        raise SystemExit(f"the server did not start; see {base / 'server.log'}")
+
+    def start_ranks() -> list[subprocess.Popen]:
+        return [subprocess.Popen([sys.executable, "-c", RANK, str(JOB), sock, str(r), statefile, str(args.mix_every)],
+                                 stderr=log, cwd=str(ROOT)) for r in range(2)]
+
+    ranks = start_ranks()
+    rows: list[dict] = []
+    restarts = 0
+    t0 = time.monotonic()
+    last_restart = t0
+    total = minutes * 60
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=int(total), unit="s", disable=not sys.stdout.isatty(), desc="soak")
+    except ImportError:  # progress is a nicety
+        bar = None
+    try:
+        while (now := time.monotonic()) - t0 < total:
+            time.sleep(args.every)  # the sampling period
+            if any(p.poll() is not None for p in ranks) and now - last_restart > 5:
+                raise SystemExit(f"a rank exited on its own; see {base / 'server.log'}")
+            if time.monotonic() - last_restart > args.restart_every:
+                for p in ranks:
+                    p.send_signal(signal.SIGKILL)
+                    p.wait()
+                ranks = start_ranks()
+                restarts += 1
+                last_restart = time.monotonic()
+            rows.append({"t": time.monotonic() - t0, **sample(server, prefix, sock)})
+            if bar is not None:
+                bar.update(int(args.every))
+            elif len(rows) % 6 == 0:
+                r = rows[-1]
+                print(f"{r['t'] / 60:5.1f} min  PSS {r['pss'] / 2**20:6.1f} MiB  fds {r['fds']}  "
+                      f"shm {r['shm'] / 2**20:.1f} MiB", flush=True)
+    finally:
+        if bar is not None:
+            bar.close()
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        server.terminate()
+        server.wait(60)
+        server.stdout.close()
+        log.close()
+        left = list(Path("/dev/shm").glob(f"{prefix}*"))
+        shutil.rmtree(base, ignore_errors=True)
+    warm = max(60.0, total / 5)
+    steady = [r for r in rows if r["t"] >= warm]
+    ts = [r["t"] for r in steady]
+
+    def growth(key: str) -> float:
+        ys = [r[key] for r in steady]
+        return slope_per_hour(ts, ys) if ys else 0.0
+
+    mean_pss = sum(r["pss"] for r in steady) / max(len(steady), 1)
+    out = {
+        "minutes": minutes, "samples": len(rows), "restarts": restarts,
+        "pss_growth_pct_per_hour": round(100 * growth("pss") / mean_pss, 2) if mean_pss else None,
+        "uss_growth_pct_per_hour": round(100 * growth("uss") / max(1, sum(r["uss"] for r in steady) / len(steady)), 2)
+        if steady else None,
+        "workers_pss_growth_mib_per_hour": round(growth("workers_pss") / 2**20, 2),
+        "pss_warm_mib": round(steady[0]["pss"] / 2**20, 1) if steady else None,
+        "pss_end_mib": round(steady[-1]["pss"] / 2**20, 1) if steady else None,
+        "fd_growth": (steady[-1]["fds"] - steady[0]["fds"]) if steady else None,
+        "threads_growth": (steady[-1]["threads"] - steady[0]["threads"]) if steady else None,
+        "shm_growth_bytes": (steady[-1]["shm"] - steady[0]["shm"]) if steady else None,
+        "max_wait_frac": max((r["wait_frac"] for r in steady if r["wait_frac"] is not None), default=None),
+        "shm_left_after_stop": len(left),
+    }
+    if rows:
+        plot(rows, OUT / "soak.png")
+        print(f"plot: {OUT / 'soak.png'}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

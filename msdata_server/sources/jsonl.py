@@ -4,29 +4,19 @@ is never loaded whole), lines read by offset (pread), parsed with orjson."""
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
 import orjson
 
 from ..errors import ConfigError
+from ._fd import Fd
 from .base import FileSource
 
 __all__ = ["JsonlSource"]
 
 _SCAN_CHUNK = 8 << 20
-
-
-class _Fd:
-    """An open file descriptor read with pread (thread-safe, no shared seek position)."""
-
-    def __init__(self, path: str):
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 def line_index(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -62,8 +52,8 @@ class JsonlSource(FileSource):
         self.ends: list[np.ndarray] = []
         super().__init__(spec, seed=seed)
 
-    def _open(self, path: str) -> _Fd:
-        return _Fd(path)
+    def _open(self, path: str) -> Fd:
+        return Fd(path)
 
     def _scan(self, i: int, path: str) -> np.ndarray:
         try:
@@ -121,7 +111,7 @@ class JsonlSource(FileSource):
                 lines = [block[s - lo : e - lo] for s, e in zip(starts[ok].tolist(), ends[ok].tolist())]
             else:
                 spans = zip(starts[ok].tolist(), ends[ok].tolist())
-                lines = [self._retry(lambda s=s, e=e: os.pread(fd, e - s, s)) for s, e in spans]
+                lines = [self._retry(partial(os.pread, fd, e - s, s)) for s, e in spans]
         except OSError as e:
             reason = self.error_reason(e)
             for k in ok.tolist():

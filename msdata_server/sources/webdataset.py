@@ -15,11 +15,13 @@ import os
 import re
 import tarfile
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
 
 from ..errors import ConfigError
+from ._fd import Fd
 from .base import FileSource
 
 __all__ = ["ShardIndex", "WebDatasetSource", "shard_index", "split_member_name"]
@@ -131,18 +133,6 @@ def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
     )
 
 
-class _Fd:
-    """An open file descriptor read with pread (thread-safe, no shared seek position)."""
-
-    def __init__(self, path: str):
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
 class WebDatasetSource(FileSource):
     """Samples of WebDataset tar shards as ``{extension: bytes}``: the extensions named by ``columns`` (an
     entry "jpg;png" takes the first of them a sample has), or else those that more than half of the samples
@@ -180,8 +170,8 @@ class WebDatasetSource(FileSource):
         self.ext_names: tuple[str, ...] = tuple(names)
         self._wanted_text = [self.columns[k] if self.columns else names[g[0]] for k, g in enumerate(wanted)]
 
-    def _open(self, path: str) -> _Fd:
-        return _Fd(path)
+    def _open(self, path: str) -> Fd:
+        return Fd(path)
 
     def _scan(self, i: int, path: str) -> np.ndarray:
         try:
@@ -245,7 +235,7 @@ class WebDatasetSource(FileSource):
                 parts = [block[o - start : o - start + s] for o, s in zip(offs.tolist(), sizes.tolist())]
             else:  # unselected big members in between: read the wanted ones alone
                 spans = zip(offs.tolist(), sizes.tolist())
-                parts = [self._retry(lambda o=o, s=s: os.pread(fd, s, o)) for o, s in spans]
+                parts = [self._retry(partial(os.pread, fd, s, o)) for o, s in spans]
                 if [len(p) for p in parts] != sizes.tolist():
                     raise EOFError("short read (file changed?)")
         except (OSError, EOFError) as e:

@@ -1,0 +1,19 @@
+"""An open file descriptor read with ``os.pread``: thread-safe (no shared seek position), closed once."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["Fd"]
+
+
+class Fd:
+    """An open file descriptor read with pread (thread-safe, no shared seek position)."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

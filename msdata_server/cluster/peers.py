@@ -2,73 +2,38 @@
 
 Frames as in msdata_client/wire.py: a 4-byte big-endian length and an orjson object with a string "t". A
 payload frame is such an object with ``"nbytes": n`` followed by n raw bytes (never pickle), which the receiver
-reads straight into one buffer. Before anything else both sides prove they hold the shared token: each sends a
-random nonce and answers the other's with HMAC-SHA256(token, role, both nonces, both ids), compared in constant
-time; the roles in the MAC stop a reflected answer. Flow control: a sender awaits drain once the transport
+reads straight into one buffer (``_framing``). Before anything else both sides prove they hold the shared token
+(``_handshake``: HMAC-SHA256 over both nonces, roles and ids). Flow control: a sender awaits drain once the transport
 buffers ``high_water`` bytes (payloads go in chunks, so it never holds more than high_water + CHUNK); a receiver
 stops reading while its handler has more than ``high_water`` bytes queued. A malformed frame closes that link only.
+
+This module holds the link's lifecycle (connect, authenticate, deliver in order, close) and the server that
+accepts links; the bytes on the wire and the proof of the token live in the two modules named above.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import inspect
 import logging
-import os
-import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from msdata_client.wire import MAX_FRAME, decode, encode
+from msdata_client.wire import encode
 
 from ..errors import ClosedError, PeerLostError, ProtocolError
+from ._framing import CHUNK, FrameDecoder, payload_frame
+from ._handshake import AuthError, Handshake, Refusal, check_token, load_token
 
 __all__ = ["AuthError", "CHUNK", "HIGH_WATER", "MAX_PAYLOAD", "PeerLink", "PeerServer", "Traffic", "load_token"]
 
 log = logging.getLogger(__name__)
 
 HIGH_WATER = 8 << 20  # bytes: sender's transport buffer, receiver's queue of unhandled frames
-CHUNK = 1 << 20  # a payload is written in pieces of this size, awaiting drain in between
 MAX_PAYLOAD = 1 << 30  # a larger "nbytes" is a protocol error, not an allocation
 AUTH_TIMEOUT = 5.0
-_MAX_AUTH_FRAME = 4096  # nothing bigger is read from a peer that has not authenticated
-_PROTO = 1
-_LEN = struct.Struct(">I")
 
 Handler = Callable[[str, dict, memoryview | None], Awaitable[None] | None]
-
-
-class AuthError(ProtocolError):
-    """The other side does not hold our shared token (or does not speak the handshake)."""
-
-
-def load_token(path: str) -> bytes:
-    """The shared secret from [cluster] token_file (surrounding whitespace ignored); refuses an empty one."""
-    try:
-        with open(path, "rb") as f:
-            token = f.read().strip()
-    except OSError as e:
-        raise AuthError(f"cannot read [cluster] token_file {path!r}: {e}; create it with a shared secret") from None
-    if len(token) < 16:
-        raise AuthError(f"[cluster] token_file {path!r} holds {len(token)} bytes; use a secret of at least 16 "
-                        "(e.g. `head -c 32 /dev/urandom | base64 > token`)")
-    return token
-
-
-def _mac(token: bytes, role: bytes, *parts: bytes) -> bytes:
-    h = hmac.new(token, role, hashlib.sha256)
-    for p in parts:  # length-prefixed: no two part lists hash alike
-        h.update(_LEN.pack(len(p)) + p)
-    return h.digest()
-
-
-def _check_token(token: bytes | str) -> bytes:
-    token = token.encode() if isinstance(token, str) else bytes(token)
-    if not token:
-        raise AuthError("the shared token is empty; set [cluster] token_file to a file with a secret")
-    return token
 
 
 class Traffic:
@@ -97,27 +62,17 @@ class PeerLink(asyncio.BufferedProtocol):
         if high_water < CHUNK // 16:
             raise ValueError(f"{high_water=} must be >= {CHUNK // 16}")
         self.node_id = node_id
-        self.peer_id: str | None = None
         self.authenticated = False
         self.traffic = traffic if traffic is not None else Traffic()
         self.high_water = high_water
         self.max_payload = max_payload
-        self._token = _check_token(token)
-        self._server = server
+        self._handshake = Handshake(check_token(token), node_id, server=server)
         self._handler = handler
         self._on_ready = on_ready
         self._auth_timeout = auth_timeout
         self._transport: asyncio.Transport | None = None
         self._peername = "?"
-        self._nonce = os.urandom(32)
-        self._their_nonce = b""
-        self._step = 0
-        self._buf = bytearray()
-        self._scratch = memoryview(bytearray(1 << 16))
-        self._payload: bytearray | None = None
-        self._payload_mv: memoryview | None = None
-        self._payload_frame: dict | None = None
-        self._got = 0
+        self._frames = FrameDecoder(max_payload)
         self._inbox: deque[tuple[dict, memoryview | None, int]] = deque()
         self._inbox_bytes = 0
         self._inbox_ready = asyncio.Event()
@@ -131,6 +86,11 @@ class PeerLink(asyncio.BufferedProtocol):
         self.ready: asyncio.Future[PeerLink] = self._loop.create_future()
         self.closed: asyncio.Future[None] = self._loop.create_future()
         self.error: Exception | None = None
+
+    @property
+    def peer_id(self) -> str | None:
+        """The other side's node id (claimed until ``authenticated``)."""
+        return self._handshake.peer_id
 
     def __repr__(self) -> str:
         who = self.peer_id or "unauthenticated"
@@ -160,54 +120,23 @@ class PeerLink(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername")
         self._peername = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._timer = self._loop.call_later(self._auth_timeout, self._auth_expired)
-        if not self._server:
-            self._write(encode({"t": "hello", "v": _PROTO, "node": self.node_id, "nonce": self._nonce.hex()}))
+        if (hello := self._handshake.hello()) is not None:
+            self._write(encode(hello))
 
     def _auth_expired(self) -> None:
         self._fail(AuthError(f"{self!r} did not complete authentication within {self._auth_timeout:g}s"))
 
     def _auth_step(self, frame: dict) -> None:
         """The handshake; any frame out of order is an AuthError."""
-        t = frame["t"]
-        if t == "error" and not self._server:
-            raise AuthError(f"peer {self._peername} refused us: {frame.get('message')}")
         try:
-            if self._server and self._step == 0 and t == "hello":
-                if frame.get("v") != _PROTO:
-                    raise AuthError(f"peer speaks protocol {frame.get('v')!r}, we speak {_PROTO}: upgrade both")
-                self.peer_id = str(frame["node"])
-                self._their_nonce = bytes.fromhex(frame["nonce"])
-                mac = _mac(self._token, b"server", self._their_nonce, self._nonce, self._id_bytes())
-                self._write(encode({"t": "challenge", "v": _PROTO, "node": self.node_id, "nonce": self._nonce.hex(),
-                                    "mac": mac.hex()}))
-            elif not self._server and self._step == 0 and t == "challenge":
-                self.peer_id = str(frame["node"])
-                self._their_nonce = bytes.fromhex(frame["nonce"])
-                want = _mac(self._token, b"server", self._nonce, self._their_nonce, self._id_bytes())
-                if not hmac.compare_digest(want, bytes.fromhex(frame["mac"])):
-                    raise AuthError(f"peer {self._peername} ({self.peer_id!r}) does not hold our token: "
-                                    "check [cluster] token_file on both nodes")
-                mac = _mac(self._token, b"client", self._their_nonce, self._nonce, self._id_bytes())
-                self._write(encode({"t": "auth", "mac": mac.hex()}))
-            elif self._server and self._step == 1 and t == "auth":
-                want = _mac(self._token, b"client", self._nonce, self._their_nonce, self._id_bytes())
-                if not hmac.compare_digest(want, bytes.fromhex(frame["mac"])):
-                    self._write(encode({"t": "error", "message": "authentication failed"}))
-                    raise AuthError(f"peer {self._peername} (claims {self.peer_id!r}) does not hold our token: "
-                                    "check [cluster] token_file on both nodes")
-                self._write(encode({"t": "welcome"}))
-                self._authenticated()
-            elif not self._server and self._step == 1 and t == "welcome":
-                self._authenticated()
-            else:
-                raise AuthError(f"peer {self._peername} sent {t!r} before authenticating (step {self._step})")
-        except (KeyError, ValueError, TypeError) as e:
-            raise AuthError(f"peer {self._peername} sent a malformed handshake frame {t!r}: {e!r}") from None
-        self._step += 1
-
-    def _id_bytes(self) -> bytes:
-        server, client = (self.node_id, self.peer_id) if self._server else (self.peer_id, self.node_id)
-        return f"{server}\0{client}".encode()
+            replies = self._handshake.advance(frame, self._peername)
+        except Refusal as e:
+            self._write(encode(e.notice))
+            raise
+        for reply in replies:
+            self._write(encode(reply))
+        if self._handshake.done:
+            self._authenticated()
 
     def _authenticated(self) -> None:
         self.authenticated = True
@@ -256,24 +185,16 @@ class PeerLink(asyncio.BufferedProtocol):
         The transport may keep a reference to what it could not send yet; so a mutable buffer (anything but
         bytes) is copied piece by piece unless ``copy=False``, which promises it stays unchanged until sent.
         """
-        mv = memoryview(buffer)
-        if not mv.c_contiguous:
-            raise ProtocolError("send_payload needs a C-contiguous buffer; call numpy.ascontiguousarray first")
-        mv = mv.cast("B")
-        n = mv.nbytes
-        if n > self.max_payload:
-            raise ProtocolError(f"payload of {n} bytes exceeds max_payload={self.max_payload}; split it")
+        head, pieces = payload_frame(header, buffer, self.max_payload)
         if copy is None:
             copy = not isinstance(buffer, bytes)
-        head = encode({**header, "nbytes": n})
         async with self._send_lock:
             self._check_open()
             self._write(head)
-            for off in range(0, n, CHUNK):
-                piece = mv[off:off + CHUNK]
+            for piece in pieces:
                 self._write(bytes(piece) if copy else piece)
                 await self._drain()
-            if n == 0:
+            if not pieces:
                 await self._drain()
 
     def pause_writing(self) -> None:
@@ -284,64 +205,26 @@ class PeerLink(asyncio.BufferedProtocol):
 
     # ---- receiving ------------------------------------------------------------------------------------
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._payload_mv is not None:
-            return self._payload_mv[self._got:]
-        return self._scratch
+        return self._frames.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.closed.done() or (self._transport is not None and self._transport.is_closing()):
             return
         self.traffic.bytes_in += nbytes
+        self._frames.received(nbytes)
         try:
-            if self._payload_mv is not None:
-                self._got += nbytes
-                if self._got == len(self._payload_mv):
-                    frame, payload = self._payload_frame, self._payload_mv
-                    self._payload = self._payload_mv = self._payload_frame = None
-                    self._deliver(frame, payload)
-                else:
+            while not self._transport.is_closing():
+                if (got := self._frames.next(trusted=self.authenticated)) is None:
                     return
-            else:
-                self._buf += self._scratch[:nbytes]
-            self._parse()
+                if self.authenticated:
+                    self._deliver(*got)
+                else:
+                    self._auth_step(got[0])
         except ProtocolError as e:
             self._fail(e)
 
-    def _parse(self) -> None:
-        buf = self._buf
-        while len(buf) >= 4 and not self._transport.is_closing():
-            (n,) = _LEN.unpack_from(buf)
-            limit = MAX_FRAME if self.authenticated else _MAX_AUTH_FRAME
-            if n > limit:
-                raise ProtocolError(f"frame length {n} exceeds {limit} bytes"
-                                    f"{'' if self.authenticated else ' before authentication'}: not an msdata peer?")
-            if len(buf) < 4 + n:
-                return
-            frame = decode(bytes(buf[4:4 + n]))
-            del buf[:4 + n]
-            if not self.authenticated:
-                if "nbytes" in frame:
-                    raise AuthError(f"peer {self._peername} sent a payload before authenticating")
-                self._auth_step(frame)
-                continue
-            if "nbytes" not in frame:
-                self._deliver(frame, None, n)
-                continue
-            size = frame["nbytes"]
-            if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= self.max_payload:
-                raise ProtocolError(f"payload frame announces nbytes={size!r}; must be an int in [0, {self.max_payload}]")
-            payload = bytearray(size)
-            take = min(len(buf), size)
-            payload[:take] = buf[:take]
-            del buf[:take]
-            if take == size:
-                self._deliver(frame, memoryview(payload))
-            else:  # the rest is received straight into the payload buffer (get_buffer)
-                self._payload, self._payload_mv, self._payload_frame, self._got = payload, memoryview(payload), frame, take
-                return
-
-    def _deliver(self, frame: dict, payload: memoryview | None, size: int = 0) -> None:
-        size += 0 if payload is None else len(payload)
+    def _deliver(self, frame: dict, payload: memoryview | None, size: int) -> None:
+        """Queue a frame for the handler (``size`` bytes of the queue's bound); pause reading above high water."""
         self._inbox.append((frame, payload, size))
         self._inbox_bytes += size
         self._inbox_ready.set()
@@ -399,15 +282,10 @@ class PeerLink(asyncio.BufferedProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._payload_mv is not None and self.error is None:
-            self.error = ProtocolError(f"peer {self._peername} closed the link mid-payload: got {self._got} of "
-                                       f"{len(self._payload_mv)} announced bytes")
+        if self.error is None and (cut := self._frames.truncation(self._peername)) is not None:
+            self.error = cut
             log.warning("%r: %s", self, self.error)
-        elif self._buf and self.error is None:
-            self.error = ProtocolError(f"peer {self._peername} closed the link inside a frame ({len(self._buf)} "
-                                       "bytes of it arrived)")
-            log.warning("%r: %s", self, self.error)
-        self._payload = self._payload_mv = self._payload_frame = None
+        self._frames.close()
         if not self.ready.done():
             err = self.error or PeerLostError(f"peer {self._peername} closed the link during authentication"
                                               f"{f': {exc}' if exc else ''}")
@@ -440,7 +318,7 @@ class PeerServer:
 
     def __init__(self, *, token: bytes | str, node_id: str, handler: Handler, high_water: int = HIGH_WATER,
                  max_payload: int = MAX_PAYLOAD, auth_timeout: float = AUTH_TIMEOUT, traffic: Traffic | None = None):
-        self._token = _check_token(token)
+        self._token = check_token(token)
         self.traffic = traffic
         self.node_id = node_id
         self.handler = handler

@@ -1,0 +1,140 @@
+"""A SourceLoader's buffer: the batches it read (or is reading), their payloads held until released.
+
+Kept apart from the loader, which decides what to read and when; this module only accounts for what is held.
+Invariants: ``ready`` is the number of payloads present and not released over the batches in the buffer and
+``memory`` their bytes; a batch is dropped once it is filled, holds nothing and all its samples are released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from ._ordinals import Partition
+from .sources.base import BadSample
+
+__all__ = ["ReadBatch", "ReadBuffer"]
+
+
+def _compact(a: np.ndarray) -> np.ndarray:
+    """Token ids held in the read-ahead as uint16 when they fit (byte tokens and vocabularies up to 65536):
+    half the memory of int32 for every sample waiting to be built; constructors widen them anyway."""
+    if a.dtype.kind in "iu" and a.dtype.itemsize > 2 and a.size and int(a.min()) >= 0 and int(a.max()) <= 0xFFFF:
+        return a.astype(np.uint16)
+    return a
+
+
+class ReadBatch:
+    """One batch of ``batch`` consecutive ordinals: filled once by its task, then released sample by sample."""
+
+    __slots__ = ("index", "start", "event", "lengths", "payloads", "released", "held", "nbytes", "error")
+
+    def __init__(self, index: int, start: int, size: int):
+        self.index = index
+        self.start = start
+        self.event = asyncio.Event()
+        self.lengths: np.ndarray | None = None
+        self.payloads: list | None = None
+        self.released = np.zeros(size, dtype=bool)
+        self.held = 0  # payloads present and not released
+        self.nbytes = 0
+        self.error: BaseException | None = None
+
+
+class ReadBuffer:
+    """The batches of one partition by global batch index, and what their payloads hold."""
+
+    def __init__(self, part: Partition):
+        self._part = part
+        self.batches: dict[int, ReadBatch] = {}
+        self.ready = 0
+        self.memory = 0
+
+    def get(self, b: int) -> ReadBatch | None:
+        return self.batches.get(b)
+
+    def __contains__(self, b: int) -> bool:
+        return b in self.batches
+
+    def add(self, b: int) -> ReadBatch:
+        """A new, empty batch of global index b (replacing none: the caller checked)."""
+        bs = ReadBatch(b, b * self._part.batch, self._part.batch)
+        self.batches[b] = bs
+        return bs
+
+    def discard(self, bs: ReadBatch) -> None:
+        """Forget a batch (its read failed) unless another has taken its place."""
+        if self.batches.get(bs.index) is bs:
+            del self.batches[bs.index]
+
+    def fill(self, bs: ReadBatch, results: list) -> None:
+        """Store a batch's transformed samples: lengths of all, payloads of those not released yet."""
+        lengths = np.zeros(len(results), dtype=np.int64)
+        payloads: list = [None] * len(results)
+        held = mem = 0
+        for i, r in enumerate(results):
+            if isinstance(r, BadSample):
+                payloads[i] = r  # kept so tokens() can say why; needs no release
+                bs.released[i] = True
+                continue
+            lengths[i] = len(r)
+            if not bs.released[i]:
+                payloads[i] = r = _compact(r)
+                held += 1
+                mem += r.nbytes
+        bs.lengths, bs.payloads, bs.held, bs.nbytes = lengths, payloads, held, mem
+        if self.batches.get(bs.index) is bs:
+            self.ready += held
+            self.memory += mem
+            if held == 0 and bs.released.all():
+                del self.batches[bs.index]
+
+    def release(self, ords: np.ndarray) -> None:
+        """Free the payloads of ordinals; drop each batch left with none."""
+        blist = ords // self._part.batch
+        for b in np.unique(blist).tolist():
+            bs = self.batches.get(b)
+            if bs is None:
+                continue
+            idx = ords[blist == b] - bs.start
+            idx = idx[~bs.released[idx]]
+            if len(idx) == 0:
+                continue
+            bs.released[idx] = True
+            if bs.payloads is not None:
+                for i in idx.tolist():
+                    p = bs.payloads[i]
+                    if isinstance(p, np.ndarray):
+                        bs.held -= 1
+                        bs.nbytes -= p.nbytes
+                        self.ready -= 1
+                        self.memory -= p.nbytes
+                    bs.payloads[i] = None
+                if bs.held == 0 and bs.released.all():
+                    del self.batches[b]
+
+    def drop_before(self, j: int) -> None:
+        """Drop the batches before local batch j (a seek past them)."""
+        for gb in [gb for gb in self.batches if self._part.local_batch(gb) < j]:
+            bs = self.batches.pop(gb)
+            self.ready -= bs.held
+            self.memory -= bs.nbytes
+
+    def held_ahead(self, high: int) -> int:
+        """Payloads held beyond local sample index ``high`` (the highest asked for)."""
+        n = 0
+        for bs in self.batches.values():
+            if bs.payloads is None or bs.held == 0:
+                continue
+            first = self._part.local_batch(bs.index) * self._part.batch
+            i0 = max(0, high + 1 - first)
+            n += sum(1 for p in bs.payloads[i0:] if isinstance(p, np.ndarray))
+        return n
+
+    def close(self) -> None:
+        """Wake every waiter and drop everything."""
+        for bs in self.batches.values():
+            bs.event.set()
+        self.batches.clear()
+        self.ready = self.memory = 0

@@ -1,0 +1,65 @@
+"""Reading a source's ordinals and transforming them: in the worker pool, or in a thread of this process when
+there is none (or no transform). Kept apart from the loader, which decides what to read and what to hold.
+
+Reads run one at a time, in a thread (they block on files); transforms in the pool run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .sources.base import Source
+from .sources.order import stable_seed
+from .transforms import load_transform, parse_transform_name, run_transform
+
+if TYPE_CHECKING:
+    from .pool import WorkerPool
+
+__all__ = ["SampleReader"]
+
+
+class SampleReader:
+    """Reads and transforms ordinals of one source; the caller owns the source and the pool."""
+
+    def __init__(self, source: Source, pool: WorkerPool | None, transform: str | None, seed: int):
+        self.source = source
+        self.pool = pool
+        self.transform = transform
+        # With a pool the transform is imported only in the workers (it may import heavy libraries the server
+        # must not load, such as torch); without one it runs here, so import it now for a clear error.
+        self._fn = load_transform(transform) if pool is None or transform is None else None
+        if transform is not None:
+            parse_transform_name(transform)
+        self._tseed = stable_seed(seed, source.name, "transform")
+        self._lock: asyncio.Lock | None = None
+
+    async def read(self, ords: np.ndarray) -> tuple[list, list, int]:
+        """(records, transformed samples, bytes read) of ordinals."""
+        if self.pool is None or self.transform is None:
+            async with self._read_lock():
+                return await asyncio.to_thread(self._read_transform, ords)
+        async with self._read_lock():
+            records, nbytes, ids = await asyncio.to_thread(self._read, ords)
+        results = await self.pool.transform(self.transform, records, seed=self._tseed, sample_ids=ids)
+        return records, results, nbytes
+
+    async def transform_once(self, ords: np.ndarray) -> list:
+        """The transformed samples of ordinals, read again."""
+        return (await self.read(ords))[1]
+
+    def _read_lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    def _read(self, ords: np.ndarray) -> tuple[list, int, np.ndarray]:
+        rr = self.source.read_batch(ords)
+        return rr.records, rr.nbytes, self.source.sample_ids(ords)
+
+    def _read_transform(self, ords: np.ndarray) -> tuple[list, list, int]:
+        records, nbytes, ids = self._read(ords)
+        fn = self._fn if self._fn is not None else load_transform(self.transform)  # the pool has no workers
+        return records, run_transform(fn, records, seed=self._tseed, sample_ids=ids), nbytes

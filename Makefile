@@ -5,13 +5,13 @@ BIN := $(VENV)/bin
 # torch is pinned for dev/CI (a CPU build lies on this machine's disk); pyproject admits a range.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test lint venv bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q -e ".[test,bench,lint]"
 	touch $@
 
 venv: $(BIN)/.installed
@@ -21,6 +21,12 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q tests
+
+# ruff (lint, then formatting) and mypy (configured in pyproject.toml); CI runs it before the tests
+lint: venv
+	$(BIN)/ruff check msdata_client msdata_server tests bench examples && \
+		$(BIN)/ruff format --check msdata_client msdata_server tests bench examples && \
+		$(BIN)/mypy
 
 bench: venv
 	$(BIN)/python bench/transport.py --quick

@@ -150,12 +150,11 @@ def data_path(steps: int) -> dict:
     import threading
 
     sys.path.insert(0, str(ROOT))
+    import msdata_client as msd
     from tests.conftest import ServerProc
     from tests.e2e_util import small_job
     from tests.etcd_fixture import EtcdServer
     from tests.test_multinode import Cluster, wait_for
-
-    import msdata_client as msd
 
     spec = small_job("bench", dp=3, seq_len=4096, micro_batches=4, samples=4000, seed=3, prefetch=2,
                      median=(400.0, 900.0))
@@ -227,11 +226,10 @@ def failover_data(ttl: float) -> dict:
     import threading
 
     sys.path.insert(0, str(ROOT))
+    import msdata_client as msd
     import tests.test_multinode as tm
     from tests.e2e_util import small_job
     from tests.etcd_fixture import EtcdServer
-
-    import msdata_client as msd
 
     tm.TTL = ttl  # the Cluster helper writes this lease into node.toml
     spec = small_job("fo", dp=3, samples=4000, seed=5, prefetch=2)
@@ -355,7 +353,8 @@ def main() -> None:
           f"({dpath['three']['peer_bytes_per_batch_byte']:.2f} B per batch byte; ratio three/one nodes "
           f"{dpath['three']['steps_per_s'] / dpath['one']['steps_per_s']:.2f})")
     print(json.dumps({"failover_s": round(statistics.median(fo), 3), "failover_max_s": round(max(fo), 3),
-                      "failover_planned_s": round(fd["planned_s"], 3), "failover_delivered_s": round(fd["delivered_s"], 3),
+                      "failover_planned_s": round(fd["planned_s"], 3),
+                      "failover_delivered_s": round(fd["delivered_s"], 3),
                       "lease_ttl_s": args.ttl, "plan_ms_dp512": round(res[512]["plan_ms"], 2),
                       "plan_ms_dp4096": round(res[4096]["plan_ms"], 2),
                       "plans_per_s_dp4096": round(res[4096]["plans_per_s"], 3),

@@ -71,7 +71,6 @@ def _gen_main(root: str, n_sources: int, part: int = 0, parts: int = 1) -> None:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
-
     from workloads import MANYSOURCES as M
 
     rows = M["row_groups_per_file"] * M["rows_per_row_group"]

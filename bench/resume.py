@@ -81,7 +81,8 @@ def run_ranks(spec, sock, n, state=None, save=False):
 
     def body(r):
         try:
-            with msd.DataClient(spec, endpoint=sock, rank=r, world_size=spec.mesh.world_size, connect_timeout=120) as dc:
+            with msd.DataClient(spec, endpoint=sock, rank=r, world_size=spec.mesh.world_size,
+                                connect_timeout=120) as dc:
                 if state is not None:
                     dc.load_state_dict(state)
                 ds = []

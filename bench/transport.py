@@ -114,7 +114,7 @@ def _producer(sock_path: str, nbytes: int, n: int, readers: int, slots: int, rea
             for f in layouts[1:]:
                 buf[base + f.offset : base + f.offset + 8].view("<i8")[0] = i if f.name == "step" else 0
             table.publish(slot, set(conns))
-            for r, c in conns.items():
+            for c in conns.values():
                 c.send({"t": "batch", "ring": 1, "slot": slot, "base": base, "step": i, "micro": 0, "fields": fields})
         while table.in_use:
             freed.clear()
@@ -191,7 +191,8 @@ class _TensorStream(IterableDataset):
 
 def _torch_reader(nbytes: int, n: int, rank: int, q) -> None:
     torch.set_num_threads(1)
-    dl = DataLoader(_TensorStream(nbytes, n), batch_size=None, num_workers=2, persistent_workers=True, prefetch_factor=4)
+    dl = DataLoader(_TensorStream(nbytes, n), batch_size=None, num_workers=2, persistent_workers=True,
+                    prefetch_factor=4)
     it = iter(dl)
     b = next(it)
     del b
@@ -245,7 +246,8 @@ def main() -> None:
     budget = 256 << 20 if args.quick else 2 << 30  # bytes per arm and size
     memcpy = {k: memcpy_gbps(SIZES[k], 20) for k in ("1m", "16m")}
     memcpy["64m"] = memcpy_gbps(64 << 20, 5)
-    print(f"single-thread memcpy: 1 MiB {memcpy['1m']:.1f} GB/s, 16 MiB {memcpy['16m']:.1f} GB/s, 64 MiB {memcpy['64m']:.1f} GB/s")
+    print(f"single-thread memcpy: 1 MiB {memcpy['1m']:.1f} GB/s, 16 MiB {memcpy['16m']:.1f} GB/s, "
+          f"64 MiB {memcpy['64m']:.1f} GB/s")
     rows = []
     results = {}
     for size in args.sizes.split(","):
@@ -259,7 +261,8 @@ def main() -> None:
                 print(f"  {arm:6s} {size:>4s} readers={readers} batches={n:5d}  {r['gbps']:7.2f} GB/s per reader  "
                       f"next() p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us", flush=True)
     print()
-    print(f"{'size':>5} {'readers':>7} {'msdata GB/s':>12} {'torch GB/s':>11} {'ratio':>7} {'msdata p50 us':>14} {'torch p50 us':>13}")
+    print(f"{'size':>5} {'readers':>7} {'msdata GB/s':>12} {'torch GB/s':>11} {'ratio':>7} "
+          f"{'msdata p50 us':>14} {'torch p50 us':>13}")
     for size in args.sizes.split(","):
         for readers in map(int, args.readers.split(",")):
             m, t = results.get(("msdata", size, readers)), results.get(("torch", size, readers))

@@ -12,7 +12,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["COST", "MANYSOURCES", "TEXT4", "LengthDist", "SyntheticLengths", "Workload", "lengths"]
+__all__ = [
+    "COST",
+    "MANYSOURCES",
+    "TEXT4",
+    "VLM4",
+    "ImageDist",
+    "LengthDist",
+    "SyntheticLengths",
+    "SyntheticVlm",
+    "VlmWorkload",
+    "Workload",
+    "image_sizes",
+    "lengths",
+    "vlm_docs",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,3 +114,119 @@ class SyntheticLengths:
         flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
         lo = start - first * BLOCK
         return flat[lo : lo + count].copy()
+
+
+# -- vlm4: vision-language (bench/vlm.py) -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ImageDist:
+    """A picture document: one image whose side (sqrt of its area) is lognormal(median, sigma) clipped to
+    [64, 4096] pixels, aspect ratio (width / height) exp(normal(0, aspect_sigma)); then text tokens
+    lognormal(text_median, text_sigma), at least 4. Its length: the placeholders, then the text."""
+
+    image_side_median: float
+    image_side_sigma: float
+    aspect_sigma: float
+    text_median: float
+    text_sigma: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VlmWorkload:
+    name: str
+    description: str
+    seq_lens: tuple[int, ...]
+    weights: dict[str, float]  # share of tokens
+    sources: dict[str, ImageDist | LengthDist]
+    patch: int
+    merge: int  # merge x merge patches -> one placeholder token
+    min_pixels: int
+    max_pixels: int  # larger images are resized down, aspect kept (smart_resize)
+    cost: dict[str, float]  # backbone alpha, beta over the whole sequence; encoder alpha_v, beta_v per image
+
+
+VLM4 = VlmWorkload(
+    name="vlm4",
+    description="vision-language: image-caption pairs, document images, two text sources (bench/vlm.py)",
+    seq_lens=(8192, 16384),
+    weights={"caption": 0.35, "docimg": 0.15, "web": 0.35, "code": 0.15},
+    sources={
+        "caption": ImageDist(image_side_median=512, image_side_sigma=0.5, aspect_sigma=0.35, text_median=40,
+                             text_sigma=0.6),
+        "docimg": ImageDist(image_side_median=1280, image_side_sigma=0.4, aspect_sigma=0.35, text_median=400,
+                            text_sigma=0.8),
+        "web": LengthDist(median=900, sigma=1.0, min=16),
+        "code": LengthDist(median=2000, sigma=1.0, min=16),
+    },
+    patch=14,
+    merge=2,
+    min_pixels=3136,  # 56 x 56
+    max_pixels=1048576,  # 1024 x 1024
+    cost={"alpha": 1.0, "beta": 4096.0, "alpha_v": 1.0, "beta_v": 2048.0},
+)
+
+SIDE_MIN, SIDE_MAX = 64, 4096
+
+
+def image_sizes(dist: ImageDist, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(height, width) in pixels of n images drawn from `dist`."""
+    side = np.clip(rng.lognormal(np.log(dist.image_side_median), dist.image_side_sigma, n), SIDE_MIN, SIDE_MAX)
+    aspect = np.exp(rng.normal(0.0, dist.aspect_sigma, n))
+    h = np.maximum(1, np.rint(side / np.sqrt(aspect))).astype(np.int64)
+    w = np.maximum(1, np.rint(side * np.sqrt(aspect))).astype(np.int64)
+    return h, w
+
+
+def vlm_docs(workload: VlmWorkload, name: str, n: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
+    """int64 [2, n]: each document's length in tokens and its image's patches (0: text), as the vlm transform
+    would make them (smart_resize with factor patch * merge; placeholders = patches / merge**2)."""
+    from msdata_server.transforms import smart_resize
+
+    dist = workload.sources[name]
+    if isinstance(dist, LengthDist):
+        return np.stack([lengths(dist, n, seq_len, rng), np.zeros(n, np.int64)])
+    h, w = image_sizes(dist, n, rng)
+    text = np.maximum(4, np.rint(rng.lognormal(np.log(dist.text_median), dist.text_sigma, n))).astype(np.int64)
+    f = workload.patch * workload.merge
+    patches = np.empty(n, np.int64)
+    for i, (hh, ww) in enumerate(zip(h.tolist(), w.tolist())):
+        th, tw = smart_resize(hh, ww, factor=f, min_pixels=workload.min_pixels, max_pixels=workload.max_pixels)
+        patches[i] = (th // workload.patch) * (tw // workload.patch)
+    return np.stack([patches // (workload.merge**2) + text, patches])
+
+
+class SyntheticVlm:
+    """A MetadataView with `vision` over a VlmWorkload: a pure function of (seed, source, ordinal)."""
+
+    def __init__(self, workload: VlmWorkload, seq_len: int, *, seed: int = 0):
+        self.workload, self.seq_len, self.seed = workload, seq_len, seed
+        self.names = tuple(workload.sources)
+        self._blocks: dict[tuple[int, int], np.ndarray] = {}
+
+    def _block(self, source: int, block: int) -> np.ndarray:
+        got = self._blocks.get((source, block))
+        if got is None:
+            name = self.names[source]
+            rng = np.random.Generator(np.random.PCG64(_seed(self.seed, self.workload.name, name, block)))
+            got = vlm_docs(self.workload, name, BLOCK, self.seq_len, rng)
+            if len(self._blocks) > 4096:
+                self._blocks.clear()
+            self._blocks[(source, block)] = got
+        return got
+
+    def _range(self, source: int, start: int, count: int) -> np.ndarray:
+        first, last = start // BLOCK, (start + count - 1) // BLOCK if count else start // BLOCK
+        parts = [self._block(source, b) for b in range(first, last + 1)]
+        flat = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        lo = start - first * BLOCK
+        return flat[:, lo : lo + count]
+
+    def lengths(self, source: int, start: int, count: int) -> np.ndarray:
+        return self._range(source, start, count)[0].copy()
+
+    def vision(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(images per sample, patches per image): one image per picture document, none for text."""
+        patches = self._range(source, start, count)[1]
+        images = (patches > 0).astype(np.int64)
+        return images, patches[patches > 0].copy()

@@ -29,7 +29,7 @@ __all__ = [
 _IMPORT_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
 
 
-class Choice(str, Enum):
+class Choice(str, Enum):  # noqa: UP042 (StrEnum would change str() and format() of every member)
     """Base of the tables below: a member is its value (a str), and `parse` refuses anything else."""
 
     @classmethod
@@ -72,6 +72,9 @@ class CostKind(Choice):
     """Built-in per-document costs ([balance] cost); any other cost is a 'module:function' path."""
 
     ATTENTION = "attention"  # alpha * len**2 + beta * len
+    # two stages balanced at once: backbone alpha * len**2 + beta * len, vision encoder
+    # alpha_v * p**2 + beta_v * p per image of p patches
+    VLM = "vlm"
 
 
 class LongDocs(Choice):

@@ -24,6 +24,7 @@ from .errors import (
     ClosedError,
     ConfigError,
     ConnectError,
+    MsdataError,
     PeerLostError,
     ProtocolError,
     RemoteError,
@@ -37,14 +38,16 @@ __all__ = ["Batch", "DataClient"]
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 2
-_ERRORS = {"ConfigError": ConfigError, "CheckpointError": CheckpointError, "ProtocolError": ProtocolError,
-           "PeerLostError": PeerLostError}  # refusals a rank can act on (PeerLostError: retry)
+# refusals a rank can act on (PeerLostError: retry)
+_ERRORS: dict[str, type[MsdataError]] = {"ConfigError": ConfigError, "CheckpointError": CheckpointError,
+                                         "ProtocolError": ProtocolError, "PeerLostError": PeerLostError}
 
 
 class Batch(dict):
     """A micro-batch: dict[str, torch.Tensor] whose tensors view one ring slot."""
 
     __slots__ = ("_finalizer", "__weakref__")
+    _finalizer: weakref.finalize  # returns the slot (set by DataClient; slots give it no default)
 
 
 def _env_int(name: str) -> int | None:
@@ -114,7 +117,7 @@ class DataClient:
         self.node: str | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
-    def __enter__(self) -> "DataClient":
+    def __enter__(self) -> DataClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -196,7 +199,9 @@ class DataClient:
             planner = state["planner"]
             layout = state["layout"]
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError("state lacks 'position', 'layout' or 'planner'; it is truncated or malformed") from None
+            raise CheckpointError(
+                "state lacks 'position', 'layout' or 'planner'; it is truncated or malformed"
+            ) from None
         if step < 0 or micro < 0:
             raise CheckpointError(f"state position {pos} is negative")
         if planner is None:  # saved before the job started: the beginning
@@ -234,27 +239,26 @@ class DataClient:
         """Send a request and wait for its reply; batch notices that arrive meanwhile wait for next()."""
         if self._closed:
             raise ClosedError("DataClient is closed")
-        if self._sock is None:
-            self._connect()
+        sock = self._connection()
         self._req_id += 1
         rid = self._req_id
         frame = dict(frame, id=rid)
         with self._send_lock:
-            self._sock.sendall(encode(frame))
+            sock.sendall(encode(frame))
         while True:
-            f = self._recv_frame(on_reconnect=lambda: self._sock.sendall(encode(frame)))
+            f = self._recv_frame(on_reconnect=lambda: self._connection().sendall(encode(frame)))
             t = f["t"]
             if t == "batch":
                 self._pending.append(f)
             elif t == reply and f.get("id") == rid:
                 return f
             elif t == "refused" and f.get("id") == rid:
-                raise _ERRORS.get(f.get("kind"), RemoteError)(f.get("message", "refused"))
+                raise _ERRORS.get(f.get("kind", ""), RemoteError)(f.get("message", "refused"))
             else:
                 self._control(f)
 
     # ---- iteration -----------------------------------------------------------------------------------------
-    def __iter__(self) -> "DataClient":
+    def __iter__(self) -> DataClient:
         return self
 
     def __next__(self) -> Batch:
@@ -302,7 +306,8 @@ class DataClient:
         if "step" not in batch:  # the server writes them into the slot; a producer that does not, gets them here
             batch["step"] = torch.tensor(step, dtype=torch.int64)
             batch["micro"] = torch.tensor(micro, dtype=torch.int64)
-        batch._finalizer = weakref.finalize(owner, _release_cb, weakref.ref(self), rm, ring, slot, start, end, self._gen)
+        batch._finalizer = weakref.finalize(owner, _release_cb, weakref.ref(self), rm, ring, slot, start, end,
+                                            self._gen)
         del owner, arrays
         micro += 1
         if micro >= self.spec.micro_batches:
@@ -380,7 +385,7 @@ class DataClient:
                 return frame
             self._flush_releases()  # about to wait: the server gets our releases first
             try:
-                recv_into_reader(self._sock, self._reader)
+                recv_into_reader(self._connection(), self._reader)
             except (PeerLostError, OSError) as e:
                 log.warning("lost the msdata server at %s (%s); reconnecting at step %d micro %d",
                             self.endpoint, e, self._step, self._micro)
@@ -389,7 +394,11 @@ class DataClient:
                 if on_reconnect is not None:
                     on_reconnect()
 
-    def _connect(self) -> None:
+    def _connection(self) -> socket.socket:
+        """The socket to the server, connecting (and registering) first when there is none."""
+        return self._sock if self._sock is not None else self._connect()
+
+    def _connect(self) -> socket.socket:
         deadline = time.monotonic() + self.connect_timeout
         delay = 0.02
         last: Exception | None = None
@@ -402,9 +411,9 @@ class DataClient:
                 s.close()
                 last = e
                 if time.monotonic() + delay > deadline:
-                    raise ConnectError(f"no msdata server answered at {self.endpoint!r} within {self.connect_timeout:.0f}s "
-                                       f"({type(last).__name__}: {last}); start one with `msdata-server serve` or point "
-                                       f"{ENDPOINT_ENV} at its socket") from None
+                    raise ConnectError(f"no msdata server answered at {self.endpoint!r} within "
+                                       f"{self.connect_timeout:.0f}s ({type(last).__name__}: {last}); start one with "
+                                       f"`msdata-server serve` or point {ENDPOINT_ENV} at its socket") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
         self._sock = s
@@ -415,6 +424,7 @@ class DataClient:
                  "state": self._loaded, "resume": self._received}
         with self._send_lock:
             s.sendall(encode(hello))
+        return s
 
 
 def _release_cb(client_ref, rm: RingMap, ring: int, slot: int, start: int, end: int, gen: int) -> None:

@@ -89,7 +89,7 @@ class FieldLayout:
         return [self.name, self.dtype, list(self.shape), self.offset]
 
     @classmethod
-    def from_wire(cls, w) -> "FieldLayout":
+    def from_wire(cls, w) -> FieldLayout:
         name, dtype, shape, offset = w
         return cls(str(name), str(dtype), tuple(int(x) for x in shape), int(offset))
 

@@ -15,7 +15,9 @@ def import_callable(what: str, path: str, module: str, name: str) -> Callable:
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
-        raise ConfigError(f"{what} {path!r}: cannot import module {module!r} ({e}); is it installed and on sys.path?") from None
+        raise ConfigError(
+            f"{what} {path!r}: cannot import module {module!r} ({e}); is it installed and on sys.path?"
+        ) from None
     fn = getattr(mod, name, None)
     if not callable(fn):
         raise ConfigError(f"{what} {path!r}: module {module!r} has no function {name!r}")

@@ -60,13 +60,15 @@ def zigzag_index(seq_len: int, cp: int) -> np.ndarray:
     return idx
 
 
-def field_specs(*, rows: int, seq_len: int, n_pieces: int, n_segments: int, cp: int = 1) -> list[tuple[str, str, tuple]]:
+def field_specs(
+    *, rows: int, seq_len: int, n_pieces: int, n_segments: int, cp: int = 1
+) -> list[tuple[str, str, tuple]]:
     """(name, dtype, shape) of every array a micro-batch needs in its slot.
 
     With cp > 1 each row field is stored once per CP rank, as ``{name}@{i}`` of shape [rows, seq_len/cp],
     so every CP rank maps one contiguous array and nothing is copied on the reader's side.
     """
-    specs = []
+    specs: list[tuple[str, str, tuple]] = []
     for name in ROW_FIELDS:
         if cp == 1:
             specs.append((name, np.dtype(_DTYPES[name]).str, (rows, seq_len)))

@@ -136,6 +136,6 @@ def start_point(ranks: Mapping[int, RankStart], layout: dict) -> StartPoint:
     resumed = [r.position for r in ranks.values() if r.resume]
     if resumed:
         low = min(resumed)
-        positions = {k: tuple(r.position) if r.resume else (low[0], 0) for k, r in ranks.items()}
-        return StartPoint(positions=positions, load_at=low[0])  # type: ignore[arg-type]
+        positions = {k: (r.position[0], r.position[1]) if r.resume else (low[0], 0) for k, r in ranks.items()}
+        return StartPoint(positions=positions, load_at=low[0])
     return StartPoint(positions={k: (0, 0) for k in ranks}, clear=True)

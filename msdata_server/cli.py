@@ -91,7 +91,8 @@ def _cmd_status(args) -> int:
     try:
         f = request(endpoint, {"t": "status"})
     except OSError as e:
-        print(f"msdata-server status: no server at {endpoint!r} ({e}); is `msdata-server serve` running?", file=sys.stderr)
+        print(f"msdata-server status: no server at {endpoint!r} ({e}); is `msdata-server serve` running?",
+              file=sys.stderr)
         return 2
     st = f.get("status", {})
     if args.json:
@@ -137,11 +138,13 @@ def _format_status(st: dict) -> str:
         lines.append("no jobs")
     for j in jobs:
         imb = j.get("imbalance")
-        lines.append(f"job {j['name']} [{j['state']}] ranks {len(j['ranks'])}/{j['world_size']}  steps {j['steps_planned']}  "
+        lines.append(f"job {j['name']} [{j['state']}] ranks {len(j['ranks'])}/{j['world_size']}  "
+                     f"steps {j['steps_planned']}  "
                      f"{j['micro_batches_per_s']:.1f} micro-batches/s  {j['bytes_per_s'] / 1e9:.2f} GB/s  "
                      f"imbalance {imb if imb is None else f'{imb:.3f}'}")
         for r in j.get("rings", []):
-            lines.append(f"  ring {r['ring']} group {r['group']}: {r['in_use']}/{r['slots']} slots of {r['slot_size'] >> 10} KiB in use")
+            lines.append(f"  ring {r['ring']} group {r['group']}: {r['in_use']}/{r['slots']} slots of "
+                         f"{r['slot_size'] >> 10} KiB in use")
         for name, s in j.get("sources", {}).items():
             lines.append(f"  source {name}: " + ", ".join(f"{k}={v}" for k, v in s.items() if not isinstance(v, dict)))
         if j.get("error"):
@@ -156,7 +159,8 @@ def _cmd_validate(args) -> int:
     if os.path.exists(d) and not os.access(d, os.W_OK):
         raise MsdataError(f"socket directory {d!r} is not writable by this user; choose another [node] socket")
     if cfg.cluster is not None and not os.path.exists(cfg.cluster.token_file):
-        raise MsdataError(f"[cluster] token_file {cfg.cluster.token_file!r} does not exist; create it with a shared secret")
+        raise MsdataError(f"[cluster] token_file {cfg.cluster.token_file!r} does not exist; "
+                          "create it with a shared secret")
     if args.job:
         from msdata_client.graph import DGraph
 

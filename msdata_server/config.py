@@ -80,7 +80,8 @@ class NodeConfig:
             raise ConfigError(f'[node] metrics = {self.metrics!r} must be a string "HOST:PORT" ("" turns it off)')
         if self.metrics:
             parse_host_port(self.metrics, "metrics")
-        if not self.shm_prefix or not all(c.isalnum() or c in "_" for c in self.shm_prefix) or len(self.shm_prefix) > 16:
+        prefix = self.shm_prefix
+        if not prefix or not all(c.isalnum() or c in "_" for c in prefix) or len(prefix) > 16:
             raise ConfigError(f"[node] shm_prefix = {self.shm_prefix!r} must be 1-16 letters, digits or '_'")
         _int("node", "workers", self.workers, 0, 1024)
         _int("node", "ring_slots", self.ring_slots, 2, 1024)
@@ -146,8 +147,8 @@ def parse_config(doc: dict, *, base_dir: str | None = None) -> ServerConfig:
         v = node_t.get(key)
         if isinstance(v, str) and v and base_dir and not os.path.isabs(v):
             node_t[key] = os.path.join(base_dir, v)
-    for key, typ in (("id", str), ("socket", str), ("listen", str), ("shm_prefix", str), ("state_dir", str), ("log_level", str),
-                      ("log_format", str), ("metrics", str)):
+    for key, typ in (("id", str), ("socket", str), ("listen", str), ("shm_prefix", str), ("state_dir", str),
+                      ("log_level", str), ("log_format", str), ("metrics", str)):
         if key in node_t and not isinstance(node_t[key], typ):
             raise ConfigError(f"[node] {key} = {node_t[key]!r} must be a string")
     node = NodeConfig(**node_t)

@@ -98,7 +98,7 @@ def _rank_main(job_dict: dict, endpoint: str, rank: int, world: int, steps: int,
             w0 = time.perf_counter()
             b = next(dc)
             waits.append(time.perf_counter() - w0)
-            for k, v in b.items():
+            for v in b.values():
                 nbytes += v.numel() * v.element_size()
                 v.sum()  # touch every byte, as a trainer copying to the GPU would
             tokens += int((b["tokens"] != spec.pad_id).sum())
@@ -239,7 +239,8 @@ def _summary(spec, steps, done, status, peak_pss, data) -> None:
         ("micro-batches delivered (all ranks)", f"{batches}"),
         ("micro-batches / s (all ranks)", f"{batches / seconds:.1f}"),
         ("GB/s delivered to trainer processes", f"{nbytes / seconds / 1e9:.2f}"),
-        ("tokens / s (useful, per DP group)", f"{sum(d['tokens'] for d in done.values()) / spec.mesh.tp / seconds:,.0f}"),
+        ("tokens / s (useful, per DP group)",
+         f"{sum(d['tokens'] for d in done.values()) / spec.mesh.tp / seconds:,.0f}"),
         ("next() wait p50 (us)", f"{np.median([d['wait_p50_us'] for d in done.values()]):.0f}"),
         ("DP imbalance, msdata planner (max/mean cost)", "n/a" if imb is None else f"{imb:.3f}"),
         ("DP imbalance, plain per-rank loader", f"{base:.3f}"),

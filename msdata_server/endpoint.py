@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from msdata_client.wire import FrameReader, encode
 
-from .errors import ConfigError
+from .errors import ClosedError, ConfigError
 
 __all__ = ["ClientConn", "UnixEndpoint"]
 
@@ -166,7 +166,8 @@ class UnixEndpoint:
         if os.path.exists(self.path):
             mode = os.lstat(self.path).st_mode
             if not stat.S_ISSOCK(mode):
-                raise ConfigError(f"{self.path!r} exists and is not a socket; remove it or choose another [node] socket")
+                raise ConfigError(f"{self.path!r} exists and is not a socket; "
+                                  "remove it or choose another [node] socket")
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(self.path)
@@ -174,8 +175,8 @@ class UnixEndpoint:
                 os.unlink(self.path)  # stale: its server is gone
                 log.info("removed stale socket %s", self.path)
             else:
-                raise ConfigError(f"another msdata server is already listening on {self.path!r}; stop it or use another "
-                                  "[node] socket")
+                raise ConfigError(f"another msdata server is already listening on {self.path!r}; "
+                                  "stop it or use another [node] socket")
             finally:
                 probe.close()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -192,6 +193,8 @@ class UnixEndpoint:
         """Accept clients until cancelled; each connection's handler is a task owned by ``tasks``."""
         loop = asyncio.get_running_loop()
         while True:
+            if self.sock is None:
+                raise ClosedError("the endpoint has no socket: call bind() before serve(), and not after close()")
             conn_sock, _ = await loop.sock_accept(self.sock)
             conn_sock.setblocking(False)
             self._next_id += 1

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import time
+from typing import TYPE_CHECKING, Protocol
 
 from msdata_client.graph import JobSpec
 from msdata_client.wire import PROTOCOL_VERSION
@@ -24,9 +25,22 @@ from .ops.sdnotify import Notifier
 from .shm import cleanup
 from .tasks import TaskSet
 
+if TYPE_CHECKING:
+    from .cluster.jobs import ClusterJobs
+    from .cluster.runtime import ClusterNode
+    from .pool import WorkerPool
+
 __all__ = ["NodeServer"]
 
 log = logging.getLogger(__name__)
+
+
+class JobStarter(Protocol):
+    """Who starts jobs: a ``LocalStarter`` on one node, the cluster job layer (``ClusterJobs``) in a cluster."""
+
+    async def ranks_changed(self, job: Job) -> None:
+        """A rank of this job came or went, or the job closed: start it (or report it) when its time comes."""
+        ...
 
 
 class NodeServer:
@@ -38,10 +52,10 @@ class NodeServer:
         self.pending: dict[str, Job] = {}  # a new run of a job whose previous run is still winding down
         self.tasks = TaskSet("node")
         self.endpoint = UnixEndpoint(config.node.socket, self._handle)
-        self.pool = None
-        self.cluster = None  # a ClusterNode when node.toml has [cluster] (msdata_server.cluster.runtime)
-        self.cluster_jobs = None  # its job layer (msdata_server.cluster.jobs.ClusterJobs)
-        self.starter = None  # who starts jobs: a LocalStarter, or the cluster job layer
+        self.pool: WorkerPool | None = None
+        self.cluster: ClusterNode | None = None  # when node.toml has [cluster]
+        self.cluster_jobs: ClusterJobs | None = None  # its job layer
+        self._starter: JobStarter | None = None  # set by start()
         self.started = time.monotonic()
         self.ready = asyncio.Event()
         self.notifier = Notifier()  # systemd: READY, WATCHDOG from this loop, STOPPING (no-ops without systemd)
@@ -50,6 +64,13 @@ class NodeServer:
         self._stopping = asyncio.Event()
         self.failure: BaseException | None = None  # set by fatal(): the CLI exits non-zero
         self._closed = False
+
+    @property
+    def starter(self) -> JobStarter:
+        """Who starts jobs here (set by ``start()``, before the first client can register one)."""
+        if self._starter is None:
+            raise RuntimeError("the node server has no job starter yet; call start() first")
+        return self._starter
 
     @property
     def role(self) -> str:
@@ -68,16 +89,15 @@ class NodeServer:
             self.pool = WorkerPool(cfg.workers, shm_prefix=cfg.shm_prefix)
             await self.pool.start()
         if self.config.cluster is not None:
-            from .cluster.runtime import ClusterNode
-
             from .cluster.jobs import ClusterJobs
+            from .cluster.runtime import ClusterNode
 
             self.cluster = ClusterNode(self.config, on_fatal=self.fatal)
             await self.cluster.start()
-            self.cluster_jobs = self.starter = ClusterJobs(self)
+            self.cluster_jobs = self._starter = ClusterJobs(self)
             await self.cluster_jobs.start()
         else:
-            self.starter = LocalStarter(pool=self.pool, state_dir=cfg.state_path, ring_slots=cfg.ring_slots)
+            self._starter = LocalStarter(pool=self.pool, state_dir=cfg.state_path, ring_slots=cfg.ring_slots)
         self.tasks.spawn(self.endpoint.serve(self.tasks), name="accept")
         if cfg.metrics:  # a bad address or a port in use is a ConfigError (the CLI prints it)
             self.metrics_server, self.metrics_port = await start_metrics_server(cfg.metrics, self.status)
@@ -158,7 +178,8 @@ class NodeServer:
             raise ProtocolError("hello sent twice on one connection")
         v = frame.get("v")
         if v != PROTOCOL_VERSION:
-            raise ProtocolError(f"client speaks protocol {v!r}, this server {PROTOCOL_VERSION}; upgrade msdata on one side")
+            raise ProtocolError(f"client speaks protocol {v!r}, this server {PROTOCOL_VERSION}; "
+                                "upgrade msdata on one side")
         try:
             spec = JobSpec.from_dict(frame["job"])
             rank, world = int(frame["rank"]), int(frame["world_size"])
@@ -178,9 +199,10 @@ class NodeServer:
         if job is not None and job.digest != digest:
             live = job.ranks.live_ranks()
             if live:
-                raise ConfigError(f"job {spec.name!r} is running here with another definition (digest {job.digest[:12]}, "
-                                  f"yours {digest[:12]}) and {len(live)} rank(s) connected; every rank must register the "
-                                  "same job: stop the old run or give the new job another name")
+                raise ConfigError(f"job {spec.name!r} is running here with another definition "
+                                  f"(digest {job.digest[:12]}, yours {digest[:12]}) and {len(live)} rank(s) connected; "
+                                  "every rank must register the same job: stop the old run or give the new job "
+                                  "another name")
             self.forget(job)
             await job.aclose()
             job = None

@@ -184,7 +184,7 @@ def _touch(mm: mmap.mmap, total: int) -> None:
 
 def list_segments(directory: str = SHM_DIR) -> list[tuple[str, dict]]:
     """Every msdata segment visible in /dev/shm with its owner record (recognised by the magic header)."""
-    out = []
+    out: list[tuple[str, dict]] = []
     try:
         names = sorted(os.listdir(directory))
     except OSError:

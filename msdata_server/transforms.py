@@ -15,9 +15,9 @@ import functools
 import io
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -54,6 +54,16 @@ class _Bad(BadSampleError):
         self.reason = reason
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _without_rng(fn: _F) -> _F:
+    """Mark a transform that ignores ``rng``: it gets ``rng=None`` and no generator is built per sample."""
+    fn.needs_rng = False  # type: ignore[attr-defined]  # functions take attributes; Callable does not say so
+    return fn
+
+
+@_without_rng
 def byte_tokens(record, **_) -> np.ndarray:
     """Text -> its UTF-8 bytes as int32 ids 0..255, then EOS 256. Invalid UTF-8 raises BadSampleError."""
     if isinstance(record, str):
@@ -75,9 +85,7 @@ def byte_tokens(record, **_) -> np.ndarray:
     return out
 
 
-byte_tokens.needs_rng = False
-
-
+@_without_rng
 def identity(record, **_) -> np.ndarray:
     """The transform of ``transform = None``: records that already are token arrays (synthetic, pre-tokenized)."""
     if isinstance(record, np.ndarray):
@@ -89,8 +97,6 @@ def identity(record, **_) -> np.ndarray:
         f"no transform for a {type(record).__name__} record; set transform (e.g. msdata_server.transforms:byte_tokens)",
     )
 
-
-identity.needs_rng = False
 
 
 def hf_tokenizer(path: str, *, eos: int | None = None, add_special_tokens: bool = False) -> Callable:
@@ -106,6 +112,7 @@ def hf_tokenizer(path: str, *, eos: int | None = None, add_special_tokens: bool 
     except Exception as e:
         raise ConfigError(f"hf_tokenizer: cannot load tokenizer file {path!r}: {e}") from None
 
+    @_without_rng
     def tokenize(record, **_) -> np.ndarray:
         if isinstance(record, (bytes, bytearray, memoryview)):
             try:
@@ -119,7 +126,6 @@ def hf_tokenizer(path: str, *, eos: int | None = None, add_special_tokens: bool 
             ids.append(eos)
         return np.asarray(ids, dtype=np.int32)
 
-    tokenize.needs_rng = False
     return tokenize
 
 
@@ -265,6 +271,7 @@ def vlm(
     per_token = merge * merge
     row = 3 * patch * patch
 
+    @_without_rng
     def transform(record, **_) -> VlmSample:
         if not isinstance(record, Mapping):
             raise _Bad(
@@ -294,7 +301,6 @@ def vlm(
         pv = np.concatenate([p.values for p in pixels]) if pixels else np.zeros((0, row), dtype=np.uint8)
         return VlmSample(tokens, pv, grid)
 
-    transform.needs_rng = False
     return transform
 
 

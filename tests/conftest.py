@@ -94,7 +94,7 @@ class ServerProc:
         self.proc: subprocess.Popen | None = None
         self.ready: dict | None = None
 
-    def start(self, timeout: float = 60.0) -> "ServerProc":
+    def start(self, timeout: float = 60.0) -> ServerProc:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.proc is not None and self.proc.stdout:
             self.proc.stdout.close()

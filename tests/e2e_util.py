@@ -54,7 +54,8 @@ def run_ranks(spec, endpoint, n, ranks=None, *, keep=False, timeout=60.0, states
 
     def body(r):
         try:
-            with msd.DataClient(spec, endpoint=endpoint, rank=r, world_size=spec.mesh.world_size, connect_timeout=30) as dc:
+            with msd.DataClient(spec, endpoint=endpoint, rank=r, world_size=spec.mesh.world_size,
+                                connect_timeout=30) as dc:
                 if states is not None and r in states:
                     dc.load_state_dict(states[r])
                 recs, bs = [], []

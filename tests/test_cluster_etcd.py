@@ -8,8 +8,7 @@ import secrets
 
 import pytest
 
-from msdata_server.cluster import (Compare, Etcd, EtcdError, EtcdUnavailable, Fence, LeaderElection, Membership,
-                                   Op)
+from msdata_server.cluster import Compare, Etcd, EtcdError, EtcdUnavailable, Fence, LeaderElection, Membership, Op
 from msdata_server.config import ClusterConfig, NodeConfig, ServerConfig
 from msdata_server.errors import ClosedError, ConfigError
 
@@ -246,7 +245,7 @@ class Log:
     def assert_never_two_leaders(self) -> None:
         assert self.max_leaders <= 1
         iv = self.intervals(self.loop.time())
-        for (s0, e0, w0, t0), (s1, e1, w1, t1) in zip(iv, iv[1:]):
+        for (_s0, e0, w0, t0), (s1, _e1, w1, t1) in zip(iv, iv[1:]):
             assert e0 <= s1, f"{w0} led until {e0:.3f} but {w1} from {s1:.3f}: {iv}"
             assert t1 >= t0, f"token went back from {t0} to {t1}: {iv}"
 

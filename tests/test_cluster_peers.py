@@ -97,7 +97,7 @@ def test_wrong_token_is_rejected_both_ways(loop, caplog):
             # a client that answers the challenge wrongly (it saw the server's proof but cannot make its own)
             r, w = await asyncio.open_connection("127.0.0.1", port)
             w.write(frame({"t": "hello", "v": 1, "node": "mallory", "nonce": "00" * 32}))
-            challenge = orjson.loads((await r.readexactly(struct.unpack(">I", await r.readexactly(4))[0])))
+            challenge = orjson.loads(await r.readexactly(struct.unpack(">I", await r.readexactly(4))[0]))
             assert challenge["t"] == "challenge"
             w.write(frame({"t": "auth", "mac": "00" * 32}))
             w.write(frame({"t": "work", "x": 1}))  # must never reach the handler

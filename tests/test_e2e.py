@@ -81,7 +81,8 @@ def test_cp_slices_reassemble(server_factory):
         full = kept_full[0][i]["tokens"]
         re = torch.empty_like(full)
         for c in range(2):
-            re[:, torch.from_numpy(idx[c])] = kept[spec.mesh.rank(spec.mesh.coord(0).__class__(pp=0, dp=0, cp=c, tp=0))][i]["tokens"]
+            rank = spec.mesh.rank(spec.mesh.coord(0).__class__(pp=0, dp=0, cp=c, tp=0))
+            re[:, torch.from_numpy(idx[c])] = kept[rank][i]["tokens"]
         assert torch.equal(re, full)
         assert torch.equal(kept[0][i]["cu_seqlens"], kept_full[0][i]["cu_seqlens"])
 

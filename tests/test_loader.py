@@ -18,7 +18,6 @@ from msdata_server import loader as loader_mod
 from msdata_server.errors import BadSampleError, ClosedError, ConfigError, MsdataError
 from msdata_server.loader import SourceLoader
 from msdata_server.pool import WorkerPool
-
 from msdata_server.sources import BadSample, ReadResult, open_source
 from msdata_server.sources.synthetic import SyntheticSource
 from msdata_server.transforms import byte_tokens

@@ -29,7 +29,8 @@ def long_doc_job(long_docs: str, *, tp: int = 2) -> msd.JobSpec:
     g.source("chat", "synthetic", samples=30000, median=40.0, sigma=0.8, min_len=4, max_len=256)
     g.source("web", "synthetic", samples=30000, median=150.0, sigma=1.0, min_len=4, max_len=2048)
     g.source("code", "synthetic", samples=30000, median=300.0, sigma=1.0, min_len=4, max_len=2048)
-    g.mix({"chat": 0.3, "web": 0.5, "code": 0.2}).pack(128, rows=1, micro_batches=3, long_docs=long_docs).balance("karmarkar_karp")
+    g.mix({"chat": 0.3, "web": 0.5, "code": 0.2}).pack(128, rows=1, micro_batches=3, long_docs=long_docs)
+    g.balance("karmarkar_karp")
     g.mesh(dp=2, tp=tp).prefetch(2)
     return g.plan()
 

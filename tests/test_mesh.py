@@ -41,7 +41,8 @@ def test_bad_axis_size(axis, bad):
 
 @pytest.mark.parametrize(
     "order",
-    [("pp", "dp", "cp"), ("pp", "dp", "cp", "tp", "tp"), ("pp", "dp", "dp", "tp"), ("pp", "dp", "cp", "ep"), (1, 2, 3, 4)],
+    [("pp", "dp", "cp"), ("pp", "dp", "cp", "tp", "tp"), ("pp", "dp", "dp", "tp"), ("pp", "dp", "cp", "ep"),
+     (1, 2, 3, 4)],
 )
 def test_bad_order(order):
     with pytest.raises(ConfigError, match=r"must name each of \['pp', 'dp', 'cp', 'tp'\] exactly once"):

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from msdata_client.wire import request
 from msdata_server.cluster.peers import AuthError, PeerLink

@@ -62,7 +62,8 @@ def test_planner_marks_the_last_piece_of_every_document():
         plan = planner.plan_step(View())
         for s, o, f in zip(plan.source.tolist(), plan.ordinal.tolist(), plan.last.tolist()):
             seen.setdefault((s, o), []).append((plan.step, f))
-    carried = {(s, o) for s, o in zip(planner.state_dict()["carry"]["source"], planner.state_dict()["carry"]["ordinal"])}
+    carry = planner.state_dict()["carry"]
+    carried = {(s, o) for s, o in zip(carry["source"], carry["ordinal"])}
     for key, occ in seen.items():
         steps = sorted({st for st, _ in occ})
         spanning += len(steps) > 1

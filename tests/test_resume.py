@@ -46,8 +46,8 @@ def interrupted(endpoint, spec_a, k, spec_b, n_b, mixture=None):
     state = saved[0]
     json.dumps(state)  # JSON-serialisable
     b_saved = {}
-    b = run_ranks(spec_b, endpoint, n_b * spec_b.micro_batches, states={r: state for r in range(spec_b.mesh.world_size)},
-                  saved=b_saved)
+    b = run_ranks(spec_b, endpoint, n_b * spec_b.micro_batches,
+                  states={r: state for r in range(spec_b.mesh.world_size)}, saved=b_saved)
     return a, b, state, b_saved
 
 

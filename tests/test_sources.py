@@ -246,7 +246,8 @@ def test_paths_dirs_globs_and_hidden_files(tmp_path):
     (tmp_path / "d" / "notes.txt").write_text("x")
     write_jsonl(tmp_path / "c.jsonl", ["c"])
     src = open_source(
-        SourceSpec(name="p", format="jsonl", paths=(str(tmp_path / "d"), str(tmp_path / "*.jsonl"), str(tmp_path / "c.jsonl"))),
+        SourceSpec(name="p", format="jsonl",
+                   paths=(str(tmp_path / "d"), str(tmp_path / "*.jsonl"), str(tmp_path / "c.jsonl"))),
         seed=0,
     )
     assert [os.path.relpath(p, tmp_path) for p in src.paths] == ["d/b.jsonl", "d/sub/a.jsonl", "c.jsonl"]
@@ -367,7 +368,8 @@ def test_invalid_utf8_in_a_parquet_string_column(tmp_path):
 def test_pretokenized_list_column(tmp_path):
     docs = [[1, 2, 3], [4], list(range(100))]
     pq.write_table(pa.table({"ids": pa.array(docs, type=pa.list_(pa.int32()))}), tmp_path / "t.parquet")
-    src = open_source(SourceSpec(name="t", format="parquet", paths=(str(tmp_path),), column="ids", transform=None), seed=0)
+    src = open_source(SourceSpec(name="t", format="parquet", paths=(str(tmp_path),), column="ids", transform=None),
+                      seed=0)
     recs = src.read(np.arange(3))
     assert sorted(r.tolist() for r in recs) == sorted(docs)
     assert all(isinstance(r, np.ndarray) for r in recs)

@@ -4,7 +4,7 @@ Used only with a [cluster] table in node.toml; a single node is its own leader a
 """
 
 from .election import Fence, LeaderElection, Membership
-from .etcd import Compare, Etcd, EtcdError, EtcdUnavailable, Event, KV, Op, TxnResult
+from .etcd import KV, Compare, Etcd, EtcdError, EtcdUnavailable, Event, Op, TxnResult
 from .peers import AuthError, PeerLink, PeerServer, load_token
 
 __all__ = [

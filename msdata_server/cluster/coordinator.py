@@ -48,7 +48,7 @@ def _pick(entries: list[tuple[str, dict]], keep) -> dict[str, dict]:
 class Coordinator:
     """All job coordinators of this node while it leads; the latest report of every node."""
 
-    def __init__(self, jobs):
+    def __init__(self, jobs) -> None:
         self.jobs = jobs
         self.reports: dict[str, dict] = {}  # node -> its latest "jobs" report
         self.coords: dict[str, JobCoordinator] = {}
@@ -78,7 +78,7 @@ class Coordinator:
 
     def coordinating(self, frame: dict) -> JobCoordinator | None:
         """The coordinator of the run a frame names, while we lead it."""
-        c = self.coords.get(frame.get("digest")) if self.leading else None  # type: ignore[arg-type]
+        c = self.coords.get(frame.get("digest", "")) if self.leading else None
         return c if c is not None and c.run_id == frame.get("run") else None
 
     def on_frame(self, frame: dict) -> None:
@@ -86,7 +86,7 @@ class Coordinator:
             self.reports[str(frame["node"])] = frame
             self.evaluate()
             return
-        c = self.coords.get(frame.get("digest"))
+        c = self.coords.get(frame.get("digest", ""))
         if c is None or frame.get("run") != c.run_id:
             return  # about a run that ended (or another leader's): nothing to do
         if frame["t"] == "ack":
@@ -128,9 +128,9 @@ class Coordinator:
                 self.ended[digest] = c
         live = set(self.jobs.live_nodes())
         for digest, entries in by.items():
-            c = self.coords.get(digest)
-            if c is not None:
-                c.update(c.own(entries, adopt=True))
+            running = self.coords.get(digest)
+            if running is not None:
+                running.update(running.own(entries, adopt=True))
                 continue
             runs = sorted({str(j["run"]) for _, j in entries if j.get("run") and j["ranks"]})
             if runs:  # a run in progress whose leader died: resume it once every live node has reported
@@ -140,7 +140,7 @@ class Coordinator:
                     log.warning("job %s: nodes report ranks of %d runs (%s); resuming %s", entries[0][1]["name"],
                                 len(runs), runs, runs[0])
                 rid = runs[0]
-                per = _pick(entries, lambda _n, j: j.get("run") == rid or (not j.get("run") and _resuming(j)))
+                per = _pick(entries, lambda _n, j: j.get("run") == rid or (not j.get("run") and _resuming(j)))  # noqa: B023 (_pick calls it at once)
                 resume = True
             else:
                 rid = uuid.uuid4().hex[:16]
@@ -235,7 +235,7 @@ class JobCoordinator:
             return
         changed = False
         for nid, j in per.items():
-            for r, info in j["ranks"].items():
+            for r in j["ranks"]:
                 if self.rank_nodes.get(int(r)) != nid:
                     self.rank_nodes[int(r)] = nid
                     changed = True
@@ -245,6 +245,8 @@ class JobCoordinator:
             self.tasks.spawn(self._rejoin(per), name="rejoin")
 
     async def _rejoin(self, per: dict[str, dict]) -> None:
+        if self.start_frame is None:
+            return  # not started (update() checks it too)
         positions = dict(self.start_frame["positions"])
         for j in per.values():
             for r, info in j["ranks"].items():
@@ -270,7 +272,7 @@ class JobCoordinator:
         return int(self.jobs.cluster.election.token or 0)
 
     # ---- start --------------------------------------------------------------------------------------------
-    async def _start_state(self, per: dict[str, dict], resume: bool) -> tuple[dict | None, dict[str, list[int]]]:
+    async def _start_state(self, per: dict[str, dict], resume: bool) -> tuple[dict | None, dict[int, list[int]]]:
         ranks = {int(r): info for j in per.values() for r, info in j["ranks"].items()}
         positions = {r: list(info["pos"]) for r, info in ranks.items()}
         if resume:  # the previous leader died: continue from the lowest step a node still lacks
@@ -330,6 +332,13 @@ class JobCoordinator:
         return run.shard.nparts if run is not None and run.id == self.run_id else None
 
     # ---- planning -------------------------------------------------------------------------------------------
+    @property
+    def _planning(self) -> Planner:
+        """The planner of this run (set when it starts planning; a mixture change replaces it)."""
+        if self.planner is None:
+            raise ClosedError(f"job {self.spec.name}: the run has not started planning")
+        return self.planner
+
     async def _plan_loop(self, planner: Planner) -> None:
         loop = asyncio.get_running_loop()
         run = self.jobs.runs.get(self.digest)  # our own jstart went through the same handler, synchronously
@@ -339,7 +348,7 @@ class JobCoordinator:
         window = self.spec.prefetch_steps + 1
         self.planner = planner
         while not self.stopped:
-            while not self.stopped and self.planner.step > self.low_ack() + window:
+            while not self.stopped and self._planning.step > self.low_ack() + window:
                 self.acked.clear()
                 await self.acked.wait()
             if self.stopped:
@@ -350,7 +359,7 @@ class JobCoordinator:
 
     async def _plan_one(self, view) -> bool:
         """Plan, record and send one step (under the plan lock); False once we no longer lead."""
-        planner = self.planner
+        planner = self._planning
         step = planner.step
         state = planner.state_dict()
         # the fenced etcd write overlaps the planning (no plan leaves before its state is stored)

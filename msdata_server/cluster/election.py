@@ -24,7 +24,7 @@ import orjson
 
 from ..errors import ClosedError, ConfigError
 from ..tasks import TaskSet
-from .etcd import Compare, Etcd, EtcdError, EtcdUnavailable, KV, Op
+from .etcd import KV, Compare, Etcd, EtcdError, EtcdUnavailable, Op
 
 __all__ = ["Fence", "LeaderElection", "Membership", "run_callbacks"]
 
@@ -371,6 +371,7 @@ class LeaderElection:
             try:
                 res = await self.etcd.txn([Compare(self.key, "create", "==", 0)],
                                           [Op.put(self.key, self.node_id, lease=lease)], [Op.get(self.key)])
+                kv: KV | None
                 if res.succeeded:
                     kv = KV(key=self.key.encode(), value=self.node_id.encode(), create_revision=res.revision,
                             mod_revision=res.revision, version=1, lease=lease)

@@ -14,7 +14,7 @@ import base64
 import logging
 import math
 import ssl as _ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
@@ -149,7 +149,12 @@ class Compare:
     def to_json(self) -> dict:
         target, field = _TARGETS[self.target]
         v = self.value
-        value = _b64(_b(v)) if self.target == "value" else str(int(v))
+        if self.target != "value":
+            value = str(int(v))
+        elif isinstance(v, int):
+            raise ValueError(f"Compare on a key's value takes bytes or str, got {v!r}")
+        else:
+            value = _b64(_b(v))
         return {"key": _b64(_b(self.key)), "target": target, "result": _RESULTS[self.op], field: value}
 
 
@@ -467,7 +472,7 @@ class Etcd:
 
     # ---- watch ----------------------------------------------------------------------------------------
     async def watch(self, key: Key, *, prefix: bool = False, start_revision: int | None = None,
-                    prev_kv: bool = False) -> AsyncIterator[list[Event]]:
+                    prev_kv: bool = False) -> AsyncGenerator[list[Event], None]:
         """Yield ``[]`` once etcd has created the watch (a readiness signal), then each batch of events.
 
         Runs on its own connection until the caller closes the iterator (``contextlib.aclosing``); raises

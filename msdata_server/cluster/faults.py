@@ -22,7 +22,7 @@ ENV = "MSDATA_TEST_FAULTS"
 
 
 class _Faults:
-    def __init__(self, jobs):
+    def __init__(self, jobs) -> None:
         self.jobs = jobs
         self.node_id = jobs.node_id
         self.drop: dict[tuple[str, str], int] = {}  # (frame type, node) -> frames still to lose
@@ -30,11 +30,12 @@ class _Faults:
         self._send = jobs.rpc.send
 
     async def send(self, nid: str, frame: dict, payload=None) -> None:
-        t = frame.get("t")
+        t = frame.get("t", "")
         if self.drop.get((t, nid), 0) > 0:
             self.drop[(t, nid)] -= 1
             if t == "plan":
-                log.warning("node %s: test fault: dropped the plan of step %s to %s", self.node_id, frame.get("step"), nid)
+                log.warning("node %s: test fault: dropped the plan of step %s to %s", self.node_id,
+                            frame.get("step"), nid)
             else:
                 log.warning("node %s: test fault: dropped a mixcut (cut %s) to %s", self.node_id, frame.get("cut"), nid)
             return

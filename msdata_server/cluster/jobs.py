@@ -60,7 +60,7 @@ class ClusterJobs:
 
     Also the node's job starter in a cluster (``ranks_changed``): the leader decides when a job starts."""
 
-    def __init__(self, node):
+    def __init__(self, node) -> None:
         self.node = node
         self.cluster = node.cluster
         self.node_id = node.config.node.id
@@ -298,8 +298,8 @@ class ClusterJobs:
             if frame["t"] == "len":
                 s = int(frame["s"])
                 parts = [await run.shard.serve_lengths(s, int(a), int(n)) for a, n in frame["spans"]]
-                buf = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-                await self.rpc.reply(frame, {}, buf.astype("<i8", copy=False).tobytes())
+                lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+                await self.rpc.reply(frame, {}, lengths.astype("<i8", copy=False).tobytes())
             else:
                 docs = await run.shard.serve_tokens(np.asarray(frame["s"], np.int64), np.asarray(frame["o"], np.int64))
                 head, buf = pack_docs(docs)

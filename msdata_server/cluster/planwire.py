@@ -55,7 +55,7 @@ def decode_plan(header: dict, payload) -> StepPlan:
                           **{k: type_(header[k]) for k, type_ in zip(_SCALARS, (float, float, float, int, int, float,
                                                                                  float))})
         return StepPlan(step=int(header["step"]), source=got["source"], ordinal=got["ordinal"], offset=got["offset"],
-                        length=got["length"], group=got["group"], micro=got["micro"], row=got["row"], last=got["last"], stats=stats,
-                        bounds=got["bounds"])
+                        length=got["length"], group=got["group"], micro=got["micro"], row=got["row"],
+                        last=got["last"], stats=stats, bounds=got["bounds"])
     except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError(f"malformed plan frame for step {header.get('step')!r}: {e}") from None

@@ -42,11 +42,11 @@ class LeaderReports:
             if job.state == "closed":
                 continue
             run = self.runs.get(job.digest)
-            mine = run is not None and run.inst == job.inst  # this registration is part of that run
+            mine = run if run is not None and run.inst == job.inst else None  # this registration is in that run
             jobs.append({"name": job.name, "digest": job.digest, "spec": job.spec.to_dict(),
-                         "ranks": job.ranks.report(), "inst": job.inst, "run": run.id if mine else None,
-                         "running": mine, "next": run.next_step if mine else None,
-                         "fed": run.fed_step if mine else None})
+                         "ranks": job.ranks.report(), "inst": job.inst, "run": mine.id if mine is not None else None,
+                         "running": mine is not None, "next": mine.next_step if mine is not None else None,
+                         "fed": mine.fed_step if mine is not None else None})
         return {"t": "jobs", "node": self.node_id, "jobs": jobs}
 
     async def push(self) -> None:

@@ -75,7 +75,8 @@ class PeerRpc:
 
     def answered(self, frame: dict, payload) -> None:
         """A ``rep`` frame arrived: complete its request."""
-        _, fut = self._waiting.get(frame.get("id"), (None, None))
+        waiting = self._waiting.get(frame.get("id", -1))
+        fut = waiting[1] if waiting is not None else None
         if fut is not None and not fut.done():
             fut.set_result((frame, None if payload is None else bytes(payload)))
 

@@ -161,7 +161,8 @@ class ClusterNode:
                 log.warning("ignoring malformed registration of %r", nid)
         old = self.members
         self.members = members
-        if set(old) != set(members) or any(old[i].get("listen") != members[i].get("listen") for i in old if i in members):
+        moved = any(old[i].get("listen") != members[i].get("listen") for i in old if i in members)
+        if set(old) != set(members) or moved:
             log.info("node %s: members %s", self.node_id, sorted(members))
             self.members_changed.set()
         for nid in list(self.links):
@@ -177,7 +178,7 @@ class ClusterNode:
             return
         t = self._tasks.spawn(self._dial(nid), name=f"dial-{nid}")
         self._dialing[nid] = t
-        t.add_done_callback(lambda _t, nid=nid: self._dialing.pop(nid, None))
+        t.add_done_callback(lambda _t: self._dialing.pop(nid, None))
 
     async def _dial(self, nid: str) -> None:
         """Connect to a member, at the address its current registration gives, until linked or it leaves."""
@@ -201,12 +202,15 @@ class ClusterNode:
                             link.peer_id, nid)
                 await link.aclose()
                 continue
-            self.links[nid] = link
-            link.closed.add_done_callback(lambda _f, nid=nid, link=link: self._link_gone(nid, link))
             log.info("node %s: linked to peer %s at %s", self.node_id, nid, listen)
-            for cb in list(self.on_link):  # frames sent while the link was down are lost: let the job layer resend
-                cb(nid)
+            self._linked(nid, link)
             return
+
+    def _linked(self, nid: str, link: PeerLink) -> None:
+        self.links[nid] = link
+        link.closed.add_done_callback(lambda _f: self._link_gone(nid, link))
+        for cb in list(self.on_link):  # frames sent while the link was down are lost: let the job layer resend
+            cb(nid)
 
     def _link_gone(self, nid: str, link: PeerLink) -> None:
         if self.links.get(nid) is link:

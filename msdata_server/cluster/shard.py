@@ -25,7 +25,7 @@ from ..errors import (
 from ..job.payloads import loader_figures
 from ..job.pieces import PieceRefs, hold_figures
 from ..loader import SourceLoader
-from ..sources import open_source
+from ..sources import Source, open_source
 from .placement import partition_costs, place_sources
 
 __all__ = ["BLOCK", "JobShard", "ShardPayloads"]
@@ -45,8 +45,8 @@ class JobShard:
         self.run = run  # the run id peers' requests name
         self.nparts = nparts
         self.loaders: dict[tuple[int, int], SourceLoader] = {}
-        self._sources: dict[tuple[int, int], object] = {}
-        self._ids_src: dict[int, object] = {}  # one opened source per source for sample ids
+        self._sources: dict[tuple[int, int], Source] = {}
+        self._ids_src: dict[int, Source] = {}  # one opened source per source for sample ids
         self._opening: dict[tuple[int, int], asyncio.Task] = {}
         self.refs = PieceRefs()  # payloads of partitions here held for planned pieces (per building node)
         self.cursor: list[int] | None = None  # where new loaders seek to (a recent planner position)
@@ -184,7 +184,7 @@ class JobShard:
             results = await asyncio.gather(*(self._fetch_from(nid, idx, src, ords) for nid, idx in by.items()),
                                            return_exceptions=True)
             lost = None
-            for (nid, idx), r in zip(by.items(), results):
+            for idx, r in zip(by.values(), results):
                 if retryable(r):
                     lost = r
                     continue
@@ -280,7 +280,7 @@ class JobShard:
         self._ids_src.clear()
 
 
-def retryable(e: BaseException) -> bool:
+def retryable(e: object) -> bool:
     """Whether a failed request for payloads or lengths is worth sending again once placement settles: the
     owner is gone or not ready (it closed a loader, its run had not started), the reply was garbled, or a
     read failed (transient errors are retried; ARCHITECTURE §4.5). A peer that failed on our request (RemoteError)

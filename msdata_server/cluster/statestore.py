@@ -63,7 +63,9 @@ class EtcdStateStore:
         try:
             return best[0], orjson.loads(best[1])
         except orjson.JSONDecodeError as e:
-            raise CheckpointError(f"planner state of step {best[0]} in etcd ({self._key(best[0])}) is corrupt: {e}")
+            raise CheckpointError(
+                f"planner state of step {best[0]} in etcd ({self._key(best[0])}) is corrupt: {e}"
+            ) from None
 
     async def clear(self) -> None:
         """Forget every saved state of this job run (a new run starts from its own beginning)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 
 import numpy as np
 
@@ -119,12 +120,13 @@ class Constructor:
         ring, slot = await self.rings.acquire(nbytes)
         try:
             out = ring.views(slot, layouts)
-            kw = dict(rows=spec.rows, seq_len=spec.seq_len, pad_id=spec.pad_id, cp=self.cp, step=pos.step,
-                      micro=pos.micro, scratch=scratch)
+            build = partial(build_micro_batch, out, pieces, rows=spec.rows, seq_len=spec.seq_len, pad_id=spec.pad_id,
+                            cp=self.cp, step=pos.step, micro=pos.micro, scratch=scratch)
             if nbytes >= THREAD_BUILD_BYTES:
-                await asyncio.to_thread(build_micro_batch, out, pieces, **kw)
+                await asyncio.to_thread(build)
             else:
-                build_micro_batch(out, pieces, **kw)
+                build()
+            del build
             del out
         except BaseException:
             ring.table.abandon(slot)

@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 from msdata_client.spec import JobSpec
 
@@ -125,7 +126,7 @@ class Job:
             grp = Group(index=g, readers=readers, queue=StepQueue(spec.prefetch_steps), committed=self.start_step - 1)
             if any(r in self.ranks.conns for r in readers):  # read here: rings and a constructor
                 grp.rings = RingSet(self._ring_cfg, job=self.name, group=g, ids=self._ring_ids,
-                                    announce=lambda f, fds, rs=readers: self.ranks.send(rs, f, fds))
+                                    announce=partial(self.ranks.send, readers))
                 await grp.rings.open(est)
             self.groups.append(grp)
         self.state = "running"
@@ -154,7 +155,7 @@ class Job:
             self._distributing = plan
             queued = True
             for grp in local:
-                if not await grp.queue.put(plan, lambda: not feed.stale(plan, epoch)):
+                if not await grp.queue.put(plan, lambda: not feed.stale(plan, epoch)):  # noqa: B023 (put() calls it before it returns)
                     queued = False  # a mixture change cut this step: the feed hands it out again
                     break
             self._distributing = None

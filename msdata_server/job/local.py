@@ -49,7 +49,8 @@ class LocalPlanFeed:
 
     async def next(self) -> tuple[StepPlan, int]:
         if self._view is None:
-            self._view = ThreadView(self.payloads.lengths, asyncio.get_running_loop(), closed="job closed while planning")
+            self._view = ThreadView(self.payloads.lengths, asyncio.get_running_loop(),
+                                    closed="job closed while planning")
         async with self._lock:
             planner = self.planner
             step = planner.step
@@ -81,7 +82,7 @@ class LocalPlanFeed:
                 self.payloads.unplanned(p)
             self.cuts.record(cut)
             self.planner = planner
-            await asyncio.to_thread(self.store.save, cut, self.history.get(cut))
+            await asyncio.to_thread(self.store.save, cut, planner.state_dict())  # the state rebase recorded
         log.info("job %s: mixture %s from step %d (%d planned steps re-planned)", self.name, weights, cut, len(dropped))
         return cut
 

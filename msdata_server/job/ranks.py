@@ -65,7 +65,8 @@ class RankRegistry:
             raise ConfigError(f"rank {rank} says world_size={world_size} but job {name!r} has a mesh of {ws} ranks "
                               f"({self.mesh.to_dict()}); make WORLD_SIZE and the [mesh] agree")
         if not 0 <= rank < ws:
-            raise ConfigError(f"rank {rank} is outside the world of job {name!r} (world_size={ws}); ranks are 0..{ws - 1}")
+            raise ConfigError(f"rank {rank} is outside the world of job {name!r} (world_size={ws}); "
+                              f"ranks are 0..{ws - 1}")
         old = self.conns.get(rank)
         if old is not None and not old.gone():
             raise ConfigError(f"rank {rank} of job {name!r} is already connected (pid {old.pid}); "

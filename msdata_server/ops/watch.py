@@ -104,13 +104,15 @@ def _job(j: Mapping[str, Any]) -> list[str]:
                          f"{_pct(detail[worst].get('wait_frac'))}")
     sources = j.get("sources") or {}
     if sources:
-        lines.append(f"  {'source':<18} {'rate/s':>9} {'read':>10} {'held/bound':>13} {'fill':>5} {'bad':>6} {'err':>5}")
+        lines.append(f"  {'source':<18} {'rate/s':>9} {'read':>10} {'held/bound':>13} {'fill':>5} "
+                     f"{'bad':>6} {'err':>5}")
         for name, s in sources.items():
             held = s.get("held", s.get("ready", "-"))
             bound = s.get("held_bound", s.get("readahead", "-"))
             bad = sum((s.get("bad_samples") or {}).values())
             lines.append(f"  {_clip(str(name), 18):<18} {_f(s.get('samples_per_s'), '.1f'):>9} "
-                         f"{_bytes(s.get('bytes_read')):>10} {f'{held}/{bound}':>13} {_f(s.get('buffer_fill'), '.2f'):>5} "
+                         f"{_bytes(s.get('bytes_read')):>10} {f'{held}/{bound}':>13} "
+                         f"{_f(s.get('buffer_fill'), '.2f'):>5} "
                          f"{bad:>6} {s.get('errors', '-'):>5}")
     groups: dict[Any, list[int]] = {}
     for r in j.get("rings") or []:

@@ -6,6 +6,7 @@ numpy only: no I/O, no asyncio, no torch. The node server runs `Planner.plan_ste
 from .balance import Method, Placement, place
 from .cost import attention_cost, load_cost_fn, make_cost
 from .layout import Layout
+from .lengths import VisionView
 from .mixture import Interpolate, Mixture
 from .pack import LongDocs, next_fit, pieces
 from .partition import greedy_partition, kk_partition
@@ -23,6 +24,7 @@ __all__ = [
     "Planner",
     "PlannerConfig",
     "StepPlan",
+    "VisionView",
     "attention_cost",
     "greedy_partition",
     "kk_partition",

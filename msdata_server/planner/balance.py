@@ -20,9 +20,9 @@ from msdata_client.choices import Method
 
 from .layout import Layout
 from .pack import next_fit
-from .partition import kk_partition
-from .refine import consolidate, refine
+from .refine import CONSOLIDATE_PASSES, consolidate, refine
 from .rows import Rows, order_by
+from .stages import place_stages
 
 __all__ = ["Layout", "Method", "Placement", "method_of", "place"]
 
@@ -30,7 +30,7 @@ __all__ = ["Layout", "Method", "Placement", "method_of", "place"]
 # at 16k tokens it covers dp 64 (~150 long pieces), not dp 512 (~1200, some 50 ms more).
 KK_BUDGET = 1 << 17
 REFINE_ITERS = 32  # bounded refinement: move/swap passes that lower the costliest rank
-CONSOLIDATE_PASSES = 4  # rounds of trading left-over pieces (see refine.consolidate)
+STAGE_ITERS = 64  # with two stages: stages.refine_stages passes per step, plus one per DP rank
 
 
 def method_of(value: str) -> Method:
@@ -56,6 +56,7 @@ def place(
     method: Method | str = Method.KARMARKAR_KARP,
     priority: int = 0,
     tolerance: float | None = 0.01,
+    vision: np.ndarray | None = None,
 ) -> Placement:
     """Place pieces into the rows of `layout`; a piece that does not fit gets rank -1 (the caller carries it).
 
@@ -70,12 +71,20 @@ def place(
     baseline. `tolerance`: no rank takes a piece that lifts its cost above (1 + tolerance) x the mean
     expected when the longest pieces fill the step (never below the costliest piece), leaving padding
     on a rank that a long document would otherwise make the straggler; None: never pad on purpose.
+
+    `vision` (the "vlm" cost): each piece's vision-encoder cost, while `costs` are the backbone's; both
+    stages are balanced at once by stages.place_stages. Placement.rank_cost and micro_cost stay the backbone's.
     """
     method = method_of(method) if isinstance(method, str) else method
     lengths = np.asarray(lengths, dtype=np.int64)
     costs = np.asarray(costs, dtype=np.float64)
     if method is Method.NONE:
         return _arrival(lengths, costs, layout)
+    if vision is not None:
+        budget = KK_BUDGET if method is Method.KARMARKAR_KARP else 0
+        st = place_stages(lengths, costs, np.asarray(vision, dtype=np.float64), layout, priority=priority,
+                          tolerance=tolerance, kk_budget=budget, iters=STAGE_ITERS + layout.dp)
+        return _result(st)
     st = Rows(lengths, costs, layout)
     n = lengths.size
     desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
@@ -92,13 +101,8 @@ def place(
         rate = st.rate()
         long = costs[rest] - lengths[rest] * rate > 0
         big = rest[long]
-        if big.size and big.size * layout.dp <= KK_BUDGET:
-            # project with the rate of the shorter pieces, which will fill the rest of the rows
-            short = rest[~long]
-            fill = float(costs[short].sum()) / max(int(lengths[short].sum()), 1)
-            loads = st.rcost + st.rtok * fill
-            ranks = kk_partition(costs[big] - lengths[big] * fill, layout.dp, loads)
-            failed = _on_ranks(st, big, ranks)
+        failed = st.partition_long(big, rest[~long], KK_BUDGET)
+        if failed is not None:
             keep = np.ones(n, bool)
             keep[big] = False
             keep[failed] = True
@@ -108,25 +112,12 @@ def place(
     for _ in range(CONSOLIDATE_PASSES):
         if not consolidate(st, priority):
             break
+    return _result(st)
+
+
+def _result(st: Rows) -> Placement:
     rank, slot, rank_cost, micro_cost = st.result()
     return Placement(rank=rank, slot=slot, rank_cost=rank_cost, micro_cost=micro_cost)
-
-
-def _on_ranks(st: Rows, idx: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-    """Place pieces on given ranks, each rank's longest first; returns the pieces that did not fit."""
-    if idx.size == 0:
-        return idx
-    o = np.lexsort((idx, -st.L[idx], ranks))
-    idx, ranks = idx[o], ranks[o]
-    starts = np.flatnonzero(np.r_[True, ranks[1:] != ranks[:-1]])
-    nth = np.arange(idx.size) - np.repeat(starts, np.diff(np.r_[starts, idx.size]))
-    failed = []
-    for j in range(int(nth.max()) + 1):
-        sel = np.flatnonzero(nth == j)
-        rate = st.rate()
-        bad = st.put(idx[sel], ranks[sel], rate)
-        failed.append(idx[sel][bad])
-    return np.concatenate(failed)
 
 
 def _arrival(lengths: np.ndarray, costs: np.ndarray, layout: Layout) -> Placement:

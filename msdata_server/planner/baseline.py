@@ -13,18 +13,23 @@ import numpy as np
 
 from .cost import attention_cost
 from .pack import LongDocs, next_fit, pieces
+from .vlm_cost import VlmCost
 
 __all__ = ["per_rank_steps"]
 
-Draw = Callable[[int, int, np.random.Generator], np.ndarray]  # (source index, n, rng) -> n lengths
+# (source index, n, rng) -> n lengths; with `vlm`, int64 [3, n]: lengths, image patches, patches squared
+Draw = Callable[[int, int, np.random.Generator], np.ndarray]
 
 
 def per_rank_steps(draw: Draw, weights: Mapping[str, float], mean_len: Mapping[str, float], *, seq_len: int,
                    dp: int, micro_batches: int, rows: int, steps: int, seed: int, alpha: float = 1.0,
-                   beta: float = 4096.0) -> list[dict]:
+                   beta: float = 4096.0, vlm: VlmCost | None = None) -> list[dict]:
     """Simulate `steps` steps of per-rank packing; per step: imbalance (max/mean cost), padding, tokens, max_cost.
 
     Sources are drawn per document with probability weight/mean_len, so token shares follow the mixture.
+    With `vlm` (two stages: its alpha and beta are the backbone's, and `alpha`/`beta` are not used), a
+    document's encoder cost goes with its first piece, cost is both stages' per rank, and each step also
+    has backbone_imbalance, encoder_imbalance, max_backbone and max_encoder (a step takes the sum of the two).
     """
     names = list(weights)
     w = np.array([weights[n] for n in names], dtype=np.float64)
@@ -32,29 +37,47 @@ def per_rank_steps(draw: Draw, weights: Mapping[str, float], mean_len: Mapping[s
     p /= p.sum()
     k = micro_batches * rows
     rngs = [np.random.default_rng([seed, 1, r]) for r in range(dp)]
-    pending = [np.zeros(0, np.int64) for _ in range(dp)]
+    pending = [np.zeros((2, 0) if vlm else 0, np.float64 if vlm else np.int64) for _ in range(dp)]
     out = []
     for _ in range(steps):
         cost = np.zeros(dp)
+        enc = np.zeros(dp)
         tokens = 0
         for r in range(dp):
             rng = rngs[r]
             need = k * seq_len
-            docs = [pending[r]]
-            have = int(pending[r].sum())
+            docs = []
+            have = int(pending[r][0].sum() if vlm else pending[r].sum())
             while have < need + seq_len:  # enough to fill every row
                 src = rng.choice(len(names), size=64, p=p)
-                lens = np.concatenate([draw(s, int((src == s).sum()), rng) for s in range(len(names))])
-                lens = lens[rng.permutation(lens.size)]  # arrival order interleaves sources
+                lens = np.concatenate([draw(s, int((src == s).sum()), rng) for s in range(len(names))], axis=-1)
+                lens = lens[..., rng.permutation(lens.shape[-1])]  # arrival order interleaves sources
                 docs.append(lens)
-                have += int(lens.sum())
-            docs = np.concatenate(docs)
-            _, _, piece_len = pieces(docs, seq_len, LongDocs.SPLIT)
+                have += int(lens[0].sum() if vlm else lens.sum())
+            if vlm is None:
+                _, _, piece_len = pieces(np.concatenate([pending[r], *docs]), seq_len, LongDocs.SPLIT)
+                piece_enc = np.zeros(piece_len.size)
+            else:
+                new = np.concatenate(docs, axis=-1) if docs else np.zeros((3, 0), np.int64)
+                doc, off, plen = pieces(new[0], seq_len, LongDocs.SPLIT)
+                first = np.where(off == 0, vlm.from_moments(new[1], new[2])[doc], 0.0)
+                piece_len = np.concatenate([pending[r][0].astype(np.int64), plen])
+                piece_enc = np.concatenate([pending[r][1], first])
             row = next_fit(piece_len, k, seq_len)
             placed = row >= 0
-            pending[r] = piece_len[~placed]
-            cost[r] = attention_cost(piece_len[placed], alpha=alpha, beta=beta).sum()
+            if vlm is None:
+                pending[r] = piece_len[~placed]
+                cost[r] = attention_cost(piece_len[placed], alpha=alpha, beta=beta).sum()
+            else:
+                pending[r] = np.stack([piece_len[~placed], piece_enc[~placed]]).astype(np.float64)
+                cost[r] = attention_cost(piece_len[placed], alpha=vlm.alpha, beta=vlm.beta).sum()
+                enc[r] = piece_enc[placed].sum()
             tokens += int(piece_len[placed].sum())
-        out.append({"imbalance": float(cost.max() / cost.mean()), "padding": 1.0 - tokens / (dp * k * seq_len),
-                    "tokens": tokens, "max_cost": float(cost.max())})
+        step = {"imbalance": float((cost + enc).max() / (cost + enc).mean()),
+                "padding": 1.0 - tokens / (dp * k * seq_len), "tokens": tokens, "max_cost": float((cost + enc).max())}
+        if vlm is not None:
+            step.update(backbone_imbalance=float(cost.max() / cost.mean()),
+                        encoder_imbalance=float(enc.max() / enc.mean()) if enc.mean() > 0 else 1.0,
+                        max_backbone=float(cost.max()), max_encoder=float(enc.max()))
+        out.append(step)
     return out

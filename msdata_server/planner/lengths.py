@@ -3,6 +3,13 @@
 `LengthReader` draws each source's next documents in order until a token deficit is covered, in
 chunks sized by a running mean length, keeping what it read beyond as a look-ahead, and checks what
 the view returns. Neither is planner state: both are pure values of the view, safe to drop.
+
+With the two-stage cost ("vlm") the reader also asks a view that has it for `vision`: the patches
+of each document's images, as a flat per-image list with a count per document (the encoder cost is
+quadratic per image, so a document's total alone would price two 500-patch images like one of
+1000). It keeps each document's first two moments, patches and patches squared, which is all
+``alpha_v * p**2 + beta_v * p`` summed over images needs, in two int64 columns beside the lengths.
+A view without `vision` (text only) has 0 patches everywhere.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from msdata_server.errors import BadSampleError, ProtocolError
 
 from .pack import LongDocs
 
-__all__ = ["LengthReader", "MetadataView"]
+__all__ = ["LengthReader", "MetadataView", "VisionView", "moments"]
 
 MIN_CHUNK, MAX_CHUNK = 64, 1 << 16  # ordinals per MetadataView.lengths call (the loaders hold what was asked)
 MAX_SKIPPED = 1 << 20  # consecutive empty (bad) samples before a source is declared broken
@@ -30,20 +37,41 @@ class MetadataView(Protocol):
         ...
 
 
-class LengthReader:
-    """Reads the sources' lengths in order for a planner; see the module docstring."""
+class VisionView(MetadataView, Protocol):
+    """A MetadataView that also knows the images of its samples (needed by the "vlm" cost only)."""
 
-    def __init__(self, sources: tuple[str, ...], seq_len: int, mode: LongDocs):
+    def vision(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(images, patches) of ordinals [start, start+count) of `source`: int64 images per sample
+        ([count]; 0 for text and bad samples) and int64 patches (t*h*w) of every image, samples in order."""
+        ...
+
+
+def moments(images: np.ndarray, patches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int64 per document: the sum of its images' patches and the sum of their squares."""
+    doc = np.repeat(np.arange(images.size), images)
+    p = patches.astype(np.int64)
+    return (np.bincount(doc, weights=p, minlength=images.size).astype(np.int64),
+            np.bincount(doc, weights=p * p, minlength=images.size).astype(np.int64))
+
+
+class LengthReader:
+    """Reads the sources' lengths in order for a planner; see the module docstring.
+
+    With `vision`, `draw` returns int64 [3, n]: lengths, patches, patches squared per document;
+    without, int64 [n] lengths."""
+
+    def __init__(self, sources: tuple[str, ...], seq_len: int, mode: LongDocs, *, vision: bool = False):
         n = len(sources)
-        self._sources, self._seq_len, self._mode = sources, seq_len, mode
-        self._ahead: list[tuple[int, np.ndarray]] = [(0, np.zeros(0, np.int64)) for _ in range(n)]
+        self._sources, self._seq_len, self._mode, self._vision = sources, seq_len, mode, vision
+        empty = np.zeros((3, 0) if vision else 0, np.int64)
+        self._ahead: list[tuple[int, np.ndarray]] = [(0, empty) for _ in range(n)]
         self._mean_len = np.full(n, max(1.0, seq_len / 8))  # only sizes the read chunks
 
     def draw(self, view: MetadataView, s: int, start: int, deficit: float, ingest: list[float]) -> np.ndarray:
         """Lengths of source s's next documents from `start`, in order, until `deficit` tokens are covered.
 
         The last one crosses the deficit (never short of it); empty (bad) samples are passed over.
-        Milliseconds spent in the view are added to ingest[0].
+        Milliseconds spent in the view are added to ingest[0]. (With `vision`, [3, n]; see the class.)
         """
         cur = start
         got: list[np.ndarray] = []
@@ -51,7 +79,8 @@ class LengthReader:
         empty_run = 0
         while True:
             count = int(min(MAX_CHUNK, max(MIN_CHUNK, 1.1 * (deficit - have) / self._mean_len[s] + 16)))
-            arr = self._read(view, s, cur, count, ingest)
+            cols = self._read(view, s, cur, count, ingest)
+            arr = cols[0] if self._vision else cols
             used = np.minimum(arr, self._seq_len) if self._mode is LongDocs.TRUNCATE else arr
             ends = np.cumsum(used)
             j = int(np.searchsorted(ends, deficit - have, side="left"))
@@ -68,10 +97,10 @@ class LengthReader:
                         source=self._sources[s],
                     )
             if j < arr.size:
-                got.append(arr[: j + 1])
-                self._ahead[s] = (cur + j + 1, arr[j + 1 :])
-                return np.concatenate(got) if len(got) > 1 else got[0]
-            got.append(arr)
+                got.append(cols[..., : j + 1])
+                self._ahead[s] = (cur + j + 1, cols[..., j + 1 :])
+                return np.concatenate(got, axis=-1) if len(got) > 1 else got[0]
+            got.append(cols)
             have += int(ends[-1])
             cur += arr.size
 
@@ -92,4 +121,22 @@ class LengthReader:
         arr = arr.astype(np.int64, copy=False)
         if arr.size and int(arr.min()) < 0:
             raise ProtocolError(f"MetadataView.lengths({s}, {start}, {count}) returned a negative length")
-        return arr
+        if not self._vision:
+            return arr
+        vision = getattr(view, "vision", None)
+        if vision is None:  # a text-only view: no images anywhere
+            return np.stack([arr, np.zeros_like(arr), np.zeros_like(arr)])
+        t = time.perf_counter()
+        images, patches = (np.asarray(x) for x in vision(s, start, count))
+        ingest[0] += (time.perf_counter() - t) * 1e3
+        where = f"MetadataView.vision({s}, {start}, {count})"
+        for name, x in (("images", images), ("patches", patches)):
+            if x.ndim != 1 or not (np.issubdtype(x.dtype, np.integer) or x.size == 0) or (x.size and int(x.min()) < 0):
+                raise ProtocolError(
+                    f"{where} returned {name} of {x.dtype} shape {x.shape}; it must be non-negative ints")
+        if images.size != count or int(images.sum()) != patches.size:
+            raise ProtocolError(
+                f"{where} returned {images.size} image counts summing to {int(images.sum())} for {patches.size}"
+                f" patch counts; it must give one count per sample and one patch count per image"
+            )
+        return np.stack([arr, *moments(images.astype(np.int64), patches.astype(np.int64))])

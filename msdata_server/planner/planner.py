@@ -18,9 +18,11 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
+from msdata_client.choices import CostKind
 from msdata_server.errors import ConfigError
 
 from .balance import method_of, place
@@ -30,7 +32,8 @@ from .lengths import LengthReader, MetadataView
 from .mixture import Mixture
 from .pack import long_docs_mode, pieces
 from .rows import order_by
-from .state import CARRY_KEYS, Position
+from .state import CARRY_KEYS, VISION_KEYS, Position
+from .vlm_cost import VlmCost, load_imbalance
 
 __all__ = ["MetadataView", "PlanStats", "Planner", "PlannerConfig", "StepPlan"]
 
@@ -55,6 +58,12 @@ class PlannerConfig:
     alpha: float = 1.0
     beta: float = 4096.0
     cost_fn: str | None = None  # "module:function": fn(int64 lengths) -> float64 costs
+    # "attention" (alpha, beta or cost_fn), or "vlm": two stages balanced at once, the backbone's alpha and
+    # beta per piece and the vision encoder's alpha_v * p**2 + beta_v * p per image of p patches (the
+    # MetadataView's `vision`; a document's images go with its first piece)
+    cost: str = CostKind.ATTENTION.value
+    alpha_v: float = 1.0
+    beta_v: float = 2048.0
     long_docs: str = "split"  # "split" | "truncate"
     # a rank stops taking documents once its cost would pass (1 + this) x the mean, leaving padding
     # where that shortens the step (a rank holding a full-row document); None: never pad on purpose
@@ -77,6 +86,10 @@ class PlannerConfig:
         make_cost(alpha=self.alpha, beta=self.beta)  # validates alpha and beta
         if self.cost_fn is not None:
             check_cost_fn(self.cost_fn)
+        if CostKind.parse(self.cost, "cost", brief=True) is CostKind.VLM:
+            VlmCost(alpha=self.alpha, beta=self.beta, alpha_v=self.alpha_v, beta_v=self.beta_v)  # validates them
+            if self.cost_fn is not None:
+                raise ConfigError(f"cost_fn={self.cost_fn!r} cannot be combined with cost='vlm'; drop one of them")
         tol = self.balance_tolerance
         if tol is not None and (
             isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0
@@ -87,6 +100,13 @@ class PlannerConfig:
         unknown = self.mixture.names().difference(self.sources)
         if unknown:
             raise ConfigError(f"mixture names unknown sources {sorted(unknown)}; the sources are {list(self.sources)}")
+
+    @property
+    def vlm_cost(self) -> VlmCost | None:
+        """Both stages' constants with cost = "vlm"; None otherwise."""
+        if self.cost != CostKind.VLM:
+            return None
+        return VlmCost(alpha=self.alpha, beta=self.beta, alpha_v=self.alpha_v, beta_v=self.beta_v)
 
     @property
     def layout(self) -> Layout:
@@ -102,7 +122,7 @@ class PlannerConfig:
 class PlanStats:
     """How good one step's plan is, and what it cost to make."""
 
-    cost: np.ndarray  # float64 [dp]: cost of each DP rank (sum of its pieces' costs)
+    cost: np.ndarray  # float64 [dp]: cost of each DP rank (sum of its pieces' costs; "vlm": both stages')
     micro_cost: np.ndarray  # float64 [dp, micro_batches]
     imbalance: float  # max / mean of cost
     lower_bound: float  # max(total cost / dp, costliest piece): no plan of these pieces beats it
@@ -112,6 +132,11 @@ class PlanStats:
     carried: int  # pieces carried over to the next step
     plan_ms: float  # planner compute (excluding reading metadata)
     ingest_ms: float  # time spent in MetadataView.lengths
+    # with cost = "vlm" (else None): float64 [2, dp] backbone (row 0) and encoder (row 1) cost per rank, and
+    # each stage's max / mean over ranks (the stages synchronise separately: a step takes the sum of the maxima)
+    stage_cost: np.ndarray | None = None
+    backbone_imbalance: float | None = None
+    encoder_imbalance: float | None = None
 
     @property
     def gap(self) -> float:
@@ -133,6 +158,8 @@ class PlanStats:
             "carried": self.carried,
             "plan_ms": self.plan_ms,
             "ingest_ms": self.ingest_ms,
+            "backbone_imbalance": self.backbone_imbalance,
+            "encoder_imbalance": self.encoder_imbalance,
         }
 
 
@@ -194,14 +221,16 @@ class Planner:
             raise ConfigError(f"Planner needs a PlannerConfig, got {type(cfg).__name__}")
         self._cfg = cfg
         self._cost = make_cost(alpha=cfg.alpha, beta=cfg.beta, cost_fn=cfg.cost_fn)
+        self._vlm = cfg.vlm_cost  # None: one cost
+        vision = self._vlm is not None
         self._mode = long_docs_mode(cfg.long_docs)
         self._method = method_of(cfg.method)
         if state is None:
-            self._pos = Position.start(len(cfg.sources), cfg.mixture)
+            self._pos = Position.start(len(cfg.sources), cfg.mixture, vision=vision)
         else:
-            self._pos = Position.load(state, cfg.sources, cfg.seq_len, self._mode.value)
+            self._pos = Position.load(state, cfg.sources, cfg.seq_len, self._mode.value, vision=vision)
         # not state: a look-ahead of lengths already read and the chunk sizes (pure values, safe to drop)
-        self._reader = LengthReader(cfg.sources, cfg.seq_len, self._mode)
+        self._reader = LengthReader(cfg.sources, cfg.seq_len, self._mode, vision=vision)
 
     @classmethod
     def from_state(cls, cfg: PlannerConfig, state: Mapping) -> Planner:
@@ -243,9 +272,11 @@ class Planner:
     def plan_step(self, view: MetadataView) -> StepPlan:
         """Plan step `self.step` from the lengths in `view` and advance the state.
 
-        All or nothing: if the view raises, the planner is left at the same step, unchanged.
+        All or nothing: if the view raises, the planner is left at the same step, unchanged. With the
+        "vlm" cost, the view's `vision` (lengths.VisionView) gives the images; a view without it has none.
         """
         cfg, pos = self._cfg, self._pos
+        vision = self._vlm is not None
         t0 = time.perf_counter()
         ingest = [0.0]
         weights = pos.mixture.weights_at(pos.step, cfg.sources)
@@ -258,21 +289,26 @@ class Planner:
         target = pos.target + weights * need
         taken, cursor = pos.taken.copy(), pos.cursor.copy()
 
-        parts: list[tuple[np.ndarray, ...]] = []
+        parts: list[list[np.ndarray]] = []
         for s in range(len(cfg.sources)):
             deficit = float(target[s]) - float(taken[s])
             if deficit <= 0:
                 continue
             start = int(cursor[s])
-            lens = self._reader.draw(view, s, start, deficit, ingest)
+            got = self._reader.draw(view, s, start, deficit, ingest)
+            lens = got[0] if vision else got
             cursor[s] = start + lens.size
             doc, off, plen = pieces(lens, cfg.seq_len, self._mode)
             taken[s] += int(plen.sum())
             # arrival order interleaves the sources by tokens drawn per unit of weight (fair queueing)
             key = (np.cumsum(plen) - plen) / max(float(weights[s]), 1e-12)
-            parts.append((np.full(doc.size, s, np.int32), start + doc, off, plen, key))
+            part: list[np.ndarray] = [np.full(doc.size, s, np.int32), start + doc, off, plen, key]
+            if vision:  # a document's images (its placeholders lead it) go with its first piece
+                part += [np.where(off == 0, m[doc], 0) for m in got[1:]]
+            parts.append(part)
 
         src, ords, off, lens = (carry[k] for k in CARRY_KEYS)
+        mom = [carry[k] for k in VISION_KEYS] if vision else []  # patches, patches squared per piece
         if parts:
             cols = [np.concatenate(c) for c in zip(*parts)]
             order = np.argsort(cols[4], kind="stable")  # ties: by source, then position (concat order)
@@ -280,7 +316,9 @@ class Planner:
             ords = np.concatenate([ords, cols[1][order]])
             off = np.concatenate([off, cols[2][order]])
             lens = np.concatenate([lens, cols[3][order]])
+            mom = [np.concatenate([m, c[order]]) for m, c in zip(mom, cols[5:])]
         costs = self._cost(lens)
+        enc = self._vlm.from_moments(*mom) if self._vlm is not None else None
         p = place(
             lens,
             costs,
@@ -288,6 +326,7 @@ class Planner:
             method=self._method,
             priority=int(carry["length"].size),
             tolerance=cfg.balance_tolerance,
+            vision=enc,
         )
 
         left = p.rank < 0
@@ -298,7 +337,11 @@ class Planner:
         micro = slot // cfg.rows
         bounds = np.searchsorted(rank * cfg.micro_batches + micro, np.arange(cfg.dp * cfg.micro_batches + 1))
         per_source = np.bincount(src[idx], weights=lens[idx], minlength=len(cfg.sources)).astype(np.int64)
-        mean = float(p.rank_cost.sum()) / cfg.dp
+        rank_cost, micro_cost, stages = p.rank_cost, p.micro_cost, dict[str, Any]()
+        if enc is not None:
+            rank_cost, micro_cost, stages = _two_stages(p.rank_cost, p.micro_cost, enc[idx], rank, micro)
+            costs = costs + enc
+        mean = float(rank_cost.sum()) / cfg.dp
         doc_key = src.astype(np.int64) << 40 | ords.astype(np.int64)  # ordinals stay far below 2**40
         last = ~np.isin(doc_key[idx], doc_key[left])
         lower = max(mean, float(costs[idx].max()) if idx.size else 0.0)
@@ -313,9 +356,9 @@ class Planner:
             row=(slot % cfg.rows).astype(np.int32),
             last=last,
             stats=PlanStats(
-                cost=p.rank_cost,
-                micro_cost=p.micro_cost,
-                imbalance=float(p.rank_cost.max()) / mean if mean > 0 else 1.0,
+                cost=rank_cost,
+                micro_cost=micro_cost,
+                imbalance=float(rank_cost.max()) / mean if mean > 0 else 1.0,
                 lower_bound=lower,
                 padding_fraction=1.0 - float(lens[idx].sum()) / cfg.capacity,
                 tokens={name: int(per_source[i]) for i, name in enumerate(cfg.sources)},
@@ -323,6 +366,7 @@ class Planner:
                 carried=int(left.sum()),
                 plan_ms=(time.perf_counter() - t0) * 1e3 - ingest[0],
                 ingest_ms=ingest[0],
+                **stages,
             ),
             bounds=bounds.astype(np.int64),
         )
@@ -338,7 +382,20 @@ class Planner:
             taken=taken,
             target=target,
             placed=pos.placed + per_source,
-            carry={"source": src[left], "ordinal": ords[left], "offset": off[left], "length": lens[left]},
+            carry={"source": src[left], "ordinal": ords[left], "offset": off[left], "length": lens[left],
+                   **{k: m[left] for k, m in zip(VISION_KEYS, mom)}},
             mixture=self._pos.mixture,  # plan_step never changes the mixture
         )
         return plan
+
+
+def _two_stages(backbone: np.ndarray, micro_backbone: np.ndarray, enc: np.ndarray, rank: np.ndarray,
+                micro: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Rank and micro-batch costs of both stages together, and PlanStats' per-stage fields (the placed
+    pieces' encoder costs `enc`, on `rank` and `micro`)."""
+    dp, n_micro = micro_backbone.shape
+    encoder = np.bincount(rank, weights=enc, minlength=dp).astype(np.float64)
+    micro_enc = np.bincount(rank * n_micro + micro, weights=enc, minlength=dp * n_micro).reshape(dp, n_micro)
+    stages = {"stage_cost": np.stack([backbone, encoder]), "backbone_imbalance": load_imbalance(backbone),
+              "encoder_imbalance": load_imbalance(encoder)}
+    return backbone + encoder, micro_backbone + micro_enc, stages

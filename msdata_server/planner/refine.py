@@ -7,11 +7,12 @@ import numpy as np
 
 from .rows import Rows, order_by
 
-__all__ = ["CARRY_KEEP", "consolidate", "refine"]
+__all__ = ["CARRY_KEEP", "CONSOLIDATE_PASSES", "consolidate", "refine"]
 
 REFINE_PARTNERS = 4  # cheapest ranks tried as partners in each refinement pass
 CARRY_KEEP = 1024  # left-over pieces kept as they are; beyond, `consolidate` trades them (state size)
 CONSOLIDATE_RATIO = 8  # a traded placed piece is at least this many times the mean left-over
+CONSOLIDATE_PASSES = 4  # rounds of trading left-over pieces a placement runs (balance.place, stages.place_stages)
 
 
 def refine(st: Rows, iters: int) -> None:
@@ -73,7 +74,7 @@ def refine(st: Rows, iters: int) -> None:
             return
 
 
-def consolidate(st: Rows, priority: int) -> bool:
+def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> bool:
     """Bound the carry-over: trade short left-over pieces for fewer long placed ones; False: none traded.
 
     With the cost cap, the pieces left over are the shortest of the step, and there can be many
@@ -83,14 +84,19 @@ def consolidate(st: Rows, priority: int) -> bool:
     per row, the costliest ranks first); a chunk takes X's place when it fits X's row and costs no more than
     X (no rank gets costlier), and X is carried instead. A chunk may fall short of X by less than
     one short piece, which adds that much padding. Vectorised; no loop over pieces.
+    `movable` (bool per piece, None: all): only these are traded, either way (two stages: the text pieces).
     """
     left = np.flatnonzero(st.rank < 0)
     excess = left.size - CARRY_KEEP
     if excess <= 0:
         return False
     L, c, k = st.L, st.c, st.lay.slots
+    if movable is not None:
+        left = left[movable[left]]
     left = left[order_by(L[left], st.lay.seq_len + 1)][:excess]  # the shortest go first
-    cand = np.flatnonzero(st.rank >= 0)
+    if left.size == 0:
+        return False
+    cand = np.flatnonzero(st.rank >= 0) if movable is None else np.flatnonzero((st.rank >= 0) & movable)
     lo = CONSOLIDATE_RATIO * float(L[left].mean())
     cand = cand[(cand >= priority) & (L[cand] >= lo) & (L[cand] <= st.lay.seq_len // 2)]
     if cand.size == 0:

@@ -11,6 +11,7 @@ import numpy as np
 
 from .fit import match_tiny, pair_round, scan_infeasible
 from .layout import Layout
+from .partition import kk_partition
 
 __all__ = ["Rows", "order_by"]
 
@@ -76,22 +77,22 @@ class Rows:
         balance as ranks do), its tightest such row; without `spread` (the carry-over, placed before
         the long pieces) simply the tightest row, which keeps whole rows free.
         """
-        l = self.L[idx]
+        toks = self.L[idx]
         c = self.c[idx]
         bad = np.zeros(idx.size, bool)
         if check:
-            bad = self.maxrem[ranks] < l
+            bad = self.maxrem[ranks] < toks
             if self.capped:
                 bad |= self.rcost[ranks] + c > self.cap
             if bad.any():
                 ok = ~bad
-                idx, ranks, l, c = idx[ok], ranks[ok], l[ok], c[ok]
+                idx, ranks, toks, c = idx[ok], ranks[ok], toks[ok], c[ok]
         k = self.lay.slots
         if k == 1:
             w = np.zeros(idx.size, np.int64)
         else:
             rr = self.rem[ranks]
-            fit = rr >= l[:, None]
+            fit = rr >= toks[:, None]
             if self.spread and self.lay.micro > 1:
                 score = self.mcost[ranks] + self.mtok[ranks] * rate  # micro-batch projections
                 if self.lay.rows > 1:
@@ -99,21 +100,21 @@ class Rows:
                 score = np.where(fit, score, np.inf)
                 fit = score == score.min(axis=1, keepdims=True)
             w = np.argmin(np.where(fit, rr, _BIG), axis=1)
-        self.rem.reshape(-1)[ranks * k + w] -= l
+        self.rem.reshape(-1)[ranks * k + w] -= toks
         self.maxrem[ranks] = self.rem[ranks].max(axis=1) if k > 1 else self.rem[ranks, 0]
-        self.rtok[ranks] -= l
+        self.rtok[ranks] -= toks
         self.rcost[ranks] += c
         if self.lay.micro > 1:
             mi = ranks * self.lay.micro + self.micro_of[w]
             self.mcost.reshape(-1)[mi] += c
-            self.mtok.reshape(-1)[mi] -= l
+            self.mtok.reshape(-1)[mi] -= toks
         else:
             self.mcost[ranks, 0] += c
-            self.mtok[ranks, 0] -= l
+            self.mtok[ranks, 0] -= toks
         self.rank[idx] = ranks
         self.slot[idx] = w
         self.pool_cost -= float(c.sum())
-        self.pool_tok -= int(l.sum())
+        self.pool_tok -= int(toks.sum())
         return bad
 
     def greedy(self, queue: np.ndarray) -> None:
@@ -130,10 +131,7 @@ class Rows:
         i, n = 0, queue.size
         while i < n:
             head = queue[i]
-            mask = self.maxrem >= L[head]
-            if self.capped:
-                mask &= self.rcost <= self.cap - c[head]
-            elig = np.flatnonzero(mask)
+            elig = self.eligible(int(head))
             if elig.size == 0:
                 queue, i = self._drop_infeasible(queue, i), 0
                 n = queue.size
@@ -155,6 +153,42 @@ class Rows:
             i += ranks.size
         for piece in np.concatenate(retry) if retry else ():  # a cost_fn not growing with length; rare
             self.one(int(piece))
+
+    def place_on(self, idx: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        """Place pieces on given ranks, each rank's longest first; returns the pieces that did not fit."""
+        if idx.size == 0:
+            return idx
+        o = np.lexsort((idx, -self.L[idx], ranks))
+        idx, ranks = idx[o], ranks[o]
+        starts = np.flatnonzero(np.r_[True, ranks[1:] != ranks[:-1]])
+        nth = np.arange(idx.size) - np.repeat(starts, np.diff(np.r_[starts, idx.size]))
+        failed = []
+        for j in range(int(nth.max()) + 1):
+            sel = np.flatnonzero(nth == j)
+            rate = self.rate()
+            bad = self.put(idx[sel], ranks[sel], rate)
+            failed.append(idx[sel][bad])
+        return np.concatenate(failed)
+
+    def partition_long(self, big: np.ndarray, short: np.ndarray, budget: int) -> np.ndarray | None:
+        """Largest differencing of the long pieces `big` over the ranks, onto them; the pieces that did not fit
+        their rank, or None when there are none or more than `budget` (pieces x ranks) and the greedy rounds
+        should place them. Projects with the rate of the `short` pieces, which will fill the rest of the rows."""
+        dp = self.lay.dp
+        if not (big.size and big.size * dp <= budget):
+            return None
+        L, c = self.L, self.c
+        fill = float(c[short].sum()) / max(int(L[short].sum()), 1)
+        loads = self.rcost + self.rtok * fill
+        ranks = kk_partition(c[big] - L[big] * fill, dp, loads)
+        return self.place_on(big, ranks)
+
+    def eligible(self, piece: int) -> np.ndarray:
+        """The ranks that can take `piece` now: a row it fits and, under the cap, room for its cost."""
+        mask = self.maxrem >= self.L[piece]
+        if self.capped:
+            mask &= self.rcost <= self.cap - self.c[piece]
+        return np.flatnonzero(mask)
 
     def _tiny_round(self, queue: np.ndarray, i: int) -> np.ndarray | None:
         """Place the next tiny pieces (`fit.match_tiny`); returns the queue left (None: none placed).
@@ -183,20 +217,20 @@ class Rows:
         L, c, lay = self.L, self.c, self.lay
         k = lay.slots
         ranks, w = rows // k, rows % k
-        l, cc = L[idx], c[idx]
+        toks, cc = L[idx], c[idx]
         rem = self.rem.reshape(-1)
-        rem -= np.bincount(rows, l, minlength=rem.size).astype(np.int64)
+        rem -= np.bincount(rows, toks, minlength=rem.size).astype(np.int64)
         touched = np.unique(ranks)
         self.maxrem[touched] = self.rem[touched].max(axis=1)
-        self.rtok -= np.bincount(ranks, l, minlength=lay.dp).astype(np.int64)
+        self.rtok -= np.bincount(ranks, toks, minlength=lay.dp).astype(np.int64)
         self.rcost += np.bincount(ranks, cc, minlength=lay.dp)
         mi = ranks * lay.micro + self.micro_of[w]
         self.mcost += np.bincount(mi, cc, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
-        self.mtok -= np.bincount(mi, l, minlength=lay.dp * lay.micro).astype(np.int64).reshape(lay.dp, lay.micro)
+        self.mtok -= np.bincount(mi, toks, minlength=lay.dp * lay.micro).astype(np.int64).reshape(lay.dp, lay.micro)
         self.rank[idx] = ranks
         self.slot[idx] = w
         self.pool_cost -= float(cc.sum())
-        self.pool_tok -= int(l.sum())
+        self.pool_tok -= int(toks.sum())
 
     def _drop_infeasible(self, queue: np.ndarray, i: int) -> np.ndarray:
         """Give up the next queued pieces (from i) that fit no rank now, hence never will; return the rest."""

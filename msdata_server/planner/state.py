@@ -16,7 +16,7 @@ from msdata_server.errors import CheckpointError, ConfigError
 
 from .mixture import Mixture
 
-__all__ = ["CARRY_KEYS", "STATE_VERSION", "Position"]
+__all__ = ["CARRY_KEYS", "STATE_VERSION", "VISION_KEYS", "Position"]
 
 STATE_VERSION = 1
 # state_dict keys
@@ -26,6 +26,9 @@ _STATE_KEYS = frozenset(
     {K_VERSION, K_STEP, K_SOURCES, K_SEQ_LEN, K_LONG_DOCS, K_CURSOR, K_TAKEN, K_TARGET, K_PLACED, K_CARRY, K_MIXTURE}
 )
 CARRY_KEYS = ("source", "ordinal", "offset", "length")  # a column per carried piece
+# with the "vlm" cost, two more: the piece's image patches and patches squared (a document's first piece
+# holds its images), so a restored planner prices its carry-over without reading old ordinals again
+VISION_KEYS = ("patches", "patches_sq")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -41,20 +44,23 @@ class Position:
     mixture: Mixture  # run-time overrides included
 
     @classmethod
-    def start(cls, n: int, mixture: Mixture) -> Position:
-        """Step 0 of n sources: nothing read, taken or carried."""
+    def start(cls, n: int, mixture: Mixture, *, vision: bool = False) -> Position:
+        """Step 0 of n sources: nothing read, taken or carried (`vision`: carry VISION_KEYS too)."""
+        carry: dict[str, np.ndarray] = {
+            "source": np.zeros(0, np.int32),
+            "ordinal": np.zeros(0, np.int64),
+            "offset": np.zeros(0, np.int64),
+            "length": np.zeros(0, np.int64),
+        }
+        if vision:
+            carry.update({k: np.zeros(0, np.int64) for k in VISION_KEYS})
         return cls(
             step=0,
             cursor=np.zeros(n, np.int64),
             taken=np.zeros(n, np.int64),
             target=np.zeros(n, np.float64),
             placed=np.zeros(n, np.int64),
-            carry={
-                "source": np.zeros(0, np.int32),
-                "ordinal": np.zeros(0, np.int64),
-                "offset": np.zeros(0, np.int64),
-                "length": np.zeros(0, np.int64),
-            },
+            carry=carry,
             mixture=mixture,
         )
 
@@ -70,13 +76,15 @@ class Position:
             K_TAKEN: [int(x) for x in self.taken],
             K_TARGET: [float(x) for x in self.target],
             K_PLACED: [int(x) for x in self.placed],
-            K_CARRY: {k: [int(x) for x in self.carry[k]] for k in CARRY_KEYS},
+            K_CARRY: {k: [int(x) for x in self.carry[k]] for k in CARRY_KEYS + VISION_KEYS if k in self.carry},
             K_MIXTURE: self.mixture.to_dict(),
         }
 
     @classmethod
-    def load(cls, state: Mapping, sources: tuple[str, ...], seq_len: int, long_docs: str) -> Position:
-        """Strictly validate a state_dict of the job with these sources, seq_len and long_docs."""
+    def load(cls, state: Mapping, sources: tuple[str, ...], seq_len: int, long_docs: str, *,
+             vision: bool = False) -> Position:
+        """Strictly validate a state_dict of the job with these sources, seq_len and long_docs (and, with
+        `vision`, the "vlm" cost's carry columns)."""
         n = len(sources)
         if not isinstance(state, Mapping):
             raise CheckpointError(f"planner state must be a dict, got {type(state).__name__}")
@@ -123,15 +131,22 @@ class Position:
         ):
             raise CheckpointError(f"planner state 'target' must be {n} finite numbers, got {target!r}")
         carry_raw = state[K_CARRY]
-        if not isinstance(carry_raw, Mapping) or set(carry_raw) != set(CARRY_KEYS):
-            raise CheckpointError(f"planner state 'carry' must have keys {list(CARRY_KEYS)}")
+        columns = CARRY_KEYS + VISION_KEYS if vision else CARRY_KEYS
+        if not isinstance(carry_raw, Mapping) or set(carry_raw) != set(columns):
+            raise CheckpointError(
+                f"planner state 'carry' must have keys {list(columns)}"
+                + (" (the vlm cost's state; was it saved by a job with another cost?)" if vision else "")
+            )
         cols = []
-        for k in CARRY_KEYS:
+        for k in columns:
             v = carry_raw[k]
             if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
                 raise CheckpointError(f"planner state carry[{k!r}] must be a list of ints")
             cols.append(np.array(v, dtype=np.int64))
-        c_src, c_ord, c_off, c_len = cols
+        c_src, c_ord, c_off, c_len = cols[:4]
+        extra = dict(zip(VISION_KEYS, cols[4:]))
+        if any(c.size and c.min() < 0 for c in extra.values()):
+            raise CheckpointError(f"planner state carry {list(VISION_KEYS)} must be ints >= 0")
         if len({c.size for c in cols}) != 1:
             raise CheckpointError("planner state carry columns have different lengths")
         if c_src.size and (
@@ -155,6 +170,6 @@ class Position:
             taken=taken,
             target=np.array(target, dtype=np.float64),
             placed=placed,
-            carry={"source": c_src.astype(np.int32), "ordinal": c_ord, "offset": c_off, "length": c_len},
+            carry={"source": c_src.astype(np.int32), "ordinal": c_ord, "offset": c_off, "length": c_len, **extra},
             mixture=mixture,
         )

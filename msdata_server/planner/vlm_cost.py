@@ -25,6 +25,7 @@ __all__ = [
     "document_vision_cost",
     "image_patches",
     "image_placeholders",
+    "load_imbalance",
     "stage_imbalance",
     "stage_loads",
     "vision_cost",
@@ -45,6 +46,13 @@ class VlmCost:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ConfigError(f"vlm cost {name}={v!r} must be a finite number >= 0")
+
+    def from_moments(self, patches, patches_sq) -> np.ndarray:
+        """float64 vision cost of documents from the sum of their images' patches and of their squares:
+        ``alpha_v * sum(p**2) + beta_v * sum(p)``, the sum over images of vision_cost (how the planner prices)."""
+        p1 = np.asarray(patches, dtype=np.float64)
+        p2 = np.asarray(patches_sq, dtype=np.float64)
+        return self.alpha_v * p2 + self.beta_v * p1
 
     def documents(self, lengths, patches, images_per_doc) -> np.ndarray:
         """float64 [2, n]: each document's backbone (row 0) and vision (row 1) cost; see document_vision_cost."""
@@ -108,7 +116,8 @@ class StageImbalance:
     vision: float
 
 
-def _ratio(loads: np.ndarray) -> float:
+def load_imbalance(loads: np.ndarray) -> float:
+    """max / mean of per-rank loads (1.0 when idle)."""
     mean = float(loads.mean()) if loads.size else 0.0
     return float(loads.max()) / mean if mean > 0 else 1.0
 
@@ -116,4 +125,4 @@ def _ratio(loads: np.ndarray) -> float:
 def stage_imbalance(rank, backbone, vision, dp: int) -> StageImbalance:
     """How unevenly an assignment (a rank per document, -1 = carried) loads the backbone and the encoder."""
     loads = stage_loads(rank, backbone, vision, dp)
-    return StageImbalance(backbone=_ratio(loads[0]), vision=_ratio(loads[1]))
+    return StageImbalance(backbone=load_imbalance(loads[0]), vision=load_imbalance(loads[1]))

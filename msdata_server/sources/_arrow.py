@@ -3,7 +3,7 @@ values, or a dict by column name when a source selects several (``columns = [...
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -140,7 +140,7 @@ def arrow_rows(
     total = np.zeros(len(idx), dtype=np.int64)
     for arr, name in zip(arrays, names):
         vals, sizes, _ = _records(
-            arr, idx, max_bytes=max_bytes, bad=lambda k, r, d, _n=name: once(k, r, f"column {_n!r}: {d}")
+            arr, idx, max_bytes=max_bytes, bad=_naming_column(once, name)
         )
         cols.append(vals)
         total += sizes
@@ -156,6 +156,11 @@ def arrow_rows(
             out[k] = {name: col[k] for name, col in zip(names, cols)}
             nbytes += int(total[k])
     return out, nbytes
+
+
+def _naming_column(bad: Callable[[int, str, str], object], name: str) -> Callable[[int, str, str], object]:
+    """``bad`` with the column named in its detail."""
+    return lambda k, reason, detail: bad(k, reason, f"column {name!r}: {detail}")
 
 
 def _records(

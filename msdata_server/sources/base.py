@@ -11,8 +11,9 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -132,13 +133,19 @@ class Source:
         self._lock = threading.RLock()  # reads run in threads; one read at a time per source
 
     @property
+    def _order(self) -> Order:
+        if self.order is None:
+            raise RuntimeError(f"source {self.name!r} has no sample order: a Source subclass sets it when it opens")
+        return self.order
+
+    @property
     def num_samples(self) -> int:
         """Samples per epoch."""
-        return self.order.num_samples
+        return self._order.num_samples
 
     def locate_many(self, ordinals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(epoch, file_index, row) arrays for ordinals."""
-        return self.order.locate(np.asarray(ordinals, dtype=np.int64))
+        return self._order.locate(np.asarray(ordinals, dtype=np.int64))
 
     def locate(self, ordinal: int) -> tuple[int, int, int]:
         """(epoch, file_index, row) of one ordinal: a pure function of (seed, name, ordinal)."""

@@ -19,7 +19,7 @@ def _hidden(name: str) -> bool:
 
 
 def _walk(directory: str, extensions: tuple[str, ...]) -> list[str]:
-    found = []
+    found: list[str] = []
     for root, dirs, files in os.walk(directory, followlinks=True):
         dirs[:] = sorted(d for d in dirs if not _hidden(d))
         found.extend(os.path.join(root, f) for f in files if not _hidden(f) and f.lower().endswith(extensions))

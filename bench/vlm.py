@@ -1,0 +1,217 @@
+# .venv/bin/python bench/vlm.py --quick
+"""VLM benchmark: two-stage balancing (cost "vlm") against per-rank arrival-order packing, and the vlm transform's rate.
+
+Workload vlm4 (bench/workloads.py, a copy of ../shared/workloads.toml): image-caption and document-image
+sources, one image per document with the resolutions given there (patches as Qwen2-VL's smart_resize
+gives them, patch 14, merge 2: a document is its image's placeholders, then its text), plus two text
+sources. A rank costs the vision encoder alpha_v*p^2 + beta_v*p per image of p patches and the backbone
+alpha*L^2 + beta*L per document of L tokens; the stages synchronise separately, so a step takes as long
+as the slowest rank's encoder plus the slowest rank's backbone, and throughput = useful tokens / that.
+Baseline (msdata_server.planner.baseline, as bench/balance.py): every DP rank draws from the mixture
+with its own RNG and packs in arrival order. msdata: one Planner with cost = "vlm" for all ranks.
+Reported per config: encoder and backbone imbalance (max / mean over ranks), padding, throughput gain,
+the planner's compute per step; steady-state means after one warm-up step (plan ms: medians).
+
+Then the real preprocessing rate: JPEGs generated here with Pillow (sizes drawn from the same
+resolution distributions, caption and document images in their share of images), run through the
+actual `msdata_server.transforms:vlm` transform in this one process (one worker): decode, resize,
+patchify, tokenize. Warm-up (the first images) and steady state are reported apart. The last line is
+one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from workloads import VLM4, ImageDist, SyntheticVlm, image_sizes, vlm_docs  # noqa: E402
+
+from msdata_server.planner import Mixture, Planner, PlannerConfig  # noqa: E402
+from msdata_server.planner.baseline import per_rank_steps  # noqa: E402
+from msdata_server.planner.vlm_cost import VlmCost  # noqa: E402
+from msdata_server.transforms import load_transform, smart_resize  # noqa: E402
+
+MICRO, ROWS = 4, 1  # per DP rank per step, as bench/balance.py
+COST = VlmCost(**VLM4.cost)
+TRANSFORM = (f"msdata_server.transforms:vlm(patch={VLM4.patch}, merge={VLM4.merge}, "
+             f"min_pixels={VLM4.min_pixels}, max_pixels={VLM4.max_pixels})")
+
+
+def mean_lengths(seq_len: int, seed: int) -> dict[str, float]:
+    rng = np.random.default_rng(seed)
+    return {n: float(vlm_docs(VLM4, n, 20000, seq_len, rng)[0].mean()) for n in VLM4.sources}
+
+
+def baseline(seq_len: int, dp: int, steps: int, seed: int) -> list[dict]:
+    """Per-rank loaders, each rank's documents with their images' patches (a document's encoder cost goes with
+    its first piece)."""
+    names = list(VLM4.sources)
+
+    def draw(source: int, n: int, rng: np.random.Generator) -> np.ndarray:
+        length, patches = vlm_docs(VLM4, names[source], n, seq_len, rng)
+        return np.stack([length, patches, patches * patches])
+
+    rows = per_rank_steps(draw, VLM4.weights, mean_lengths(seq_len, seed), seq_len=seq_len, dp=dp,
+                          micro_batches=MICRO, rows=ROWS, steps=steps, seed=seed, vlm=COST)
+    for r in rows:
+        r["time"] = r["max_backbone"] + r["max_encoder"]
+    return rows
+
+
+def msdata(seq_len: int, dp: int, steps: int, seed: int, tolerance: float | None) -> list[dict]:
+    cfg = PlannerConfig(sources=tuple(VLM4.sources), seq_len=seq_len, dp=dp, micro_batches=MICRO, rows=ROWS,
+                        cost="vlm", balance_tolerance=tolerance, mixture=Mixture.constant(VLM4.weights),
+                        alpha=COST.alpha, beta=COST.beta, alpha_v=COST.alpha_v, beta_v=COST.beta_v)
+    view = SyntheticVlm(VLM4, seq_len, seed=seed)
+    planner = Planner(cfg)
+    out = []
+    for _ in range(steps):
+        plan = planner.plan_step(view)
+        s = plan.stats
+        assert s.stage_cost is not None  # cost = "vlm"
+        backbone, encoder = s.stage_cost
+        out.append({"encoder_imbalance": s.encoder_imbalance, "backbone_imbalance": s.backbone_imbalance,
+                    "padding": s.padding_fraction, "tokens": int(plan.length.sum()),
+                    "time": float(backbone.max() + encoder.max()), "plan_ms": s.plan_ms, "ingest_ms": s.ingest_ms,
+                    "docs": s.docs, "state_bytes": len(json.dumps(planner.state_dict()))})
+    return out
+
+
+def throughput(rows: list[dict]) -> float:
+    """Useful tokens per unit of simulated time (per step: slowest encoder + slowest backbone)."""
+    return sum(r["tokens"] for r in rows) / sum(r["time"] for r in rows)
+
+
+def mean(rows: list[dict], key: str) -> float:
+    return statistics.mean(r[key] for r in rows)
+
+
+# -- the real preprocessing rate -------------------------------------------------------------------------
+
+
+def make_jpegs(n: int, seed: int) -> tuple[list[dict], np.ndarray]:
+    """n image-caption records (JPEG bytes, caption) and the patches smart_resize predicts for each."""
+    from PIL import Image
+
+    rng = np.random.default_rng([seed, 7])
+    pics = {name: d for name, d in VLM4.sources.items() if isinstance(d, ImageDist)}
+    # each image source's share of images: its share of tokens over its mean document length
+    mean_len = {name: float(vlm_docs(VLM4, name, 4000, max(VLM4.seq_lens), rng)[0].mean()) for name in pics}
+    share = np.array([VLM4.weights[name] / mean_len[name] for name in pics])
+    which = rng.choice(len(pics), size=n, p=share / share.sum())
+    records, patches = [], np.zeros(n, np.int64)
+    factor = VLM4.patch * VLM4.merge
+    for i, k in enumerate(which.tolist()):
+        dist = list(pics.values())[k]
+        h, w = (int(x[0]) for x in image_sizes(dist, 1, rng))
+        # a smooth random field with some grain: compresses like a photograph, not like noise or a flat colour
+        small = rng.integers(0, 256, (max(2, h // 64), max(2, w // 64), 3), dtype=np.uint8)
+        img = Image.fromarray(small).resize((w, h), Image.Resampling.BILINEAR)
+        grain = rng.integers(-12, 13, (h, w, 3), dtype=np.int16)
+        arr = np.clip(np.asarray(img, np.int16) + grain, 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format="JPEG", quality=90)
+        words = int(max(4, rng.lognormal(np.log(dist.text_median), dist.text_sigma)))
+        records.append({"image": buf.getvalue(), "caption": "a picture " * (words // 10 + 1)})
+        th, tw = smart_resize(h, w, factor=factor, min_pixels=VLM4.min_pixels, max_pixels=VLM4.max_pixels)
+        patches[i] = (th // VLM4.patch) * (tw // VLM4.patch)
+    return records, patches
+
+
+def preprocessing_rate(n: int, seed: int) -> dict:
+    """Images per second through the vlm transform in this process; warm-up (first 10%) apart."""
+    t = time.perf_counter()
+    records, predicted = make_jpegs(n, seed)
+    gen_s = time.perf_counter() - t
+    fn = load_transform(TRANSFORM)  # as a worker loads it; called per record as a worker calls it
+    warm = max(1, n // 10)
+    t0 = time.perf_counter()
+    first = [fn(r, rng=None) for r in records[:warm]]
+    t1 = time.perf_counter()
+    rest = [fn(r, rng=None) for r in records[warm:]]
+    t2 = time.perf_counter()
+    out = first + rest
+    got = np.array([int(np.prod(s.image_grid_thw, axis=1).sum()) for s in out])
+    if not np.array_equal(got, predicted):  # the bench's patch counts are the transform's
+        raise SystemExit(f"patches differ from smart_resize's prediction for {int((got != predicted).sum())} images")
+    mpix = sum(s.pixel_values.shape[0] for s in out[warm:]) * VLM4.patch**2 / 1e6
+    return {"images": n, "generate_s": gen_s, "warmup_images_per_s": warm / (t1 - t0),
+            "images_per_s_per_worker": (n - warm) / (t2 - t1), "megapixels_per_s_per_worker": mpix / (t2 - t1),
+            "jpeg_kb_mean": statistics.mean(len(r["image"]) for r in records) / 1e3,
+            "patches_mean": float(predicted.mean())}
+
+
+def main() -> None:
+    global MICRO, ROWS
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps and images (under two minutes)")
+    ap.add_argument("--steps", type=int, default=None, help="measured steps per config (after one warm-up)")
+    ap.add_argument("--dp", default="8,64,512", help="comma list of DP sizes")
+    ap.add_argument("--seq-lens", default=None, help="comma list (default: the workload's 8192,16384)")
+    ap.add_argument("--tolerance", default="0.01", help="balance_tolerance, or 'none'")
+    ap.add_argument("--images", type=int, default=None, help="JPEGs through the transform (default 150, quick 80)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--micro", type=int, default=MICRO, help="micro-batches per rank per step")
+    ap.add_argument("--rows", type=int, default=ROWS, help="rows per micro-batch")
+    args = ap.parse_args()
+    MICRO, ROWS = args.micro, args.rows
+    steps = args.steps or (3 if args.quick else 10)
+    images = args.images or (80 if args.quick else 300)
+    dps = [int(x) for x in args.dp.split(",")]
+    seq_lens = [int(x) for x in (args.seq_lens or ",".join(map(str, VLM4.seq_lens))).split(",")]
+    tolerance = None if args.tolerance == "none" else float(args.tolerance)
+
+    print(f"vlm4, micro_batches={MICRO}, rows={ROWS}, cost {VLM4.cost}, balance_tolerance={tolerance}, "
+          f"{steps} measured steps after 1 warm-up; means (plan ms: median); gain = throughput / baseline's, "
+          f"a step = slowest encoder + slowest backbone")
+    head = (f"{'seq_len':>7} {'dp':>5} | {'enc imb':>7} {'bb imb':>7} {'pad':>6} {'gain':>5} {'plan ms':>8} "
+            f"{'warm ms':>8} {'docs':>7} {'state kB':>8} | {'base enc':>8} {'base bb':>8} {'base pad':>8}")
+    print(head)
+    print("-" * len(head))
+    results: dict[str, float] = {}
+    for seq_len in seq_lens:
+        for dp in dps:
+            base = baseline(seq_len, dp, steps + 1, args.seed)[1:]
+            rows = msdata(seq_len, dp, steps + 1, args.seed, tolerance)
+            warm, rows = rows[0], rows[1:]
+            gain = throughput(rows) / throughput(base)
+            plan_ms = statistics.median(r["plan_ms"] for r in rows)
+            print(f"{seq_len:>7} {dp:>5} | {mean(rows, 'encoder_imbalance'):7.4f} "
+                  f"{mean(rows, 'backbone_imbalance'):7.4f} {mean(rows, 'padding'):6.4f} {gain:5.2f} {plan_ms:8.1f} "
+                  f"{warm['plan_ms']:8.1f} {int(mean(rows, 'docs')):>7} "
+                  f"{max(r['state_bytes'] for r in rows) / 1e3:8.1f} | {mean(base, 'encoder_imbalance'):8.4f} "
+                  f"{mean(base, 'backbone_imbalance'):8.4f} {mean(base, 'padding'):8.4f}", flush=True)
+            tag = f"{seq_len // 1024}k_dp{dp}"
+            results[f"gain_vlm_{tag}"] = round(gain, 3)
+            results[f"encoder_imbalance_{tag}"] = round(mean(rows, "encoder_imbalance"), 4)
+            results[f"backbone_imbalance_{tag}"] = round(mean(rows, "backbone_imbalance"), 4)
+            results[f"worst_stage_imbalance_{tag}"] = round(
+                max(max(r["encoder_imbalance"], r["backbone_imbalance"]) for r in rows), 4)
+            results[f"padding_{tag}"] = round(mean(rows, "padding"), 4)
+            results[f"plan_ms_{tag}"] = round(plan_ms, 1)
+            results[f"baseline_encoder_imbalance_{tag}"] = round(mean(base, "encoder_imbalance"), 4)
+            results[f"baseline_backbone_imbalance_{tag}"] = round(mean(base, "backbone_imbalance"), 4)
+            results[f"baseline_padding_{tag}"] = round(mean(base, "padding"), 4)
+    rate = preprocessing_rate(images, args.seed)
+    print(f"\nvlm transform, one process: {rate['images']} generated JPEGs (mean {rate['jpeg_kb_mean']:.0f} kB, "
+          f"{rate['patches_mean']:.0f} patches; generated in {rate['generate_s']:.1f} s): warm-up "
+          f"{rate['warmup_images_per_s']:.1f} images/s, steady {rate['images_per_s_per_worker']:.1f} images/s "
+          f"({rate['megapixels_per_s_per_worker']:.1f} Mpixel/s of patches) per worker")
+    results["images_per_s_per_worker"] = round(rate["images_per_s_per_worker"], 1)
+    results["images_per_s_warmup"] = round(rate["warmup_images_per_s"], 1)
+    results["megapixels_per_s_per_worker"] = round(rate["megapixels_per_s_per_worker"], 2)
+    print(json.dumps(results, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

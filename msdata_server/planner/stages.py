@@ -1,0 +1,220 @@
+"""Two-stage balancing (the "vlm" cost): each rank's vision-encoder and backbone cost near their own bounds.
+
+A vision-language step runs the encoder on every rank, then the backbone, and each stage waits for its
+slowest rank: the step takes max_r V_r + max_r B_r, so both stages must balance, not only their sum.
+`place_stages` fills the rows (`rows.Rows`, whose cost is the backbone's) in an order that leaves each
+stage something to balance with: the carry-over and the long text first (no encoder cost; they need
+whole rows), then `place_images` by both stages, then the short text, which evens out the backbone;
+then `refine_stages` lowers the larger of the two normalised loads, rank by rank.
+
+A rank holding a long text document has a backbone cost far above what its tokens suggest, so it can
+take only part of an average rank's images before its backbone passes the others': it ends light in
+the encoder and padded, and the other ranks share its images. The backbone cap (balance_tolerance)
+makes that padding; since padding lowers the mean, the cap is set again from the first fill's full
+ranks and the step filled once more (two fills; see `place_stages`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .layout import Layout
+from .refine import CONSOLIDATE_PASSES, consolidate
+from .rows import ROUND_DIV, Rows, order_by
+
+__all__ = ["BACKBONE_WEIGHT", "KAPPA", "STAGE_PARTNERS", "encoder_load", "place_images", "place_stages",
+           "refine_stages"]
+
+KAPPA = 32.0  # sharpness of place_images' potential: a 1% higher load weighs exp(0.32) = 1.4 times more
+# place_images' weight of the backbone beside the encoder: the short text placed after these pieces evens out
+# the backbone, while the encoder has only these pieces, so the encoder weighs more
+BACKBONE_WEIGHT = 0.3
+MAX_EXP = 600.0  # exp() arguments are clipped here (float64 overflows past 709)
+STAGE_PARTNERS = 4  # lightest ranks by each measure (backbone, encoder, their max) tried in a refine pass
+DONE = 1e-3  # refine_stages stops once the worst rank is within this of both bounds
+FULL = 0.01  # a rank is full when less than this share of its rows is free...
+FULL_RANKS = 4  # ...and the second fill's cap is (1 + tolerance) x the full ranks' mean when dp / this are full
+
+
+def place_stages(lengths: np.ndarray, costs: np.ndarray, vision: np.ndarray, layout: Layout, *, priority: int,
+                 tolerance: float | None, kk_budget: int, iters: int) -> Rows:
+    """Place pieces (backbone `costs`, encoder `vision`) into the rows of `layout`; the filled Rows.
+
+    Each fill: the carried text pieces by best fit, the long text (cost per token above the average of
+    what is left) by largest differencing when pieces x ranks is within `kk_budget` (else by the greedy
+    rounds), the pieces with images (`place_images`), the short text, then trades of left-over text
+    pieces for fewer placed ones (refine.consolidate; the encoder load stays). With a `tolerance`, when
+    the first fill's costliest backbone passes (1 + tolerance) x the mean of its full ranks (the long
+    documents' ranks are padded, so the mean fell below what the cap assumed), the step is filled again
+    under that cap. Then `refine_stages`, at most `iters` passes.
+    """
+    desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
+    st = _fill(lengths, costs, vision, layout, desc, priority, tolerance, kk_budget, None)
+    if tolerance is not None and layout.dp > 1:
+        full = st.rtok <= FULL * layout.slots * layout.seq_len
+        base = st.rcost[full] if full.sum() * FULL_RANKS >= layout.dp else st.rcost
+        cap = max(float(base.mean()) * (1.0 + tolerance), float(costs.max(initial=0.0)))
+        if float(st.rcost.max()) > cap:
+            st = _fill(lengths, costs, vision, layout, desc, priority, tolerance, kk_budget, cap)
+    refine_stages(st, vision, iters)
+    return st
+
+
+def _fill(lengths: np.ndarray, costs: np.ndarray, vision: np.ndarray, layout: Layout, desc: np.ndarray,
+          priority: int, tolerance: float | None, kk_budget: int, cap: float | None) -> Rows:
+    st = Rows(lengths, costs, layout)
+    st.set_cap(desc, tolerance)
+    if cap is not None:
+        st.cap = cap
+    st.monotone = bool(np.all(np.diff(costs[desc]) <= 0))
+    text = vision[desc] == 0
+    early = (desc < priority) & text  # carried pieces with images go with the others
+    st.spread = False  # best fit, which keeps whole rows free for the long pieces
+    st.greedy(desc[early])
+    st.spread = True
+    rest = desc[~early & text]
+    long = costs[rest] - lengths[rest] * st.rate() > 0
+    big, short = rest[long], rest[~long]
+    if layout.dp > 1:
+        failed = st.partition_long(big, short, kk_budget)
+        if failed is not None:
+            big = big[np.isin(big, failed)]  # (in their longest-first order)
+    st.greedy(big)  # before the pieces with images, which spread over the rows: long ones need whole rows
+    place_images(st, desc[~text], vision)
+    st.greedy(short)
+    for _ in range(CONSOLIDATE_PASSES):
+        if not consolidate(st, priority, movable=vision == 0):
+            break
+    return st
+
+
+def encoder_load(st: Rows, vision: np.ndarray) -> np.ndarray:
+    """float64 [dp]: the encoder cost each rank holds now (pieces not placed count nowhere)."""
+    placed = st.rank >= 0
+    return np.bincount(st.rank[placed], weights=vision[placed], minlength=st.lay.dp).astype(np.float64)
+
+
+def _inv(x: float) -> float:
+    return 1.0 / x if x > 0 else 0.0
+
+
+def place_images(st: Rows, idx: np.ndarray, vision: np.ndarray) -> None:
+    """Place the pieces with images, costliest encoder first, where they raise a potential of both stages least.
+
+    A rank's backbone projects to `cost + free tokens * rate` (the cost per token of what is left to
+    place, which will fill its rows) and its encoder is what it holds (only these pieces bring any),
+    each over its mean. A piece goes where it raises the potential sum(exp(KAPPA * load)) least (the
+    backbone's terms weighted by BACKBONE_WEIGHT): to a light encoder, and among those to a rank whose
+    backbone projection it lowers most (a piece with images costs the backbone less per token than the
+    average, so it relieves a rank heavy with long text). In rounds: the next
+    dp / ROUND_DIV pieces go to distinct ranks, in the head piece's order of preference. A piece its
+    rank cannot take (no row it fits, or the backbone cap) goes back to the head of the queue; a head
+    piece that no rank can take is given up (carried over).
+    """
+    if idx.size == 0:
+        return
+    dp = st.lay.dp
+    enc = encoder_load(st, vision)
+    nv = dp * _inv(float(vision[idx].sum()) + float(enc.sum()))  # 1 / the mean encoder load once all are placed
+    queue = idx[np.argsort(-vision[idx], kind="stable")]
+    floor = max(1, dp // ROUND_DIV)
+    while queue.size:
+        head = int(queue[0])
+        elig = st.eligible(head)
+        if elig.size == 0:
+            st.give_up(queue[:1])
+            queue = queue[1:]
+            continue
+        rate = st.rate()
+        pb = st.rcost + st.rtok * rate
+        nb = _inv(float(pb.mean()))
+        top = max(float(pb.max()) * nb, float(enc.max()) * nv)
+        db = (st.c[head] - st.L[head] * rate) * nb
+        dv = vision[head] * nv
+        # (loads over `top` are <= 0, so the exps are at most 1; a lump many times a mean load saturates)
+        rise = (BACKBONE_WEIGHT * np.exp(KAPPA * (pb[elig] * nb - top)) * np.expm1(min(KAPPA * db, MAX_EXP))
+                + np.exp(KAPPA * (enc[elig] * nv - top)) * np.expm1(min(KAPPA * dv, MAX_EXP)))
+        take = queue[: min(floor, elig.size)]
+        ranks = elig[np.argsort(rise, kind="stable")[: take.size]]
+        bad = st.put(take, ranks, rate)  # the head always fits: its ranks were chosen for it
+        ok = ~bad
+        enc += np.bincount(ranks[ok], weights=vision[take[ok]], minlength=dp)
+        queue = np.concatenate([take[bad], queue[take.size :]])
+
+
+def refine_stages(st: Rows, vision: np.ndarray, iters: int) -> None:
+    """Lower the worst normalised stage load, max(B_r / bound_B, V_r / bound_V), by moving or swapping pieces.
+
+    A stage's bound is max(its mean over ranks, its costliest placed piece): no plan of these pieces
+    beats it. Each pass takes the worst rank not yet found stuck and tries the STAGE_PARTNERS lightest
+    ranks by each measure: the move or swap (pieces fitting the rows they go to) that leaves the pair's
+    largest normalised load lowest, when that is below the rank's. A rank with no such move is stuck
+    and skipped from then on, so the passes go on to lower the other stage's costliest rank too.
+    At most `iters` passes; vectorised over the pieces of the two ranks.
+    """
+    L, b, dp = st.L, st.c, st.lay.dp
+    placed = st.rank >= 0
+    if not placed.any() or dp < 2:
+        return
+    enc = encoder_load(st, vision)
+    wb = _inv(max(float(st.rcost.mean()), float(b[placed].max())))
+    wv = _inv(max(float(enc.mean()), float(vision[placed].max())))
+    order = order_by(st.rank + 1, dp + 1)  # members by rank; moves are tracked in `moved`
+    bounds = np.searchsorted(st.rank[order], np.arange(dp + 1))
+    moved: dict[int, list[int]] = {}
+
+    def members(r: int) -> np.ndarray:
+        own = order[bounds[r] : bounds[r + 1]]
+        if r in moved:
+            own = np.concatenate([own, np.array(moved[r], np.int64)])
+        return own[st.rank[own] == r]
+
+    stuck = np.zeros(dp, bool)
+    for _ in range(iters):
+        fb, fv = st.rcost * wb, enc * wv
+        f = np.maximum(fb, fv)
+        r = int(np.argmax(np.where(stuck, -np.inf, f)))
+        top = float(f[r])
+        if stuck[r] or top <= 1.0 + DONE:
+            return
+        mine = members(r)
+        partners = np.unique(np.concatenate([np.argsort(x, kind="stable")[:STAGE_PARTNERS] for x in (f, fb, fv)]))
+        partners = partners[f[partners] < top]
+        if not (mine.size and partners.size):
+            stuck[r] = True
+            continue
+        mb, mv = (b[mine] * wb)[:, None], (vision[mine] * wv)[:, None]
+        keep_r = np.maximum(fb[r] - mb, fv[r] - mv)  # r's load once a piece of it leaves
+        # move: a piece of r (row) to a partner (column) with a row that fits it
+        val = np.maximum(keep_r, np.maximum(fb[partners] + mb, fv[partners] + mv))
+        val = np.where(L[mine][:, None] <= st.maxrem[partners], val, np.inf)
+        # swap: a piece of r (row) with one of a partner (column), each fitting the other's row once it has left
+        groups = [members(q) for q in partners.tolist()]
+        theirs = np.concatenate(groups)
+        owner = np.repeat(partners, [g.size for g in groups])
+        db = mb - b[theirs] * wb
+        dv = mv - vision[theirs] * wv
+        val2 = np.maximum(np.maximum(fb[r] - db, fv[r] - dv), np.maximum(fb[owner] + db, fv[owner] + dv))
+        room_r = st.rem[r, st.slot[mine]] + L[mine]
+        room_q = st.rem[owner, st.slot[theirs]] + L[theirs]
+        ok = (L[theirs] <= room_r[:, None]) & (L[mine][:, None] <= room_q)
+        val2 = np.where(ok, val2, np.inf)
+        j, k = int(np.argmin(val)), int(np.argmin(val2)) if theirs.size else -1
+        best = top * (1.0 - 1e-9)
+        if k >= 0 and val2.flat[k] < min(best, val.flat[j]):
+            ia, ib = divmod(k, theirs.size)
+            a, x, q = int(mine[ia]), int(theirs[ib]), int(owner[ib])
+            st.swap(a, x)
+            enc[r] += vision[x] - vision[a]
+            enc[q] += vision[a] - vision[x]
+            moved.setdefault(q, []).append(a)
+            moved.setdefault(r, []).append(x)
+        elif val.flat[j] < best:
+            ia, iq = divmod(j, partners.size)
+            a, q = int(mine[ia]), int(partners[iq])
+            st.move(a, q)
+            enc[r] -= vision[a]
+            enc[q] += vision[a]
+            moved.setdefault(q, []).append(a)
+        else:
+            stuck[r] = True

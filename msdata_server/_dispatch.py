@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import mmap
 from collections import deque
 from collections.abc import Callable, Coroutine
 
@@ -18,6 +19,7 @@ import numpy as np
 from ._workerproc import Task, Worker
 from .errors import ClosedError, ConfigError, MsdataError
 from .sources.base import BadSample
+from .transforms import VlmSample
 
 __all__ = ["Dispatcher"]
 
@@ -133,22 +135,28 @@ class Dispatcher:
         self._kick()
 
     def _unpack(self, w: Worker, items: list) -> list:
-        out = []
+        out: list = []
         mm = w.seg.mm if w.seg is not None else None
         for it in items:
             kind = it[0]
-            if kind == "s":
-                _, off, dtype, shape = it
-                dt = np.dtype(dtype)
-                count = int(np.prod(shape, dtype=np.int64))
-                view = np.frombuffer(mm, dtype=dt, count=count, offset=off)
-                a = view.reshape(shape).copy()
-                del view
-                self.via_shm += a.nbytes
-                out.append(a)
-            elif kind == "a":
-                self.inline += it[1].nbytes
-                out.append(it[1])
-            else:
+            if kind == "b":
                 out.append(BadSample(it[1], it[2], it[3]))
+            elif kind == "v":  # a picture document: its arrays, each from the segment or inline
+                out.append(VlmSample.from_arrays({k: self._array(mm, item) for k, item in it[1]}))
+            else:
+                out.append(self._array(mm, it))
         return out
+
+    def _array(self, mm: mmap.mmap | None, it: tuple) -> np.ndarray:
+        """An "s" item copied out of the worker's segment, or an inline "a" item."""
+        if it[0] == "a":
+            self.inline += it[1].nbytes
+            return it[1]
+        _, off, dtype, shape = it
+        assert mm is not None, "a segment item from a worker without a segment"
+        count = int(np.prod(shape, dtype=np.int64))
+        view = np.frombuffer(mm, dtype=np.dtype(dtype), count=count, offset=off)
+        a = view.reshape(shape).copy()
+        del view
+        self.via_shm += a.nbytes
+        return a

@@ -99,6 +99,7 @@ class Zygote(Spawner):
 
     def _fork(self, sock_fd: int, seg_fd: int, seg_size: int) -> int:
         fds = [sock_fd] if seg_fd < 0 else [sock_fd, seg_fd]
+        assert self.sock is not None, "the zygote is started before it forks"
         socket.send_fds(self.sock, [b"F %d %d" % (seg_size, DATA_START)], fds)
         reply = self.sock.recv(64)
         if not reply.startswith(b"P "):

@@ -8,18 +8,28 @@ Invariants: ``ready`` is the number of payloads present and not released over th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 
 from ._ordinals import Partition
 from .sources.base import BadSample
+from .transforms import VlmSample
 
 __all__ = ["ReadBatch", "ReadBuffer"]
 
 
-def _compact(a: np.ndarray) -> np.ndarray:
+def _held(p: object) -> bool:
+    """Whether a payload slot holds a sample (a token array or a picture document), not a bad sample."""
+    return p is not None and not isinstance(p, BadSample)
+
+
+def _compact(a):
     """Token ids held in the read-ahead as uint16 when they fit (byte tokens and vocabularies up to 65536):
-    half the memory of int32 for every sample waiting to be built; constructors widen them anyway."""
+    half the memory of int32 for every sample waiting to be built; constructors widen them anyway. A picture
+    document (``transforms.VlmSample``) keeps its pixels as they are and compacts its tokens."""
+    if isinstance(a, VlmSample):
+        return dataclasses.replace(a, tokens=_compact(a.tokens))
     if a.dtype.kind in "iu" and a.dtype.itemsize > 2 and a.size and int(a.min()) >= 0 and int(a.max()) <= 0xFFFF:
         return a.astype(np.uint16)
     return a
@@ -105,7 +115,7 @@ class ReadBuffer:
             if bs.payloads is not None:
                 for i in idx.tolist():
                     p = bs.payloads[i]
-                    if isinstance(p, np.ndarray):
+                    if _held(p):
                         bs.held -= 1
                         bs.nbytes -= p.nbytes
                         self.ready -= 1
@@ -129,7 +139,7 @@ class ReadBuffer:
                 continue
             first = self._part.local_batch(bs.index) * self._part.batch
             i0 = max(0, high + 1 - first)
-            n += sum(1 for p in bs.payloads[i0:] if isinstance(p, np.ndarray))
+            n += sum(1 for p in bs.payloads[i0:] if _held(p))
         return n
 
     def close(self) -> None:

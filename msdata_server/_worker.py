@@ -8,8 +8,10 @@ Protocol on a worker's private socket (multiprocessing Connection frames, pickle
 parent -> worker: ``(task_id, transform, seed, sample_ids, records)`` per task, or ``None`` to stop.
 worker -> parent: ``("ready", pid)``, then ``(task_id, items)`` per task, where an item is
 ``("s", offset, dtype, shape)`` (the array lies in the output segment at offset), ``("a", array)`` (small,
-inline) or ``("b", reason, location, detail)`` (a bad sample). The parent copies the arrays out of the
-segment before it sends the next task, so one segment per worker suffices.
+inline), ``("b", reason, location, detail)`` (a bad sample) or ``("v", [(key, item), ...])`` (a picture
+document, ``transforms.VlmSample``: each of its arrays as an "s" or "a" item, so pixels never get pickled).
+The parent copies the arrays out of the segment before it sends the next task, so one segment per worker
+suffices.
 """
 
 from __future__ import annotations
@@ -30,27 +32,35 @@ INLINE_BYTES = 4096  # results at most this big travel inline in the pickle
 ALIGN = 64
 
 
-def pack_results(results: list, mm: mmap.mmap | None, start: int) -> list:
+def pack_results(results: list, mm: mmap.mmap | None, start: int) -> list[tuple]:
     """Encode results: big numeric arrays are copied into mm from ``start`` on, the rest go inline."""
     from .sources.base import BadSample
+    from .transforms import VlmSample
 
-    items = []
-    off = start
-    size = len(mm) if mm is not None else 0
+    items: list[tuple] = []
+    off = [start]
     for r in results:
         if isinstance(r, BadSample):
             items.append(("b", r.reason, r.location, r.detail))
-            continue
-        nb = r.nbytes
-        if mm is not None and nb > INLINE_BYTES and r.dtype.kind in "biuf" and off + nb <= size:
-            dst = np.frombuffer(mm, dtype=r.dtype, count=r.size, offset=off).reshape(r.shape)
-            dst[...] = r
-            del dst
-            items.append(("s", off, r.dtype.str, r.shape))
-            off = (off + nb + ALIGN - 1) // ALIGN * ALIGN
+        elif isinstance(r, VlmSample):
+            items.append(("v", [(k, _pack_array(a, mm, off)) for k, a in r.arrays().items()]))
         else:
-            items.append(("a", r))
+            items.append(_pack_array(r, mm, off))
     return items
+
+
+def _pack_array(r: np.ndarray, mm: mmap.mmap | None, off: list[int]) -> tuple:
+    """One array as an item: into the segment at ``off[0]`` (advanced) when big and it fits, else inline."""
+    nb = r.nbytes
+    size = len(mm) if mm is not None else 0
+    if mm is not None and nb > INLINE_BYTES and r.dtype.kind in "biuf" and off[0] + nb <= size:
+        dst = np.frombuffer(mm, dtype=r.dtype, count=r.size, offset=off[0]).reshape(r.shape)
+        dst[...] = r
+        del dst
+        item = ("s", off[0], r.dtype.str, r.shape)
+        off[0] = (off[0] + nb + ALIGN - 1) // ALIGN * ALIGN
+        return item
+    return ("a", r)
 
 
 def worker_main(conn, seg_fd: int, seg_size: int, data_start: int) -> None:

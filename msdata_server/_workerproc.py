@@ -93,6 +93,7 @@ class Worker:
         """Give it a task (it runs one at a time)."""
         self.task = t
         msg = (t.id, t.transform, t.seed, t.ids, t.records)
+        assert self.writer is not None, "a task goes only to a launched worker"
         self.writer.write(_frame(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)))
 
     async def receive(self):

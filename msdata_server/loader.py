@@ -97,7 +97,8 @@ class SourceLoader:
         self._started = False
         self._closed = False
         self._counts = ReadCounts(source)
-        self._idle: asyncio.Event | None = None
+        self._idle = asyncio.Event()  # no batch in flight (set until the first is scheduled)
+        self._idle.set()
 
     def _asked(self, last_ordinal: int) -> None:
         local = self._part.local_index(last_ordinal)
@@ -117,8 +118,6 @@ class SourceLoader:
         if self._started:
             return
         self._started = True
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._pump()
 
     async def wait_idle(self) -> None:
@@ -136,8 +135,7 @@ class SourceLoader:
             t.cancel("loader closed")
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        if self._idle is not None:
-            self._idle.set()
+        self._idle.set()
         self._buf.close()
 
     # ---- scheduling ----
@@ -185,6 +183,7 @@ class SourceLoader:
             raise ClosedError(f"loader of source {self.name!r} was closed while waiting for batch {bs.index}")
         if bs.error is not None:
             raise MsdataError(f"source {self.name!r}: reading batch {bs.index} failed: {bs.error!r}") from bs.error
+        assert bs.lengths is not None and bs.payloads is not None, "a batch without error was filled"
         return bs
 
     # ---- the work of one batch ----
@@ -224,6 +223,7 @@ class SourceLoader:
         for b in range(int(blist[0]), int(blist[-1]) + 1):  # ordinals are consecutive: so are batches
             bs = await self._wait(self._ensure(b))
             lo, hi = max(start, bs.start), min(end, bs.start + self.batch)
+            assert bs.lengths is not None  # _wait checked it
             out[lo - start : hi - start] = bs.lengths[lo - bs.start : hi - bs.start]
         return out
 
@@ -242,6 +242,7 @@ class SourceLoader:
         if not bs.event.is_set() or bs.error is not None or self._closed:
             bs = await self._wait(bs)
         i = ordinal - bs.start
+        assert bs.payloads is not None, "a finished batch without error was filled"
         p = bs.payloads[i]
         if p is None:  # released while others of its batch are held: read it once more, uncached
             p = (await self._reader.transform_once(np.array([ordinal], dtype=np.int64)))[0]

@@ -206,6 +206,7 @@ class WorkerPool:
             while True:
                 msg = await w.receive()
                 if msg[0] == "ready":
+                    assert w.ready is not None, "a launched worker has its ready future"
                     w.ready.set_result(msg[1])
                     continue
                 self._jobs.answered(w, msg)

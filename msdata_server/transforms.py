@@ -408,6 +408,9 @@ def run_transform(fn: Callable, records: list, *, seed: int, sample_ids) -> list
             continue
         try:
             res = fn(rec, rng=make_rng(seed, sid) if needs_rng else None)
+            if isinstance(res, VlmSample):  # a picture document: its arrays travel as they are
+                out.append(res)
+                continue
             if not isinstance(res, np.ndarray):
                 res = np.asarray(res)
             if res.ndim == 0:

@@ -18,6 +18,8 @@ import inspect
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import cast
 
 from msdata_client.wire import encode
 
@@ -114,8 +116,14 @@ class PeerLink(asyncio.BufferedProtocol):
             link.abort()
             raise
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
+    def _live_transport(self) -> asyncio.Transport:
+        """The link's transport (set once connection_made ran, before any data can arrive)."""
+        assert self._transport is not None, "no transport before connection_made"
+        return self._transport
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # a stream protocol gets a stream transport
+        transport = self._transport
         transport.set_write_buffer_limits(high=self.high_water)
         peer = transport.get_extra_info("peername")
         self._peername = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
@@ -213,7 +221,7 @@ class PeerLink(asyncio.BufferedProtocol):
         self.traffic.bytes_in += nbytes
         self._frames.received(nbytes)
         try:
-            while not self._transport.is_closing():
+            while not self._live_transport().is_closing():
                 if (got := self._frames.next(trusted=self.authenticated)) is None:
                     return
                 if self.authenticated:
@@ -230,7 +238,7 @@ class PeerLink(asyncio.BufferedProtocol):
         self._inbox_ready.set()
         if self._inbox_bytes > self.high_water and not self._reading_paused:
             self._reading_paused = True
-            self._transport.pause_reading()
+            self._live_transport().pause_reading()
 
     async def _consume(self) -> None:
         """Run the handler on each frame in order; reading resumes once the queue is below high_water/4."""
@@ -244,20 +252,20 @@ class PeerLink(asyncio.BufferedProtocol):
             if self._handler is None:
                 log.debug("%r: no handler; dropping a %r frame", self, frame.get("t"))
             else:
-                r = self._handler(self.peer_id, frame, payload)
+                r = self._handler(self.peer_id or "?", frame, payload)
                 if inspect.isawaitable(r):
                     await r
             self._inbox_bytes -= size
             if self._reading_paused and self._inbox_bytes <= self.high_water // 4 and not self.closed.done():
                 self._reading_paused = False
-                self._transport.resume_reading()
+                self._live_transport().resume_reading()
 
     def _consumer_done(self, task: asyncio.Task) -> None:
         if task.cancelled():
             return
         if (exc := task.exception()) is not None:
             log.error("%r: the frame handler failed; closing the link", self, exc_info=exc)
-            self.error = exc
+            self.error = exc if isinstance(exc, Exception) else RuntimeError(repr(exc))
             self.abort()
 
     # ---- closing --------------------------------------------------------------------------------------
@@ -343,15 +351,16 @@ class PeerServer:
                         high_water=self.high_water, max_payload=self.max_payload, auth_timeout=self.auth_timeout,
                         on_ready=self._ready, traffic=self.traffic)
         self._all.add(link)
-        link.closed.add_done_callback(lambda _f, link=link: self._gone(link))
+        link.closed.add_done_callback(partial(self._gone, link))
         return link
 
     def _ready(self, link: PeerLink) -> None:
-        self.links[link.peer_id] = link
+        if link.peer_id is not None:
+            self.links[link.peer_id] = link
 
-    def _gone(self, link: PeerLink) -> None:
+    def _gone(self, link: PeerLink, _closed: object = None) -> None:
         self._all.discard(link)
-        if self.links.get(link.peer_id) is link:
+        if link.peer_id is not None and self.links.get(link.peer_id) is link:
             del self.links[link.peer_id]
 
     async def aclose(self) -> None:

@@ -44,8 +44,18 @@ def baseline(seq_len: int, dp: int, steps: int, seed: int) -> list[dict]:
     def draw(source: int, n: int, rng: np.random.Generator) -> np.ndarray:
         return lengths(TEXT4.sources[names[source]], n, seq_len, rng)
 
-    return per_rank_steps(draw, TEXT4.weights, mean_len, seq_len=seq_len, dp=dp, micro_batches=MICRO, rows=ROWS,
-                          steps=steps, seed=seed, **COST)
+    return per_rank_steps(
+        draw,
+        TEXT4.weights,
+        mean_len,
+        seq_len=seq_len,
+        dp=dp,
+        micro_batches=MICRO,
+        rows=ROWS,
+        steps=steps,
+        seed=seed,
+        **COST,
+    )
 
 
 def msdata(seq_len: int, dp: int, steps: int, seed: int, method: str, tolerance: float | None) -> list[dict]:
@@ -124,8 +134,10 @@ def main() -> None:
         f"{'plan ms':>8} {'warm ms':>8} {'ingest':>7} {'docs':>7} {'state kB':>8} | "
         f"{'base imb':>8} {'base pad':>8}"
     )
-    print(f"text4, micro_batches={MICRO}, rows={ROWS}, cost {COST}, balance_tolerance={tolerance}, "
-          f"{steps} measured steps after 1 warm-up; medians; gain = throughput / baseline's")
+    print(
+        f"text4, micro_batches={MICRO}, rows={ROWS}, cost {COST}, balance_tolerance={tolerance}, "
+        f"{steps} measured steps after 1 warm-up; medians; gain = throughput / baseline's"
+    )
     print(head)
     print("-" * len(head))
     results: dict[str, float] = {}

@@ -41,8 +41,15 @@ SEQ, MICRO = 16384, 4
 
 
 def plan_load(dp: int, steps: int) -> dict:
-    cfg = PlannerConfig(sources=tuple(TEXT4.sources), seq_len=SEQ, dp=dp, micro_batches=MICRO, rows=1,
-                        mixture=Mixture.constant(TEXT4.weights), **COST)
+    cfg = PlannerConfig(
+        sources=tuple(TEXT4.sources),
+        seq_len=SEQ,
+        dp=dp,
+        micro_batches=MICRO,
+        rows=1,
+        mixture=Mixture.constant(TEXT4.weights),
+        **COST,
+    )
     view = SyntheticLengths(TEXT4, SEQ, seed=0)
     planner = Planner(cfg)
     walls, docs = [], []
@@ -54,15 +61,36 @@ def plan_load(dp: int, steps: int) -> dict:
             docs.append(len(plan))
     state = orjson.dumps(planner.state_dict())
     ms = statistics.median(walls)
-    return {"dp": dp, "plan_ms": ms, "plans_per_s": 1e3 / ms, "docs": int(statistics.median(docs)),
-            "state_bytes": len(state), "state": state}
+    return {
+        "dp": dp,
+        "plan_ms": ms,
+        "plans_per_s": 1e3 / ms,
+        "docs": int(statistics.median(docs)),
+        "state_bytes": len(state),
+        "state": state,
+    }
 
 
 def _etcd_cmd(d: Path, cport: int, pport: int) -> list[str]:
     etcd = os.environ.get("MSDATA_ETCD") or shutil.which("etcd") or "/usr/bin/etcd"
     c, p = f"http://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
-    return [etcd, "--name", "b", "--data-dir", str(d / "etcd"), "--listen-client-urls", c, "--advertise-client-urls",
-            c, "--listen-peer-urls", p, "--initial-advertise-peer-urls", p, "--initial-cluster", f"b={p}"]
+    return [
+        etcd,
+        "--name",
+        "b",
+        "--data-dir",
+        str(d / "etcd"),
+        "--listen-client-urls",
+        c,
+        "--advertise-client-urls",
+        c,
+        "--listen-peer-urls",
+        p,
+        "--initial-advertise-peer-urls",
+        p,
+        "--initial-cluster",
+        f"b={p}",
+    ]
 
 
 def _status(sock: str) -> dict | None:
@@ -91,13 +119,19 @@ def failover(ttl: float, rounds: int) -> list[float]:
         d.mkdir()
         socks[nid] = str(d / "s.sock")
         cfgs[nid] = d / "node.toml"
-        cfgs[nid].write_text(f'[node]\nid = "{nid}"\nsocket = "{socks[nid]}"\nlisten = "127.0.0.1:0"\n'
-                             f'shm_prefix = "b{secrets.token_hex(3)}"\nworkers = 0\n'
-                             f'[cluster]\netcd = ["{etcd.url}"]\ntoken_file = "{token}"\nlease_ttl = {ttl}\n')
+        cfgs[nid].write_text(
+            f'[node]\nid = "{nid}"\nsocket = "{socks[nid]}"\nlisten = "127.0.0.1:0"\n'
+            f'shm_prefix = "b{secrets.token_hex(3)}"\nworkers = 0\n'
+            f'[cluster]\netcd = ["{etcd.url}"]\ntoken_file = "{token}"\nlease_ttl = {ttl}\n'
+        )
 
     def start(nid: str) -> None:
-        p = subprocess.Popen([sys.executable, "-m", "msdata_server", "serve", "--config", str(cfgs[nid])],
-                             stdout=subprocess.PIPE, stderr=open(base / f"{nid}.log", "ab"), cwd=str(ROOT))
+        p = subprocess.Popen(
+            [sys.executable, "-m", "msdata_server", "serve", "--config", str(cfgs[nid])],
+            stdout=subprocess.PIPE,
+            stderr=open(base / f"{nid}.log", "ab"),
+            cwd=str(ROOT),
+        )
         p.stdout.readline()  # the readiness line
         procs[nid] = p
 
@@ -156,8 +190,9 @@ def data_path(steps: int) -> dict:
     from tests.etcd_fixture import EtcdServer
     from tests.test_multinode import Cluster, wait_for
 
-    spec = small_job("bench", dp=3, seq_len=4096, micro_batches=4, samples=4000, seed=3, prefetch=2,
-                     median=(400.0, 900.0))
+    spec = small_job(
+        "bench", dp=3, seq_len=4096, micro_batches=4, samples=4000, seed=3, prefetch=2, median=(400.0, 900.0)
+    )
     n = steps * spec.micro_batches
 
     def run(endpoints: list[str]) -> tuple[float, int]:
@@ -213,8 +248,12 @@ def data_path(steps: int) -> dict:
         finally:
             c.stop()
             etcd.stop()
-        out["three"] = {"steps_per_s": (steps - 1) / secs, "bytes_per_s": nb / secs, "peer_bytes_per_s": peer / secs,
-                        "peer_bytes_per_batch_byte": peer / nb}
+        out["three"] = {
+            "steps_per_s": (steps - 1) / secs,
+            "bytes_per_s": nb / secs,
+            "peer_bytes_per_s": peer / secs,
+            "peer_bytes_per_batch_byte": peer / nb,
+        }
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return out
@@ -246,8 +285,13 @@ def failover_data(ttl: float) -> dict:
 
         def body(r):
             try:
-                with msd.DataClient(spec, endpoint=c.nodes[f"node-{r}"].socket, rank=r, world_size=3,
-                                    connect_timeout=3 if r == li else 60) as dc:
+                with msd.DataClient(
+                    spec,
+                    endpoint=c.nodes[f"node-{r}"].socket,
+                    rank=r,
+                    world_size=3,
+                    connect_timeout=3 if r == li else 60,
+                ) as dc:
                     while not stop.is_set():
                         b = next(dc)
                         times[r].append(time.monotonic())
@@ -328,8 +372,10 @@ def main() -> None:
     steps = 3 if args.quick else 8
     rounds = 2 if args.quick else 4
 
-    print(f"planner load: text4, seq_len {SEQ}, {MICRO} micro-batches per rank, metadata only; "
-          f"median of {steps} steps after 1 warm-up")
+    print(
+        f"planner load: text4, seq_len {SEQ}, {MICRO} micro-batches per rank, metadata only; "
+        f"median of {steps} steps after 1 warm-up"
+    )
     print(f"{'dp':>5} {'plan ms':>9} {'plans/s':>8} {'docs/step':>10} {'state B':>8}")
     res = {}
     for dp in (512, 4096):
@@ -339,31 +385,48 @@ def main() -> None:
     w = asyncio.run(state_write(res[4096]["state"], 20))
     print(f"fenced etcd write of the dp-4096 planner state ({res[4096]['state_bytes']} B): {w:.2f} ms median")
     fo = failover(args.ttl, rounds)
-    print(f"failover (3 nodes, lease {args.ttl:g} s, leader SIGKILLed -> new leader agreed): "
-          + ", ".join(f"{x:.2f}s" for x in fo))
+    print(
+        f"failover (3 nodes, lease {args.ttl:g} s, leader SIGKILLed -> new leader agreed): "
+        + ", ".join(f"{x:.2f}s" for x in fo)
+    )
     fd = failover_data(args.ttl)
     fd["planned_s"] = -1.0 if fd["planned_s"] is None else fd["planned_s"]  # -1: the resume was not seen
-    print(f"failover with a job running (lease {args.ttl:g} s, leader SIGKILLed -> new leader plans): "
-          f"{fd['planned_s']:.2f}s; -> surviving ranks get their next batch: {fd['delivered_s']:.2f}s")
+    print(
+        f"failover with a job running (lease {args.ttl:g} s, leader SIGKILLed -> new leader plans): "
+        f"{fd['planned_s']:.2f}s; -> surviving ranks get their next batch: {fd['delivered_s']:.2f}s"
+    )
     dpath = data_path(10 if args.quick else 30)
     for k, label in (("one", "one node, 3 ranks"), ("three", "three nodes, 1 rank each")):
-        print(f"data path ({label}; dp 3, 16 KiB-token steps): {dpath[k]['steps_per_s']:.1f} steps/s, "
-              f"{dpath[k]['bytes_per_s'] / 2**20:.1f} MiB/s to ranks")
-    print(f"  across nodes: {dpath['three']['peer_bytes_per_s'] / 2**20:.1f} MiB/s over the peer links "
-          f"({dpath['three']['peer_bytes_per_batch_byte']:.2f} B per batch byte; ratio three/one nodes "
-          f"{dpath['three']['steps_per_s'] / dpath['one']['steps_per_s']:.2f})")
-    print(json.dumps({"failover_s": round(statistics.median(fo), 3), "failover_max_s": round(max(fo), 3),
-                      "failover_planned_s": round(fd["planned_s"], 3),
-                      "failover_delivered_s": round(fd["delivered_s"], 3),
-                      "lease_ttl_s": args.ttl, "plan_ms_dp512": round(res[512]["plan_ms"], 2),
-                      "plan_ms_dp4096": round(res[4096]["plan_ms"], 2),
-                      "plans_per_s_dp4096": round(res[4096]["plans_per_s"], 3),
-                      "state_bytes_dp4096": res[4096]["state_bytes"], "state_write_ms": round(w, 3),
-                      "cross_node_steps_per_s": round(dpath["three"]["steps_per_s"], 2),
-                      "cross_node_bytes_per_s": round(dpath["three"]["bytes_per_s"]),
-                      "peer_link_bytes_per_s": round(dpath["three"]["peer_bytes_per_s"]),
-                      "one_node_steps_per_s": round(dpath["one"]["steps_per_s"], 2),
-                      "one_node_bytes_per_s": round(dpath["one"]["bytes_per_s"])}))
+        print(
+            f"data path ({label}; dp 3, 16 KiB-token steps): {dpath[k]['steps_per_s']:.1f} steps/s, "
+            f"{dpath[k]['bytes_per_s'] / 2**20:.1f} MiB/s to ranks"
+        )
+    print(
+        f"  across nodes: {dpath['three']['peer_bytes_per_s'] / 2**20:.1f} MiB/s over the peer links "
+        f"({dpath['three']['peer_bytes_per_batch_byte']:.2f} B per batch byte; ratio three/one nodes "
+        f"{dpath['three']['steps_per_s'] / dpath['one']['steps_per_s']:.2f})"
+    )
+    print(
+        json.dumps(
+            {
+                "failover_s": round(statistics.median(fo), 3),
+                "failover_max_s": round(max(fo), 3),
+                "failover_planned_s": round(fd["planned_s"], 3),
+                "failover_delivered_s": round(fd["delivered_s"], 3),
+                "lease_ttl_s": args.ttl,
+                "plan_ms_dp512": round(res[512]["plan_ms"], 2),
+                "plan_ms_dp4096": round(res[4096]["plan_ms"], 2),
+                "plans_per_s_dp4096": round(res[4096]["plans_per_s"], 3),
+                "state_bytes_dp4096": res[4096]["state_bytes"],
+                "state_write_ms": round(w, 3),
+                "cross_node_steps_per_s": round(dpath["three"]["steps_per_s"], 2),
+                "cross_node_bytes_per_s": round(dpath["three"]["bytes_per_s"]),
+                "peer_link_bytes_per_s": round(dpath["three"]["peer_bytes_per_s"]),
+                "one_node_steps_per_s": round(dpath["one"]["steps_per_s"], 2),
+                "one_node_bytes_per_s": round(dpath["one"]["bytes_per_s"]),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -65,24 +65,36 @@ class Arm:
         self.dir.mkdir()
         self.socket = str(self.dir / "msdata.sock")
         cfg = self.dir / "node.toml"
-        cfg.write_text(textwrap.dedent(f"""\
+        cfg.write_text(
+            textwrap.dedent(f"""\
             [node]
             id = "{name}"
             socket = "{self.socket}"
             shm_prefix = "mg{secrets.token_hex(3)}"
             workers = 2
-            state_dir = "{self.dir / 'state'}"
-            """))
+            state_dir = "{self.dir / "state"}"
+            """)
+        )
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(tree))
         self.log = open(self.dir / "server.log", "ab")
-        self.server = subprocess.Popen([sys.executable, "-m", "msdata_server", "serve", "--config", str(cfg)],
-                                       stdout=subprocess.PIPE, stderr=self.log, env=env, cwd=str(tree))
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "msdata_server", "serve", "--config", str(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            cwd=str(tree),
+        )
         line = self.server.stdout.readline()
         if not line:
             raise SystemExit(f"{name}: the server did not start; see {self.dir / 'server.log'}")
-        self.ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(JOB), self.socket, str(r), str(steps),
-                                        str(deadline)], stderr=self.log, cwd=str(ROOT))
-                      for r in range(2)]
+        self.ranks = [
+            subprocess.Popen(
+                [sys.executable, "-c", RANK, str(JOB), self.socket, str(r), str(steps), str(deadline)],
+                stderr=self.log,
+                cwd=str(ROOT),
+            )
+            for r in range(2)
+        ]
         self.samples: list[tuple[float, int, int]] = []  # (seconds, step, server USS bytes)
 
     def sample(self, t0: float) -> None:
@@ -119,12 +131,18 @@ class Arm:
         end = s[-1]
         dsteps = max(end[1] - warm[1], 1)
         dt = max(end[0] - warm[0], 1e-9)
-        return {"arm": self.name, "warm_step": warm[1], "uss_warm_mib": round(warm[2] / 2**20, 1),
-                "end_step": end[1], "uss_end_mib": round(end[2] / 2**20, 1),
-                "growth_kib_per_10k_steps": round((end[2] - warm[2]) / 1024 / dsteps * 1e4, 1),
-                "growth_pct": round(100 * (end[2] - warm[2]) / warm[2], 2),
-                "growth_pct_per_hour": round(100 * (end[2] - warm[2]) / warm[2] * 3600 / dt, 2),
-                "steps_per_s": round((end[1] - warm[1]) / dt, 1), "seconds": round(end[0], 1)}
+        return {
+            "arm": self.name,
+            "warm_step": warm[1],
+            "uss_warm_mib": round(warm[2] / 2**20, 1),
+            "end_step": end[1],
+            "uss_end_mib": round(end[2] / 2**20, 1),
+            "growth_kib_per_10k_steps": round((end[2] - warm[2]) / 1024 / dsteps * 1e4, 1),
+            "growth_pct": round(100 * (end[2] - warm[2]) / warm[2], 2),
+            "growth_pct_per_hour": round(100 * (end[2] - warm[2]) / warm[2] * 3600 / dt, 2),
+            "steps_per_s": round((end[1] - warm[1]) / dt, 1),
+            "seconds": round(end[0], 1),
+        }
 
 
 def main() -> None:
@@ -144,8 +162,9 @@ def main() -> None:
         trees = [("current", ROOT)]
         if args.baseline:
             worktree = base / "baseline-tree"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(worktree),
-                            args.baseline], check=True)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(worktree), args.baseline], check=True
+            )
             trees.insert(0, (f"baseline-{args.baseline}", worktree))
         arms = [Arm(name, tree, base, steps, deadline) for name, tree in trees]
         t0 = time.monotonic()
@@ -157,8 +176,14 @@ def main() -> None:
                     a.sample(t0)
             if sys.stdout.isatty() or time.monotonic() - last_print > 60:
                 last_print = time.monotonic()
-                print("  ".join(f"{a.name}: step {a.samples[-1][1]} USS {a.samples[-1][2] / 2**20:.1f} MiB"
-                                for a in arms if a.samples), flush=True)
+                print(
+                    "  ".join(
+                        f"{a.name}: step {a.samples[-1][1]} USS {a.samples[-1][2] / 2**20:.1f} MiB"
+                        for a in arms
+                        if a.samples
+                    ),
+                    flush=True,
+                )
     finally:
         for a in arms:
             a.close()
@@ -166,17 +191,24 @@ def main() -> None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False)
         shutil.rmtree(base, ignore_errors=True)
     reports = [a.report() for a in arms]
-    print(f"{'arm':<24} {'warm step':>9} {'USS MiB':>8} {'end step':>9} {'USS MiB':>8} {'KiB/10k steps':>13} "
-          f"{'%/hour':>7}")
+    print(
+        f"{'arm':<24} {'warm step':>9} {'USS MiB':>8} {'end step':>9} {'USS MiB':>8} {'KiB/10k steps':>13} "
+        f"{'%/hour':>7}"
+    )
     for r in reports:
         if "end_step" in r:
-            print(f"{r['arm']:<24} {r['warm_step']:>9} {r['uss_warm_mib']:>8} {r['end_step']:>9} "
-                  f"{r['uss_end_mib']:>8} {r['growth_kib_per_10k_steps']:>13} {r['growth_pct_per_hour']:>7}")
+            print(
+                f"{r['arm']:<24} {r['warm_step']:>9} {r['uss_warm_mib']:>8} {r['end_step']:>9} "
+                f"{r['uss_end_mib']:>8} {r['growth_kib_per_10k_steps']:>13} {r['growth_pct_per_hour']:>7}"
+            )
     out = {"arms": reports}
     cur = reports[-1]
     if "growth_pct" in cur:
-        out.update(uss_growth_pct=cur["growth_pct"], uss_growth_pct_per_hour=cur["growth_pct_per_hour"],
-                   uss_growth_kib_per_10k_steps=cur["growth_kib_per_10k_steps"])
+        out.update(
+            uss_growth_pct=cur["growth_pct"],
+            uss_growth_pct_per_hour=cur["growth_pct_per_hour"],
+            uss_growth_kib_per_10k_steps=cur["growth_kib_per_10k_steps"],
+        )
     if len(reports) == 2 and "growth_kib_per_10k_steps" in reports[0]:
         out["baseline_growth_kib_per_10k_steps"] = reports[0]["growth_kib_per_10k_steps"]
     print(json.dumps(out))

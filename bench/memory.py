@@ -102,8 +102,10 @@ def _gen_main(root: str, n_sources: int, part: int = 0, parts: int = 1) -> None:
             os.replace(tmp, path)  # a file that exists is complete: an interrupted run resumes safely
             written += 1
             nbytes += int(offsets[-1])
-    print(json.dumps({"shape": M, "files_written": written, "text_bytes": nbytes,
-                      "seconds": time.perf_counter() - t0}), flush=True)
+    print(
+        json.dumps({"shape": M, "files_written": written, "text_bytes": nbytes, "seconds": time.perf_counter() - t0}),
+        flush=True,
+    )
 
 
 def _generate(data: str, n_sources: int) -> dict:
@@ -111,15 +113,22 @@ def _generate(data: str, n_sources: int) -> dict:
     t0 = time.perf_counter()
     parts = max(1, min(os.cpu_count() or 1, 8))
     cmd = [sys.executable, os.path.abspath(__file__), "gen", data, str(n_sources)]
-    procs = [subprocess.Popen([*cmd, str(i), str(parts)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=ROOT) for i in range(parts)]
+    procs = [
+        subprocess.Popen(
+            [*cmd, str(i), str(parts)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+        )
+        for i in range(parts)
+    ]
     outs = [p.communicate() for p in procs]
     for p, (_, err) in zip(procs, outs):
         if p.returncode != 0:
             raise RuntimeError(f"data generation failed:\n{err}")
     got = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
-    return {"shape": got[0]["shape"], "files_written": sum(x["files_written"] for x in got),
-            "seconds": time.perf_counter() - t0}
+    return {
+        "shape": got[0]["shape"],
+        "files_written": sum(x["files_written"] for x in got),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def _source_paths(root: str, n_sources: int, files: int) -> list[list[str]]:
@@ -212,8 +221,9 @@ def _trainer_main() -> None:
             del b
         else:
             spec = msd.JobSpec.from_dict(cfg["job"])
-            dc = msd.DataClient(spec, endpoint=cfg["endpoint"], rank=cfg["rank"], world_size=cfg["ranks"],
-                                connect_timeout=120)
+            dc = msd.DataClient(
+                spec, endpoint=cfg["endpoint"], rank=cfg["rank"], world_size=cfg["ranks"], connect_timeout=120
+            )
             for _ in range(cfg["batches"]):
                 b = next(dc)
                 tokens += int((b["tokens"] != spec.pad_id).sum())
@@ -326,8 +336,9 @@ def _setpss_main(pids: list[int]) -> None:
 
 def set_pss(pids: list[int]) -> dict[int, int] | None:
     """_setpss_main in a child process (the driver imports no numpy); None where frames are not readable."""
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "setpss", *map(str, pids)],
-                         capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "setpss", *map(str, pids)], capture_output=True, text=True, cwd=ROOT
+    )
     got = json.loads(out.stdout) if out.returncode == 0 and out.stdout.strip() else None
     return {int(k): v for k, v in got.items()} if got else None
 
@@ -367,7 +378,7 @@ class Lines:
                     line, self.bufs[fd] = self.bufs[fd].split(b"\n", 1)
                     text = line.decode()
                     if text.startswith(prefix) and key not in got:
-                        got[key] = text[len(prefix):].strip()
+                        got[key] = text[len(prefix) :].strip()
         return got
 
     def remove(self, proc: subprocess.Popen) -> None:
@@ -447,8 +458,13 @@ class Trainers:
         for r, key in enumerate(self.keys):
             self.logs[key] = os.path.join(self.dir, f"rank{r}.log")
             with open(self.logs[key], "wb") as log:
-                p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "trainer"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=ROOT)
+                p = subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "trainer"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    cwd=ROOT,
+                )
             self.procs.append(p)
             self.lines.add(key, p)
         self.lines.wait_all(self.keys, "imported", PHASE_TIMEOUT, self.logs)
@@ -475,8 +491,9 @@ class Trainers:
         self.lines.close()
 
 
-def run_phase(kind: str, tr: Trainers, *, paths, workers: int, batches: int, seq_len: int, server_workers: int,
-              verbose: bool) -> dict:
+def run_phase(
+    kind: str, tr: Trainers, *, paths, workers: int, batches: int, seq_len: int, server_workers: int, verbose: bool
+) -> dict:
     """One configuration on live trainer processes, from idle to measurement and back to idle."""
     ranks = tr.ranks
     tag = f"{kind}-S{len(paths)}-R{ranks}"
@@ -494,19 +511,42 @@ def run_phase(kind: str, tr: Trainers, *, paths, workers: int, batches: int, seq
         if kind == "msdata":
             conf = os.path.join(sockdir, "node.toml")
             with open(conf, "w") as f:
-                f.write(f'[node]\nid = "bench"\nsocket = "{endpoint}"\nshm_prefix = "bm{secrets.token_hex(3)}"\n'
-                        f'workers = {server_workers}\nlog_level = "WARNING"\n')
+                f.write(
+                    f'[node]\nid = "bench"\nsocket = "{endpoint}"\nshm_prefix = "bm{secrets.token_hex(3)}"\n'
+                    f'workers = {server_workers}\nlog_level = "WARNING"\n'
+                )
             logs["server"] = os.path.join(tr.dir, f"server-S{len(paths)}.log")
             with open(logs["server"], "wb") as log:
-                server = subprocess.Popen([sys.executable, "-m", "msdata_server", "serve", "--config", conf],
-                                          stdout=subprocess.PIPE, stderr=log, cwd=ROOT)
+                server = subprocess.Popen(
+                    [sys.executable, "-m", "msdata_server", "serve", "--config", conf],
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    cwd=ROOT,
+                )
             tr.lines.add("server", server)
             tr.lines.wait_all(["server"], '{"event":"ready"', 120, logs)
         t_server = time.perf_counter() - t0
         weights = [1.0 / len(paths)] * len(paths)
-        tr.send([json.dumps({"kind": kind, "rank": r, "ranks": ranks, "workers": workers, "batches": batches,
-                             "seq_len": seq_len, "pad_id": 257, "endpoint": endpoint, "job": job, "sources": paths,
-                             "weights": weights}) for r in range(ranks)])
+        tr.send(
+            [
+                json.dumps(
+                    {
+                        "kind": kind,
+                        "rank": r,
+                        "ranks": ranks,
+                        "workers": workers,
+                        "batches": batches,
+                        "seq_len": seq_len,
+                        "pad_id": 257,
+                        "endpoint": endpoint,
+                        "job": job,
+                        "sources": paths,
+                        "weights": weights,
+                    }
+                )
+                for r in range(ranks)
+            ]
+        )
         ready = tr.lines.wait_all(tr.keys, "ready", PHASE_TIMEOUT, logs)
         t_read = time.perf_counter() - t0 - t_server
         status = _wait_loaders_idle(endpoint) if kind == "msdata" else {}
@@ -525,21 +565,28 @@ def run_phase(kind: str, tr: Trainers, *, paths, workers: int, batches: int, seq
         # the headline: PSS within the measured set where frame numbers are readable (root), else smaps_rollup
         per, idle = (iso, idle_iso) if iso is not None else (roll, idle_roll)
         out = {
-            "kind": kind, "S": len(paths), "R": ranks, "W": workers if kind == "baseline" else None,
-            "batches": batches, "method": "isolated" if iso is not None else "rollup",
+            "kind": kind,
+            "S": len(paths),
+            "R": ranks,
+            "W": workers if kind == "baseline" else None,
+            "batches": batches,
+            "method": "isolated" if iso is not None else "rollup",
             "loader_pss": sum(per.values()) - sum(idle.values()),
             "loader_pss_rollup": total_roll - sum(idle_roll.values()),
             "loader_pss_isolated": None if iso is None else sum(iso.values()) - sum(idle_iso.values()),
             "idle_pss": sum(idle.values()),
             "trainer_pss": sum(per.get(q, 0) for t in trees.values() for q in t),
             "trainer_processes": sum(len(t) for t in trees.values()),
-            "tokens": sum(json.loads(v)["tokens"] for v in ready.values()), "seconds_read": t_read,
+            "tokens": sum(json.loads(v)["tokens"] for v in ready.values()),
+            "seconds_read": t_read,
         }
         if server is not None:
             out["server"] = _server_breakdown(server.pid, {q: per.get(q, 0) for q in srv_pids}, status)
         if verbose:
-            print(f"  [{tag}] server start {t_server:.1f}s, read {t_read:.1f}s, "
-                  f"loader {out['loader_pss'] / MIB:.0f} MiB", flush=True)
+            print(
+                f"  [{tag}] server start {t_server:.1f}s, read {t_read:.1f}s, loader {out['loader_pss'] / MIB:.0f} MiB",
+                flush=True,
+            )
         return out
     except BaseException:
         if not stop_sent:
@@ -585,11 +632,13 @@ def _fmt_breakdown(m: dict) -> str:
     idle_each = m["idle_pss"] / m["R"]
     rank_each = m["trainer_pss"] / m["R"]
     ws = ", ".join(f"{w / MIB:.0f}" for w in sorted(b["workers"]))
-    return (f"    S={m['S']:<3d} R={m['R']}: server {b['server'] / MIB:.0f} MiB (read-ahead payloads "
-            f"{b['loader_payload_bytes'] / MIB:.0f} MiB in {b['loader_ready_samples']} samples, rings "
-            f"{b['rings_bytes'] / MIB:.0f} MiB), zygote {b['zygote'] / MIB:.0f} MiB, pool workers [{ws}] MiB, "
-            f"per rank {rank_each / MIB:.0f} MiB vs idle {idle_each / MIB:.0f} MiB "
-            f"(client side {(rank_each - idle_each) / MIB:+.1f} MiB)")
+    return (
+        f"    S={m['S']:<3d} R={m['R']}: server {b['server'] / MIB:.0f} MiB (read-ahead payloads "
+        f"{b['loader_payload_bytes'] / MIB:.0f} MiB in {b['loader_ready_samples']} samples, rings "
+        f"{b['rings_bytes'] / MIB:.0f} MiB), zygote {b['zygote'] / MIB:.0f} MiB, pool workers [{ws}] MiB, "
+        f"per rank {rank_each / MIB:.0f} MiB vs idle {idle_each / MIB:.0f} MiB "
+        f"(client side {(rank_each - idle_each) / MIB:+.1f} MiB)"
+    )
 
 
 def _batches_for(S: int, W: int, seq_len: int, median: float, sigma: float) -> int:
@@ -607,8 +656,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=None, help="R trainer ranks (default 8)")
     ap.add_argument("--workers-per-rank", type=int, default=None, help="W DataLoader workers per rank (default 4)")
     ap.add_argument("--server-workers", type=int, default=4, help="msdata transform pool size")
-    ap.add_argument("--scale-ranks", default=None,
-                    help="extra R values at S=64 to show how each side scales with R*W (default 4; '' for none)")
+    ap.add_argument(
+        "--scale-ranks",
+        default=None,
+        help="extra R values at S=64 to show how each side scales with R*W (default 4; '' for none)",
+    )
     ap.add_argument("--batches", type=int, default=None, help="batches per rank (default: enough to warm up)")
     ap.add_argument("--loader", choices=("both", "torch", "msdata"), default="both")
     ap.add_argument("--fresh", action="store_true", help="new trainer processes for every phase (slower)")
@@ -629,18 +681,28 @@ def main(argv: list[str] | None = None) -> int:
         R = args.ranks or M["ranks"]
         W = args.workers_per_rank or M["workers_per_rank"]
         seq_len = M["seq_len"]
-        print(f"memory benchmark: manysources, {M['files_per_source']} files x {M['row_groups_per_file']} row groups x "
-              f"{M['rows_per_row_group']} rows per source, text lognormal(median {M['text_median_bytes']} B, sigma "
-              f"{M['text_sigma']}), seq_len {seq_len}; torch: R={R} ranks x W={W} DataLoader workers; msdata: one "
-              f"server, {args.server_workers} pool workers", flush=True)
+        print(
+            f"memory benchmark: manysources, {M['files_per_source']} files x {M['row_groups_per_file']} row groups x "
+            f"{M['rows_per_row_group']} rows per source, text lognormal(median {M['text_median_bytes']} B, sigma "
+            f"{M['text_sigma']}), seq_len {seq_len}; torch: R={R} ranks x W={W} DataLoader workers; msdata: one "
+            f"server, {args.server_workers} pool workers",
+            flush=True,
+        )
         print(f"data: {g['files_written']} parquet files written in {g['seconds']:.1f}s under {data}", flush=True)
 
         # msdata phases run before baseline phases on the same trainers: a trainer that ran the baseline has
         # pyarrow mapped, which would make the server's pyarrow pages look free
         configs = [(S, R) for S in S_list] + [(64, r) for r in scale_R if r != R]
         kinds = [k for k in ("msdata", "baseline") if args.loader == "both" or LOADERS[args.loader] == k]
-        rows = {(S, r): {"S": S, "R": r, "W": W, "batches": args.batches or _batches_for(
-            S, W, seq_len, M["text_median_bytes"], M["text_sigma"])} for S, r in configs}
+        rows = {
+            (S, r): {
+                "S": S,
+                "R": r,
+                "W": W,
+                "batches": args.batches or _batches_for(S, W, seq_len, M["text_median_bytes"], M["text_sigma"]),
+            }
+            for S, r in configs
+        }
         trainers: Trainers | None = None
         try:
             for r in dict.fromkeys(r for _, r in configs):
@@ -654,9 +716,16 @@ def main(argv: list[str] | None = None) -> int:
                             if args.verbose:
                                 print(f"  [R={r}] trainers imported torch in {trainers.seconds_start:.1f}s", flush=True)
                         row = rows[(S, r)]
-                        row[kind] = run_phase(kind, trainers, paths=_source_paths(data, S, M["files_per_source"]),
-                                              workers=W, batches=row["batches"], seq_len=seq_len,
-                                              server_workers=args.server_workers, verbose=args.verbose)
+                        row[kind] = run_phase(
+                            kind,
+                            trainers,
+                            paths=_source_paths(data, S, M["files_per_source"]),
+                            workers=W,
+                            batches=row["batches"],
+                            seq_len=seq_len,
+                            server_workers=args.server_workers,
+                            verbose=args.verbose,
+                        )
         finally:
             if trainers is not None:
                 trainers.close()
@@ -673,9 +742,11 @@ def main(argv: list[str] | None = None) -> int:
             if "baseline" in row:
                 m = row["baseline"]
                 procs = m["trainer_processes"]
-                print(f"    S={m['S']:<3d} R={m['R']} W={m['W']}: {procs} processes, loader "
-                      f"{m['loader_pss'] / MIB:.0f} MiB = {m['loader_pss'] / MIB / max(procs - m['R'], 1):.0f} MiB "
-                      f"per DataLoader worker (rank and worker growth together)")
+                print(
+                    f"    S={m['S']:<3d} R={m['R']} W={m['W']}: {procs} processes, loader "
+                    f"{m['loader_pss'] / MIB:.0f} MiB = {m['loader_pss'] / MIB / max(procs - m['R'], 1):.0f} MiB "
+                    f"per DataLoader worker (rank and worker growth together)"
+                )
         _print_scaling(results, R)
         summary = _summary(results, R, W)
         summary["seconds"] = round(time.perf_counter() - t_start, 1)
@@ -693,17 +764,25 @@ def _ratio(row: dict, key: str = "loader_pss") -> float | None:
 def _print_row(row: dict, header: bool) -> None:
     if header:
         print(f"\n{'':>20} {'PSS (smaps_rollup)':^33}   {'PSS within the measured set':^33}")
-        print(f"{'S':>4} {'R':>3} {'W':>3} {'batches':>8} {'baseline MiB':>13} {'msdata MiB':>11} {'ratio':>7}"
-              f"   {'baseline MiB':>13} {'msdata MiB':>11} {'ratio':>7}")
+        print(
+            f"{'S':>4} {'R':>3} {'W':>3} {'batches':>8} {'baseline MiB':>13} {'msdata MiB':>11} {'ratio':>7}"
+            f"   {'baseline MiB':>13} {'msdata MiB':>11} {'ratio':>7}"
+        )
     cells = []
     for key in ("loader_pss_rollup", "loader_pss_isolated"):
         b = row.get("baseline", {}).get(key)
         m = row.get("msdata", {}).get(key)
         r = _ratio(row, key)
-        cells += ["-" if b is None else f"{b / MIB:.0f}", "-" if m is None else f"{m / MIB:.0f}",
-                  "-" if r is None else f"{r:.1f}x"]
-    print(f"{row['S']:>4} {row['R']:>3} {row['W']:>3} {row['batches']:>8} {cells[0]:>13} {cells[1]:>11} {cells[2]:>7}"
-          f"   {cells[3]:>13} {cells[4]:>11} {cells[5]:>7}", flush=True)
+        cells += [
+            "-" if b is None else f"{b / MIB:.0f}",
+            "-" if m is None else f"{m / MIB:.0f}",
+            "-" if r is None else f"{r:.1f}x",
+        ]
+    print(
+        f"{row['S']:>4} {row['R']:>3} {row['W']:>3} {row['batches']:>8} {cells[0]:>13} {cells[1]:>11} {cells[2]:>7}"
+        f"   {cells[3]:>13} {cells[4]:>11} {cells[5]:>7}",
+        flush=True,
+    )
 
 
 def _print_scaling(results: list[dict], R: int) -> None:
@@ -731,8 +810,11 @@ def _summary(results: list[dict], R: int, W: int) -> dict:
                 iso = m["loader_pss_isolated"]
                 rec[f"{kind}_isolated_mib"] = None if iso is None else round(iso / MIB, 1)
                 out["method"] = m["method"]
-        for key, name in (("loader_pss", "ratio"), ("loader_pss_rollup", "rollup_ratio"),
-                          ("loader_pss_isolated", "isolated_ratio")):
+        for key, name in (
+            ("loader_pss", "ratio"),
+            ("loader_pss_rollup", "rollup_ratio"),
+            ("loader_pss_isolated", "isolated_ratio"),
+        ):
             r = _ratio(row, key)
             rec[name] = None if r is None else round(r, 2)
         out["rows"].append(rec)

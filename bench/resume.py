@@ -60,10 +60,16 @@ def start_server(d: str, workers: int) -> tuple[subprocess.Popen, str]:
     sock = os.path.join(d, "msdata.sock")
     cfg = os.path.join(d, "node.toml")
     with open(cfg, "w") as f:
-        f.write(f'[node]\nid = "bench"\nsocket = "{sock}"\nshm_prefix = "msdrb"\nworkers = {workers}\n'
-                f'state_dir = "{os.path.join(d, "state")}"\n')
-    p = subprocess.Popen([sys.executable, "-m", "msdata_server", "serve", "--config", cfg], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, cwd=ROOT)
+        f.write(
+            f'[node]\nid = "bench"\nsocket = "{sock}"\nshm_prefix = "msdrb"\nworkers = {workers}\n'
+            f'state_dir = "{os.path.join(d, "state")}"\n'
+        )
+    p = subprocess.Popen(
+        [sys.executable, "-m", "msdata_server", "serve", "--config", cfg],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
     return p, sock
 
 
@@ -81,8 +87,9 @@ def run_ranks(spec, sock, n, state=None, save=False):
 
     def body(r):
         try:
-            with msd.DataClient(spec, endpoint=sock, rank=r, world_size=spec.mesh.world_size,
-                                connect_timeout=120) as dc:
+            with msd.DataClient(
+                spec, endpoint=sock, rank=r, world_size=spec.mesh.world_size, connect_timeout=120
+            ) as dc:
                 if state is not None:
                     dc.load_state_dict(state)
                 ds = []
@@ -147,9 +154,18 @@ def main() -> None:
         print(f"state size: {state_bytes} bytes; resumed batches identical to the uninterrupted run: {same}")
         if not same:
             raise SystemExit("resumed batches differ from the uninterrupted run")
-        print(json.dumps({"resume_first_batch_s": round(resume_s, 3), "state_bytes": state_bytes,
-                          "sources": args.sources, "dp": dp, "global_batch_tokens": dp * micro * seq_len,
-                          "identical": same}))
+        print(
+            json.dumps(
+                {
+                    "resume_first_batch_s": round(resume_s, 3),
+                    "state_bytes": state_bytes,
+                    "sources": args.sources,
+                    "dp": dp,
+                    "global_batch_tokens": dp * micro * seq_len,
+                    "identical": same,
+                }
+            )
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

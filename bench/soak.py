@@ -92,8 +92,9 @@ def sample(server: subprocess.Popen, prefix: str, socket: str) -> dict:
     pid = server.pid
     me = smaps(pid)
     workers = [smaps(k) for k in children(pid) if Path(f"/proc/{k}").exists()]
-    threads = int(next(ln.split()[1] for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
-                       if ln.startswith("Threads:")))
+    threads = int(
+        next(ln.split()[1] for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("Threads:"))
+    )
     shm = sum(p.stat().st_size for p in Path("/dev/shm").glob(f"{prefix}*"))
     wait = None
     try:
@@ -105,9 +106,15 @@ def sample(server: subprocess.Popen, prefix: str, socket: str) -> dict:
             wait = max(fr) if fr else None
     except OSError:
         pass
-    return {"pss": me.get("Pss", 0), "uss": me.get("Private_Clean", 0) + me.get("Private_Dirty", 0),
-            "workers_pss": sum(w.get("Pss", 0) for w in workers), "fds": len(os.listdir(f"/proc/{pid}/fd")),
-            "threads": threads, "shm": shm, "wait_frac": wait}
+    return {
+        "pss": me.get("Pss", 0),
+        "uss": me.get("Private_Clean", 0) + me.get("Private_Dirty", 0),
+        "workers_pss": sum(w.get("Pss", 0) for w in workers),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+        "threads": threads,
+        "shm": shm,
+        "wait_frac": wait,
+    }
 
 
 def slope_per_hour(ts: list[float], ys: list[float]) -> float:
@@ -160,24 +167,36 @@ def main() -> None:
     prefix = "sk" + secrets.token_hex(3)
     sock = str(base / "msdata.sock")
     cfg = base / "node.toml"
-    cfg.write_text(textwrap.dedent(f"""\
+    cfg.write_text(
+        textwrap.dedent(f"""\
         [node]
         id = "soak"
         socket = "{sock}"
         shm_prefix = "{prefix}"
         workers = 2
-        state_dir = "{base / 'state'}"
-        """))
+        state_dir = "{base / "state"}"
+        """)
+    )
     statefile = str(base / "rank0-state.json")
     log = open(base / "server.log", "ab")
-    server = subprocess.Popen([sys.executable, "-m", "msdata_server", "serve", "--config", str(cfg)],
-                              stdout=subprocess.PIPE, stderr=log, cwd=str(ROOT))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "msdata_server", "serve", "--config", str(cfg)],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        cwd=str(ROOT),
+    )
     if not server.stdout.readline():
         raise SystemExit(f"the server did not start; see {base / 'server.log'}")
 
     def start_ranks() -> list[subprocess.Popen]:
-        return [subprocess.Popen([sys.executable, "-c", RANK, str(JOB), sock, str(r), statefile, str(args.mix_every)],
-                                 stderr=log, cwd=str(ROOT)) for r in range(2)]
+        return [
+            subprocess.Popen(
+                [sys.executable, "-c", RANK, str(JOB), sock, str(r), statefile, str(args.mix_every)],
+                stderr=log,
+                cwd=str(ROOT),
+            )
+            for r in range(2)
+        ]
 
     ranks = start_ranks()
     rows: list[dict] = []
@@ -208,8 +227,11 @@ def main() -> None:
                 bar.update(int(args.every))
             elif len(rows) % 6 == 0:
                 r = rows[-1]
-                print(f"{r['t'] / 60:5.1f} min  PSS {r['pss'] / 2**20:6.1f} MiB  fds {r['fds']}  "
-                      f"shm {r['shm'] / 2**20:.1f} MiB", flush=True)
+                print(
+                    f"{r['t'] / 60:5.1f} min  PSS {r['pss'] / 2**20:6.1f} MiB  fds {r['fds']}  "
+                    f"shm {r['shm'] / 2**20:.1f} MiB",
+                    flush=True,
+                )
     finally:
         if bar is not None:
             bar.close()
@@ -233,10 +255,13 @@ def main() -> None:
 
     mean_pss = sum(r["pss"] for r in steady) / max(len(steady), 1)
     out = {
-        "minutes": minutes, "samples": len(rows), "restarts": restarts,
+        "minutes": minutes,
+        "samples": len(rows),
+        "restarts": restarts,
         "pss_growth_pct_per_hour": round(100 * growth("pss") / mean_pss, 2) if mean_pss else None,
         "uss_growth_pct_per_hour": round(100 * growth("uss") / max(1, sum(r["uss"] for r in steady) / len(steady)), 2)
-        if steady else None,
+        if steady
+        else None,
         "workers_pss_growth_mib_per_hour": round(growth("workers_pss") / 2**20, 2),
         "pss_warm_mib": round(steady[0]["pss"] / 2**20, 1) if steady else None,
         "pss_end_mib": round(steady[-1]["pss"] / 2**20, 1) if steady else None,

@@ -86,9 +86,18 @@ def _producer(sock_path: str, nbytes: int, n: int, readers: int, slots: int, rea
                         return
                     conn.rank = f["rank"]
                     conns[conn.rank] = conn
-                    conn.send({"t": "welcome", "node": "bench", "job": "bench", "rank": conn.rank, "group": 0,
-                               "rings": [{"id": 1, "slots": slots, "slot_size": slot_size, "base": HEADER_SIZE}],
-                               "fds": 1}, fds=[seg.fd])
+                    conn.send(
+                        {
+                            "t": "welcome",
+                            "node": "bench",
+                            "job": "bench",
+                            "rank": conn.rank,
+                            "group": 0,
+                            "rings": [{"id": 1, "slots": slots, "slot_size": slot_size, "base": HEADER_SIZE}],
+                            "fds": 1,
+                        },
+                        fds=[seg.fd],
+                    )
                     if len(conns) == readers:
                         all_in.set()
                 elif f["t"] == "release":
@@ -191,8 +200,9 @@ class _TensorStream(IterableDataset):
 
 def _torch_reader(nbytes: int, n: int, rank: int, q) -> None:
     torch.set_num_threads(1)
-    dl = DataLoader(_TensorStream(nbytes, n), batch_size=None, num_workers=2, persistent_workers=True,
-                    prefetch_factor=4)
+    dl = DataLoader(
+        _TensorStream(nbytes, n), batch_size=None, num_workers=2, persistent_workers=True, prefetch_factor=4
+    )
     it = iter(dl)
     b = next(it)
     del b
@@ -232,8 +242,12 @@ def _combine(res: list, n: int, nbytes: int, readers: int, expect_chk: bool) -> 
         for r in res:
             if r["chk"] != want:
                 raise SystemExit(f"checksum mismatch: reader {r['rank']} got {r['chk']}, want {want}")
-    return {"gbps": float(np.mean(per)), "gbps_total": float(np.sum(per)), "p50_us": float(np.percentile(lat, 50)),
-            "p99_us": float(np.percentile(lat, 99))}
+    return {
+        "gbps": float(np.mean(per)),
+        "gbps_total": float(np.sum(per)),
+        "p50_us": float(np.percentile(lat, 50)),
+        "p99_us": float(np.percentile(lat, 99)),
+    }
 
 
 def main() -> None:
@@ -246,8 +260,10 @@ def main() -> None:
     budget = 256 << 20 if args.quick else 2 << 30  # bytes per arm and size
     memcpy = {k: memcpy_gbps(SIZES[k], 20) for k in ("1m", "16m")}
     memcpy["64m"] = memcpy_gbps(64 << 20, 5)
-    print(f"single-thread memcpy: 1 MiB {memcpy['1m']:.1f} GB/s, 16 MiB {memcpy['16m']:.1f} GB/s, "
-          f"64 MiB {memcpy['64m']:.1f} GB/s")
+    print(
+        f"single-thread memcpy: 1 MiB {memcpy['1m']:.1f} GB/s, 16 MiB {memcpy['16m']:.1f} GB/s, "
+        f"64 MiB {memcpy['64m']:.1f} GB/s"
+    )
     rows = []
     results = {}
     for size in args.sizes.split(","):
@@ -258,17 +274,24 @@ def main() -> None:
                 r = run_msdata(nb, n, readers) if arm == "msdata" else run_torch(nb, n, readers)
                 results[(arm, size, readers)] = r
                 rows.append((arm, size, readers, n, r))
-                print(f"  {arm:6s} {size:>4s} readers={readers} batches={n:5d}  {r['gbps']:7.2f} GB/s per reader  "
-                      f"next() p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us", flush=True)
+                print(
+                    f"  {arm:6s} {size:>4s} readers={readers} batches={n:5d}  {r['gbps']:7.2f} GB/s per reader  "
+                    f"next() p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us",
+                    flush=True,
+                )
     print()
-    print(f"{'size':>5} {'readers':>7} {'msdata GB/s':>12} {'torch GB/s':>11} {'ratio':>7} "
-          f"{'msdata p50 us':>14} {'torch p50 us':>13}")
+    print(
+        f"{'size':>5} {'readers':>7} {'msdata GB/s':>12} {'torch GB/s':>11} {'ratio':>7} "
+        f"{'msdata p50 us':>14} {'torch p50 us':>13}"
+    )
     for size in args.sizes.split(","):
         for readers in map(int, args.readers.split(",")):
             m, t = results.get(("msdata", size, readers)), results.get(("torch", size, readers))
             if m and t:
-                print(f"{size:>5} {readers:>7} {m['gbps']:12.2f} {t['gbps']:11.2f} {m['gbps'] / t['gbps']:7.1f} "
-                      f"{m['p50_us']:14.1f} {t['p50_us']:13.1f}")
+                print(
+                    f"{size:>5} {readers:>7} {m['gbps']:12.2f} {t['gbps']:11.2f} {m['gbps'] / t['gbps']:7.1f} "
+                    f"{m['p50_us']:14.1f} {t['p50_us']:13.1f}"
+                )
 
     def ratio(size, readers=1):
         m, t = results.get(("msdata", size, readers)), results.get(("torch", size, readers))

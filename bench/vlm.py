@@ -43,8 +43,10 @@ from msdata_server.transforms import load_transform, smart_resize  # noqa: E402
 
 MICRO, ROWS = 4, 1  # per DP rank per step, as bench/balance.py
 COST = VlmCost(**VLM4.cost)
-TRANSFORM = (f"msdata_server.transforms:vlm(patch={VLM4.patch}, merge={VLM4.merge}, "
-             f"min_pixels={VLM4.min_pixels}, max_pixels={VLM4.max_pixels})")
+TRANSFORM = (
+    f"msdata_server.transforms:vlm(patch={VLM4.patch}, merge={VLM4.merge}, "
+    f"min_pixels={VLM4.min_pixels}, max_pixels={VLM4.max_pixels})"
+)
 
 
 def mean_lengths(seq_len: int, seed: int) -> dict[str, float]:
@@ -61,17 +63,38 @@ def baseline(seq_len: int, dp: int, steps: int, seed: int) -> list[dict]:
         length, patches = vlm_docs(VLM4, names[source], n, seq_len, rng)
         return np.stack([length, patches, patches * patches])
 
-    rows = per_rank_steps(draw, VLM4.weights, mean_lengths(seq_len, seed), seq_len=seq_len, dp=dp,
-                          micro_batches=MICRO, rows=ROWS, steps=steps, seed=seed, vlm=COST)
+    rows = per_rank_steps(
+        draw,
+        VLM4.weights,
+        mean_lengths(seq_len, seed),
+        seq_len=seq_len,
+        dp=dp,
+        micro_batches=MICRO,
+        rows=ROWS,
+        steps=steps,
+        seed=seed,
+        vlm=COST,
+    )
     for r in rows:
         r["time"] = r["max_backbone"] + r["max_encoder"]
     return rows
 
 
 def msdata(seq_len: int, dp: int, steps: int, seed: int, tolerance: float | None) -> list[dict]:
-    cfg = PlannerConfig(sources=tuple(VLM4.sources), seq_len=seq_len, dp=dp, micro_batches=MICRO, rows=ROWS,
-                        cost="vlm", balance_tolerance=tolerance, mixture=Mixture.constant(VLM4.weights),
-                        alpha=COST.alpha, beta=COST.beta, alpha_v=COST.alpha_v, beta_v=COST.beta_v)
+    cfg = PlannerConfig(
+        sources=tuple(VLM4.sources),
+        seq_len=seq_len,
+        dp=dp,
+        micro_batches=MICRO,
+        rows=ROWS,
+        cost="vlm",
+        balance_tolerance=tolerance,
+        mixture=Mixture.constant(VLM4.weights),
+        alpha=COST.alpha,
+        beta=COST.beta,
+        alpha_v=COST.alpha_v,
+        beta_v=COST.beta_v,
+    )
     view = SyntheticVlm(VLM4, seq_len, seed=seed)
     planner = Planner(cfg)
     out = []
@@ -80,10 +103,19 @@ def msdata(seq_len: int, dp: int, steps: int, seed: int, tolerance: float | None
         s = plan.stats
         assert s.stage_cost is not None  # cost = "vlm"
         backbone, encoder = s.stage_cost
-        out.append({"encoder_imbalance": s.encoder_imbalance, "backbone_imbalance": s.backbone_imbalance,
-                    "padding": s.padding_fraction, "tokens": int(plan.length.sum()),
-                    "time": float(backbone.max() + encoder.max()), "plan_ms": s.plan_ms, "ingest_ms": s.ingest_ms,
-                    "docs": s.docs, "state_bytes": len(json.dumps(planner.state_dict()))})
+        out.append(
+            {
+                "encoder_imbalance": s.encoder_imbalance,
+                "backbone_imbalance": s.backbone_imbalance,
+                "padding": s.padding_fraction,
+                "tokens": int(plan.length.sum()),
+                "time": float(backbone.max() + encoder.max()),
+                "plan_ms": s.plan_ms,
+                "ingest_ms": s.ingest_ms,
+                "docs": s.docs,
+                "state_bytes": len(json.dumps(planner.state_dict())),
+            }
+        )
     return out
 
 
@@ -145,10 +177,15 @@ def preprocessing_rate(n: int, seed: int) -> dict:
     if not np.array_equal(got, predicted):  # the bench's patch counts are the transform's
         raise SystemExit(f"patches differ from smart_resize's prediction for {int((got != predicted).sum())} images")
     mpix = sum(s.pixel_values.shape[0] for s in out[warm:]) * VLM4.patch**2 / 1e6
-    return {"images": n, "generate_s": gen_s, "warmup_images_per_s": warm / (t1 - t0),
-            "images_per_s_per_worker": (n - warm) / (t2 - t1), "megapixels_per_s_per_worker": mpix / (t2 - t1),
-            "jpeg_kb_mean": statistics.mean(len(r["image"]) for r in records) / 1e3,
-            "patches_mean": float(predicted.mean())}
+    return {
+        "images": n,
+        "generate_s": gen_s,
+        "warmup_images_per_s": warm / (t1 - t0),
+        "images_per_s_per_worker": (n - warm) / (t2 - t1),
+        "megapixels_per_s_per_worker": mpix / (t2 - t1),
+        "jpeg_kb_mean": statistics.mean(len(r["image"]) for r in records) / 1e3,
+        "patches_mean": float(predicted.mean()),
+    }
 
 
 def main() -> None:
@@ -171,11 +208,15 @@ def main() -> None:
     seq_lens = [int(x) for x in (args.seq_lens or ",".join(map(str, VLM4.seq_lens))).split(",")]
     tolerance = None if args.tolerance == "none" else float(args.tolerance)
 
-    print(f"vlm4, micro_batches={MICRO}, rows={ROWS}, cost {VLM4.cost}, balance_tolerance={tolerance}, "
-          f"{steps} measured steps after 1 warm-up; means (plan ms: median); gain = throughput / baseline's, "
-          f"a step = slowest encoder + slowest backbone")
-    head = (f"{'seq_len':>7} {'dp':>5} | {'enc imb':>7} {'bb imb':>7} {'pad':>6} {'gain':>5} {'plan ms':>8} "
-            f"{'warm ms':>8} {'docs':>7} {'state kB':>8} | {'base enc':>8} {'base bb':>8} {'base pad':>8}")
+    print(
+        f"vlm4, micro_batches={MICRO}, rows={ROWS}, cost {VLM4.cost}, balance_tolerance={tolerance}, "
+        f"{steps} measured steps after 1 warm-up; means (plan ms: median); gain = throughput / baseline's, "
+        f"a step = slowest encoder + slowest backbone"
+    )
+    head = (
+        f"{'seq_len':>7} {'dp':>5} | {'enc imb':>7} {'bb imb':>7} {'pad':>6} {'gain':>5} {'plan ms':>8} "
+        f"{'warm ms':>8} {'docs':>7} {'state kB':>8} | {'base enc':>8} {'base bb':>8} {'base pad':>8}"
+    )
     print(head)
     print("-" * len(head))
     results: dict[str, float] = {}
@@ -186,27 +227,33 @@ def main() -> None:
             warm, rows = rows[0], rows[1:]
             gain = throughput(rows) / throughput(base)
             plan_ms = statistics.median(r["plan_ms"] for r in rows)
-            print(f"{seq_len:>7} {dp:>5} | {mean(rows, 'encoder_imbalance'):7.4f} "
-                  f"{mean(rows, 'backbone_imbalance'):7.4f} {mean(rows, 'padding'):6.4f} {gain:5.2f} {plan_ms:8.1f} "
-                  f"{warm['plan_ms']:8.1f} {int(mean(rows, 'docs')):>7} "
-                  f"{max(r['state_bytes'] for r in rows) / 1e3:8.1f} | {mean(base, 'encoder_imbalance'):8.4f} "
-                  f"{mean(base, 'backbone_imbalance'):8.4f} {mean(base, 'padding'):8.4f}", flush=True)
+            print(
+                f"{seq_len:>7} {dp:>5} | {mean(rows, 'encoder_imbalance'):7.4f} "
+                f"{mean(rows, 'backbone_imbalance'):7.4f} {mean(rows, 'padding'):6.4f} {gain:5.2f} {plan_ms:8.1f} "
+                f"{warm['plan_ms']:8.1f} {int(mean(rows, 'docs')):>7} "
+                f"{max(r['state_bytes'] for r in rows) / 1e3:8.1f} | {mean(base, 'encoder_imbalance'):8.4f} "
+                f"{mean(base, 'backbone_imbalance'):8.4f} {mean(base, 'padding'):8.4f}",
+                flush=True,
+            )
             tag = f"{seq_len // 1024}k_dp{dp}"
             results[f"gain_vlm_{tag}"] = round(gain, 3)
             results[f"encoder_imbalance_{tag}"] = round(mean(rows, "encoder_imbalance"), 4)
             results[f"backbone_imbalance_{tag}"] = round(mean(rows, "backbone_imbalance"), 4)
             results[f"worst_stage_imbalance_{tag}"] = round(
-                max(max(r["encoder_imbalance"], r["backbone_imbalance"]) for r in rows), 4)
+                max(max(r["encoder_imbalance"], r["backbone_imbalance"]) for r in rows), 4
+            )
             results[f"padding_{tag}"] = round(mean(rows, "padding"), 4)
             results[f"plan_ms_{tag}"] = round(plan_ms, 1)
             results[f"baseline_encoder_imbalance_{tag}"] = round(mean(base, "encoder_imbalance"), 4)
             results[f"baseline_backbone_imbalance_{tag}"] = round(mean(base, "backbone_imbalance"), 4)
             results[f"baseline_padding_{tag}"] = round(mean(base, "padding"), 4)
     rate = preprocessing_rate(images, args.seed)
-    print(f"\nvlm transform, one process: {rate['images']} generated JPEGs (mean {rate['jpeg_kb_mean']:.0f} kB, "
-          f"{rate['patches_mean']:.0f} patches; generated in {rate['generate_s']:.1f} s): warm-up "
-          f"{rate['warmup_images_per_s']:.1f} images/s, steady {rate['images_per_s_per_worker']:.1f} images/s "
-          f"({rate['megapixels_per_s_per_worker']:.1f} Mpixel/s of patches) per worker")
+    print(
+        f"\nvlm transform, one process: {rate['images']} generated JPEGs (mean {rate['jpeg_kb_mean']:.0f} kB, "
+        f"{rate['patches_mean']:.0f} patches; generated in {rate['generate_s']:.1f} s): warm-up "
+        f"{rate['warmup_images_per_s']:.1f} images/s, steady {rate['images_per_s_per_worker']:.1f} images/s "
+        f"({rate['megapixels_per_s_per_worker']:.1f} Mpixel/s of patches) per worker"
+    )
     results["images_per_s_per_worker"] = round(rate["images_per_s_per_worker"], 1)
     results["images_per_s_warmup"] = round(rate["warmup_images_per_s"], 1)
     results["megapixels_per_s_per_worker"] = round(rate["megapixels_per_s_per_worker"], 2)

@@ -152,10 +152,12 @@ VLM4 = VlmWorkload(
     seq_lens=(8192, 16384),
     weights={"caption": 0.35, "docimg": 0.15, "web": 0.35, "code": 0.15},
     sources={
-        "caption": ImageDist(image_side_median=512, image_side_sigma=0.5, aspect_sigma=0.35, text_median=40,
-                             text_sigma=0.6),
-        "docimg": ImageDist(image_side_median=1280, image_side_sigma=0.4, aspect_sigma=0.35, text_median=400,
-                            text_sigma=0.8),
+        "caption": ImageDist(
+            image_side_median=512, image_side_sigma=0.5, aspect_sigma=0.35, text_median=40, text_sigma=0.6
+        ),
+        "docimg": ImageDist(
+            image_side_median=1280, image_side_sigma=0.4, aspect_sigma=0.35, text_median=400, text_sigma=0.8
+        ),
         "web": LengthDist(median=900, sigma=1.0, min=16),
         "code": LengthDist(median=2000, sigma=1.0, min=16),
     },

@@ -39,8 +39,12 @@ log = logging.getLogger(__name__)
 
 STATE_VERSION = 2
 # refusals a rank can act on (PeerLostError: retry)
-_ERRORS: dict[str, type[MsdataError]] = {"ConfigError": ConfigError, "CheckpointError": CheckpointError,
-                                         "ProtocolError": ProtocolError, "PeerLostError": PeerLostError}
+_ERRORS: dict[str, type[MsdataError]] = {
+    "ConfigError": ConfigError,
+    "CheckpointError": CheckpointError,
+    "ProtocolError": ProtocolError,
+    "PeerLostError": PeerLostError,
+}
 
 
 class Batch(dict):
@@ -63,15 +67,26 @@ def _env_int(name: str) -> int | None:
 class DataClient:
     """Iterate a job's micro-batches for one rank (see ARCHITECTURE §4.2)."""
 
-    def __init__(self, job: DGraph | JobSpec, endpoint: str | None = None, rank: int | None = None,
-                 world_size: int | None = None, *, connect_timeout: float = 60.0):
+    def __init__(
+        self,
+        job: DGraph | JobSpec,
+        endpoint: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        connect_timeout: float = 60.0,
+    ):
+        """Check the arguments (job, rank and world from torch.distributed's environment when not given) and
+        set up the connection state; nothing connects before the first ``next()``. Long only because every
+        piece of a rank's state is initialised here, in one place."""
         if isinstance(job, DGraph):
             spec = job.spec
         elif isinstance(job, JobSpec):
             spec = job
         else:
-            raise ConfigError(f"job must be a DGraph or JobSpec, not {type(job).__name__}; "
-                              "use msd.DGraph.from_toml('job.toml')")
+            raise ConfigError(
+                f"job must be a DGraph or JobSpec, not {type(job).__name__}; use msd.DGraph.from_toml('job.toml')"
+            )
         self.spec = spec
         self._job_dict = spec.to_dict()
         self._digest = spec.digest()
@@ -84,11 +99,15 @@ class DataClient:
         if rank is None and world_size is None and ws == 1:
             rank, world_size = 0, 1
         if rank is None or world_size is None:
-            raise ConfigError("rank and world_size are unknown: pass rank=/world_size= or set RANK and WORLD_SIZE "
-                              "(torchrun sets them)")
+            raise ConfigError(
+                "rank and world_size are unknown: pass rank=/world_size= or set RANK and WORLD_SIZE "
+                "(torchrun sets them)"
+            )
         if world_size != ws:
-            raise ConfigError(f"{world_size=} does not match the job's mesh {spec.mesh.to_dict()} "
-                              f"(world size {ws}); fix [mesh] or WORLD_SIZE")
+            raise ConfigError(
+                f"{world_size=} does not match the job's mesh {spec.mesh.to_dict()} "
+                f"(world size {ws}); fix [mesh] or WORLD_SIZE"
+            )
         if not 0 <= rank < world_size:
             raise ConfigError(f"{rank=} is outside 0..{world_size - 1}")
         if connect_timeout <= 0:
@@ -188,11 +207,14 @@ class DataClient:
         if not isinstance(state, dict):
             raise CheckpointError(f"a state must be a dict (from state_dict()), not {type(state).__name__}")
         if state.get("version") != STATE_VERSION:
-            raise CheckpointError(f"state version {state.get('version')!r} is not {STATE_VERSION}; it was saved by "
-                                  "another msdata version")
+            raise CheckpointError(
+                f"state version {state.get('version')!r} is not {STATE_VERSION}; it was saved by another msdata version"
+            )
         if state.get("data_digest") != self.spec.data_digest():
-            raise CheckpointError(f"state belongs to job {state.get('job')!r} with another data identity (name, seed, "
-                                  "sources, transforms, mixture or cost differ); load it into the job that saved it")
+            raise CheckpointError(
+                f"state belongs to job {state.get('job')!r} with another data identity (name, seed, "
+                "sources, transforms, mixture or cost differ); load it into the job that saved it"
+            )
         try:
             pos = state["position"]
             step, micro = int(pos["step"]), int(pos["micro"])
@@ -306,8 +328,9 @@ class DataClient:
         if "step" not in batch:  # the server writes them into the slot; a producer that does not, gets them here
             batch["step"] = torch.tensor(step, dtype=torch.int64)
             batch["micro"] = torch.tensor(micro, dtype=torch.int64)
-        batch._finalizer = weakref.finalize(owner, _release_cb, weakref.ref(self), rm, ring, slot, start, end,
-                                            self._gen)
+        batch._finalizer = weakref.finalize(
+            owner, _release_cb, weakref.ref(self), rm, ring, slot, start, end, self._gen
+        )
         del owner, arrays
         micro += 1
         if micro >= self.spec.micro_batches:
@@ -387,8 +410,13 @@ class DataClient:
             try:
                 recv_into_reader(self._connection(), self._reader)
             except (PeerLostError, OSError) as e:
-                log.warning("lost the msdata server at %s (%s); reconnecting at step %d micro %d",
-                            self.endpoint, e, self._step, self._micro)
+                log.warning(
+                    "lost the msdata server at %s (%s); reconnecting at step %d micro %d",
+                    self.endpoint,
+                    e,
+                    self._step,
+                    self._micro,
+                )
                 self._drop_connection()
                 self._connect()
                 if on_reconnect is not None:
@@ -411,17 +439,27 @@ class DataClient:
                 s.close()
                 last = e
                 if time.monotonic() + delay > deadline:
-                    raise ConnectError(f"no msdata server answered at {self.endpoint!r} within "
-                                       f"{self.connect_timeout:.0f}s ({type(last).__name__}: {last}); start one with "
-                                       f"`msdata-server serve` or point {ENDPOINT_ENV} at its socket") from None
+                    raise ConnectError(
+                        f"no msdata server answered at {self.endpoint!r} within "
+                        f"{self.connect_timeout:.0f}s ({type(last).__name__}: {last}); start one with "
+                        f"`msdata-server serve` or point {ENDPOINT_ENV} at its socket"
+                    ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
         self._sock = s
         self._reader = FrameReader()
-        hello = {"t": "hello", "v": PROTOCOL_VERSION, "job": self._job_dict, "digest": self._digest,
-                 "rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
-                 "position": {"step": self._step, "micro": self._micro},
-                 "state": self._loaded, "resume": self._received}
+        hello = {
+            "t": "hello",
+            "v": PROTOCOL_VERSION,
+            "job": self._job_dict,
+            "digest": self._digest,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "pid": os.getpid(),
+            "position": {"step": self._step, "micro": self._micro},
+            "state": self._loaded,
+            "resume": self._received,
+        }
         with self._send_lock:
             s.sendall(encode(hello))
         return s

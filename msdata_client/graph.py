@@ -21,14 +21,7 @@ from msdata_client.mix import schedule_points
 from msdata_client.source import SYNTHETIC_DEFAULTS, synthetic_only
 from msdata_client.spec import BalanceSpec, JobSpec, MixSpec, SourceSpec
 
-__all__ = [
-    "BalanceSpec",
-    "DGraph",
-    "JobSpec",
-    "MixSpec",
-    "SourceFormat",
-    "SourceSpec",
-]
+__all__ = ["BalanceSpec", "DGraph", "JobSpec", "MixSpec", "SourceFormat", "SourceSpec"]
 
 # the tables of choices as tuples of values, as error messages list them
 FORMATS: tuple[str, ...] = SourceFormat.values()
@@ -112,13 +105,7 @@ class DGraph:
         return self
 
     def pack(
-        self,
-        seq_len: int,
-        *,
-        rows: int = 1,
-        micro_batches: int = 1,
-        pad_id: int = 257,
-        long_docs: str = "split",
+        self, seq_len: int, *, rows: int = 1, micro_batches: int = 1, pad_id: int = 257, long_docs: str = "split"
     ) -> DGraph:
         """Pack documents into `rows` rows of `seq_len` tokens per micro-batch."""
         self._job.update(seq_len=seq_len, rows=rows, micro_batches=micro_batches, pad_id=pad_id, long_docs=long_docs)
@@ -146,14 +133,7 @@ class DGraph:
         self._job["pp_fields"] = given or None
         return self
 
-    def mesh(
-        self,
-        dp: int = 1,
-        pp: int = 1,
-        cp: int = 1,
-        tp: int = 1,
-        order: Sequence[str] = AXES,
-    ) -> DGraph:
+    def mesh(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, order: Sequence[str] = AXES) -> DGraph:
         """The ClientPlaceTree: axis sizes and their nesting (outermost first)."""
         self._mesh = ClientPlaceTree(dp=dp, pp=pp, cp=cp, tp=tp, order=tuple(order))
         return self
@@ -164,13 +144,7 @@ class DGraph:
             raise ConfigError(f"job {self._job['name']!r} has no sources; call .source(name, format, paths) first")
         if self._mix is None:
             raise ConfigError(f"job {self._job['name']!r} has no mixture; call .mix({{source: weight, ...}})")
-        return JobSpec(
-            **self._job,
-            sources=tuple(self._sources),
-            mix=self._mix,
-            balance=self._balance,
-            mesh=self._mesh,
-        )
+        return JobSpec(**self._job, sources=tuple(self._sources), mix=self._mix, balance=self._balance, mesh=self._mesh)
 
     @property
     def spec(self) -> JobSpec:

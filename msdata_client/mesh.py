@@ -14,14 +14,7 @@ from typing import Any
 
 from msdata_client.errors import ConfigError
 
-__all__ = [
-    "AXES",
-    "ClientPlaceTree",
-    "Coord",
-    "DISTRIBUTE",
-    "PP_STAGES",
-    "default_stage_fields",
-]
+__all__ = ["AXES", "ClientPlaceTree", "Coord", "DISTRIBUTE", "PP_STAGES", "default_stage_fields"]
 
 logger = logging.getLogger(__name__)
 
@@ -183,10 +176,7 @@ class ClientPlaceTree:
         return "last" if pp == self.pp - 1 else "middle"
 
     def fields(
-        self,
-        rank: int,
-        all_fields: Sequence[str],
-        pp_fields: Mapping[str, Sequence[str]] | None = None,
+        self, rank: int, all_fields: Sequence[str], pp_fields: Mapping[str, Sequence[str]] | None = None
     ) -> tuple[str, ...]:
         """Batch fields `rank` receives (ARCHITECTURE §4.4), in the order of `all_fields`.
 

@@ -226,7 +226,7 @@ class JobSpec:
                 raise ConfigError(f"the job has no [{key}] table; add {example}")
         job = dict(check_keys("[job]", d["job"], _JOB_TABLE_KEYS))
         if "name" not in job:
-            raise ConfigError("[job] has no name; add name = \"...\"")
+            raise ConfigError('[job] has no name; add name = "..."')
         if isinstance(job.get("broadcast_at"), list):
             job["broadcast_at"] = tuple(job["broadcast_at"])
         sources = d["source"]
@@ -266,4 +266,3 @@ class JobSpec:
 def _sha256(obj: Any) -> str:
     text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-

@@ -36,8 +36,9 @@ class Dispatcher:
         self._ids = itertools.count()
         self.done = self.samples = self.bad = self.via_shm = self.inline = 0
 
-    async def run(self, transform: str, records: list, todo: list[int], *, seed: int, ids: np.ndarray,
-                  max_task: int) -> list:
+    async def run(
+        self, transform: str, records: list, todo: list[int], *, seed: int, ids: np.ndarray, max_task: int
+    ) -> list:
         """Transform ``records[todo]`` in tasks of at most ``max_task``; the others are returned as they are."""
         out = list(records)
         loop = asyncio.get_running_loop()

@@ -22,8 +22,17 @@ __all__ = [
 ]
 
 # Every field of a token micro-batch (ARCHITECTURE §4.2), in the order ranks see them
-BATCH_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "sample_ids", "source_ids", "step",
-                "micro")
+BATCH_FIELDS = (
+    "tokens",
+    "labels",
+    "loss_mask",
+    "position_ids",
+    "cu_seqlens",
+    "sample_ids",
+    "source_ids",
+    "step",
+    "micro",
+)
 # Fields shaped [rows, seq_len] (or the CP slice [rows, seq_len/cp]); the others are per document.
 ROW_FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
 _DTYPES = {
@@ -91,8 +100,18 @@ def count_segments(pieces: MicroBatchPieces, rows: int, seq_len: int) -> int:
     return len(pieces.row) + int(np.count_nonzero(used < seq_len))
 
 
-def build_micro_batch(out: dict[str, np.ndarray], pieces: MicroBatchPieces, *, rows: int, seq_len: int,
-                      pad_id: int, cp: int = 1, step: int = 0, micro: int = 0, scratch: dict | None = None) -> None:
+def build_micro_batch(
+    out: dict[str, np.ndarray],
+    pieces: MicroBatchPieces,
+    *,
+    rows: int,
+    seq_len: int,
+    pad_id: int,
+    cp: int = 1,
+    step: int = 0,
+    micro: int = 0,
+    scratch: dict | None = None,
+) -> None:
     """Fill ``out`` (arrays laid out by field_specs) from the pieces, in place.
 
     labels[i] = tokens[i+1] within the packed row (pad_id after the last); loss_mask is 1 where that label is

@@ -90,9 +90,11 @@ def start_from_states(states: dict, layout: dict) -> tuple[dict, dict[int, tuple
     first = next(iter(given.values()))
     for r, st in given.items():
         if st["planner"] != first["planner"]:
-            raise CheckpointError(f"ranks brought states of different positions (rank {r} at step "
-                                  f"{st['planner'].get('step')}, others at {first['planner'].get('step')}); "
-                                  "load the same checkpoint on every rank")
+            raise CheckpointError(
+                f"ranks brought states of different positions (rank {r} at step "
+                f"{st['planner'].get('step')}, others at {first['planner'].get('step')}); "
+                "load the same checkpoint on every rank"
+            )
     step = int(first["planner"]["step"])
     positions = {}
     for r, st in states.items():

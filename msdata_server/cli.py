@@ -59,11 +59,20 @@ def _cmd_serve(args) -> int:
         try:
             await server.start()
             # the readiness signal: one JSON line on stdout (tests and supervisors wait for it)
-            print(orjson.dumps({"event": "ready", "socket": cfg.node.socket, "pid": os.getpid(),
-                                "node": cfg.node.id, "role": server.role,
-                                "listen": server.cluster.listen if server.cluster is not None else None,
-                                "metrics": server.metrics_port}).decode(),
-                  flush=True)
+            print(
+                orjson.dumps(
+                    {
+                        "event": "ready",
+                        "socket": cfg.node.socket,
+                        "pid": os.getpid(),
+                        "node": cfg.node.id,
+                        "role": server.role,
+                        "listen": server.cluster.listen if server.cluster is not None else None,
+                        "metrics": server.metrics_port,
+                    }
+                ).decode(),
+                flush=True,
+            )
             await server.serve_forever()
             log.info("stop requested; draining")
         finally:
@@ -91,8 +100,9 @@ def _cmd_status(args) -> int:
     try:
         f = request(endpoint, {"t": "status"})
     except OSError as e:
-        print(f"msdata-server status: no server at {endpoint!r} ({e}); is `msdata-server serve` running?",
-              file=sys.stderr)
+        print(
+            f"msdata-server status: no server at {endpoint!r} ({e}); is `msdata-server serve` running?", file=sys.stderr
+        )
         return 2
     st = f.get("status", {})
     if args.json:
@@ -111,18 +121,26 @@ def _cmd_health(args) -> int:
     try:
         reply = request(endpoint, {"t": "status"}, timeout=args.timeout)
     except (OSError, MsdataError) as e:
-        print(f"msdata-server health: unhealthy: no status from {endpoint!r} within {args.timeout:g}s ({e})",
-              file=sys.stderr)
+        print(
+            f"msdata-server health: unhealthy: no status from {endpoint!r} within {args.timeout:g}s ({e})",
+            file=sys.stderr,
+        )
         return 1
     st = reply.get("status")
     if not isinstance(st, dict):
-        print(f"msdata-server health: unhealthy: {endpoint!r} answered {reply.get('t')!r} instead of a status "
-              f"({reply.get('message', '')})", file=sys.stderr)
+        print(
+            f"msdata-server health: unhealthy: {endpoint!r} answered {reply.get('t')!r} instead of a status "
+            f"({reply.get('message', '')})",
+            file=sys.stderr,
+        )
         return 1
     role = st.get("role")
     if role not in ROLES:
-        print(f"msdata-server health: unhealthy: node {st.get('node')} has no role yet ({role!r}; expected one of "
-              f"{', '.join(ROLES)})", file=sys.stderr)
+        print(
+            f"msdata-server health: unhealthy: node {st.get('node')} has no role yet ({role!r}; expected one of "
+            f"{', '.join(ROLES)})",
+            file=sys.stderr,
+        )
         return 1
     print(f"ok: node {st.get('node')} role {role} jobs {len(st.get('jobs') or [])}")
     return 0
@@ -130,21 +148,27 @@ def _cmd_health(args) -> int:
 
 def _format_status(st: dict) -> str:
     mem = st.get("memory", {})
-    lines = [f"node {st.get('node')}  role {st.get('role')}  pid {st.get('pid')}  up {st.get('uptime_s', 0):.0f}s  "
-             f"workers {st.get('workers')}  memory PSS {mem.get('total_pss', 0) / 2**20:.1f} MiB",
-             f"socket {st.get('socket')}"]
+    lines = [
+        f"node {st.get('node')}  role {st.get('role')}  pid {st.get('pid')}  up {st.get('uptime_s', 0):.0f}s  "
+        f"workers {st.get('workers')}  memory PSS {mem.get('total_pss', 0) / 2**20:.1f} MiB",
+        f"socket {st.get('socket')}",
+    ]
     jobs = st.get("jobs", [])
     if not jobs:
         lines.append("no jobs")
     for j in jobs:
         imb = j.get("imbalance")
-        lines.append(f"job {j['name']} [{j['state']}] ranks {len(j['ranks'])}/{j['world_size']}  "
-                     f"steps {j['steps_planned']}  "
-                     f"{j['micro_batches_per_s']:.1f} micro-batches/s  {j['bytes_per_s'] / 1e9:.2f} GB/s  "
-                     f"imbalance {imb if imb is None else f'{imb:.3f}'}")
+        lines.append(
+            f"job {j['name']} [{j['state']}] ranks {len(j['ranks'])}/{j['world_size']}  "
+            f"steps {j['steps_planned']}  "
+            f"{j['micro_batches_per_s']:.1f} micro-batches/s  {j['bytes_per_s'] / 1e9:.2f} GB/s  "
+            f"imbalance {imb if imb is None else f'{imb:.3f}'}"
+        )
         for r in j.get("rings", []):
-            lines.append(f"  ring {r['ring']} group {r['group']}: {r['in_use']}/{r['slots']} slots of "
-                         f"{r['slot_size'] >> 10} KiB in use")
+            lines.append(
+                f"  ring {r['ring']} group {r['group']}: {r['in_use']}/{r['slots']} slots of "
+                f"{r['slot_size'] >> 10} KiB in use"
+            )
         for name, s in j.get("sources", {}).items():
             lines.append(f"  source {name}: " + ", ".join(f"{k}={v}" for k, v in s.items() if not isinstance(v, dict)))
         if j.get("error"):
@@ -159,8 +183,9 @@ def _cmd_validate(args) -> int:
     if os.path.exists(d) and not os.access(d, os.W_OK):
         raise MsdataError(f"socket directory {d!r} is not writable by this user; choose another [node] socket")
     if cfg.cluster is not None and not os.path.exists(cfg.cluster.token_file):
-        raise MsdataError(f"[cluster] token_file {cfg.cluster.token_file!r} does not exist; "
-                          "create it with a shared secret")
+        raise MsdataError(
+            f"[cluster] token_file {cfg.cluster.token_file!r} does not exist; create it with a shared secret"
+        )
     if args.job:
         from msdata_client.graph import DGraph
 

@@ -38,8 +38,9 @@ def parse_host_port(v: str, key: str = "listen") -> tuple[str, int]:
     host, sep, port = str(v).rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f'[node] {key} = {v!r} must be "HOST:PORT", e.g. "127.0.0.1:{_EXAMPLE_PORT[key]}" '
-                          "(port 0: any)")
+        raise ConfigError(
+            f'[node] {key} = {v!r} must be "HOST:PORT", e.g. "127.0.0.1:{_EXAMPLE_PORT[key]}" (port 0: any)'
+        )
     try:
         ipaddress.ip_address(host)
     except ValueError:
@@ -91,8 +92,9 @@ class NodeConfig:
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"[node] log_level = {self.log_level!r} must be one of {', '.join(LOG_LEVELS)}")
         if self.log_format not in LOG_FORMATS:
-            raise ConfigError(f"[node] log_format = {self.log_format!r} must be one of "
-                              f"{', '.join(map(repr, LOG_FORMATS))}")
+            raise ConfigError(
+                f"[node] log_format = {self.log_format!r} must be one of {', '.join(map(repr, LOG_FORMATS))}"
+            )
 
     @property
     def listen_addr(self) -> tuple[str, int]:
@@ -147,8 +149,16 @@ def parse_config(doc: dict, *, base_dir: str | None = None) -> ServerConfig:
         v = node_t.get(key)
         if isinstance(v, str) and v and base_dir and not os.path.isabs(v):
             node_t[key] = os.path.join(base_dir, v)
-    for key, typ in (("id", str), ("socket", str), ("listen", str), ("shm_prefix", str), ("state_dir", str),
-                      ("log_level", str), ("log_format", str), ("metrics", str)):
+    for key, typ in (
+        ("id", str),
+        ("socket", str),
+        ("listen", str),
+        ("shm_prefix", str),
+        ("state_dir", str),
+        ("log_level", str),
+        ("log_format", str),
+        ("metrics", str),
+    ):
         if key in node_t and not isinstance(node_t[key], typ):
             raise ConfigError(f"[node] {key} = {node_t[key]!r} must be a string")
     node = NodeConfig(**node_t)

@@ -106,8 +106,19 @@ def _rank_main(job_dict: dict, endpoint: str, rank: int, world: int, steps: int,
             if (i + 1) % spec.micro_batches == 0:
                 q.put(("step", rank, (i + 1) // spec.micro_batches))
     el = time.perf_counter() - t0
-    q.put(("done", rank, {"seconds": el, "bytes": nbytes, "tokens": tokens, "batches": n,
-                          "wait_p50_us": float(np.percentile(waits[1:] or waits, 50) * 1e6)}))
+    q.put(
+        (
+            "done",
+            rank,
+            {
+                "seconds": el,
+                "bytes": nbytes,
+                "tokens": tokens,
+                "batches": n,
+                "wait_p50_us": float(np.percentile(waits[1:] or waits, 50) * 1e6),
+            },
+        )
+    )
 
 
 def _serve_in_thread(cfg: ServerConfig):
@@ -157,24 +168,37 @@ def run_demo(steps: int = 40, ranks: int = 4) -> int:
 
 
 def _run(root: str, steps: int) -> int:
+    """Write the dataset, start a server and the simulated ranks, follow them, print the summary. One linear
+    script (a user reads it as the tour of what msdata does), so it is kept whole."""
     t0 = time.perf_counter()
     print(f"msdata demo: writing a four-source dataset (jsonl, parquet, arrow) under {root} ...", flush=True)
     data = make_dataset(os.path.join(root, "data"))
     spec = demo_job(data)
-    cfg = ServerConfig(node=NodeConfig(id="demo", socket=os.path.join(root, "msdata.sock"), workers=2,
-                                       shm_prefix="msddemo", log_level="WARNING"))
+    cfg = ServerConfig(
+        node=NodeConfig(
+            id="demo", socket=os.path.join(root, "msdata.sock"), workers=2, shm_prefix="msddemo", log_level="WARNING"
+        )
+    )
     server, loop, thread = _serve_in_thread(cfg)
-    print(f"  dataset ready in {time.perf_counter() - t0:.1f}s; server on {cfg.node.socket} with {cfg.node.workers} "
-          f"transform workers", flush=True)
+    print(
+        f"  dataset ready in {time.perf_counter() - t0:.1f}s; server on {cfg.node.socket} with {cfg.node.workers} "
+        f"transform workers",
+        flush=True,
+    )
     world = spec.mesh.world_size
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(spec.to_dict(), cfg.node.socket, r, world, steps, q), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(spec.to_dict(), cfg.node.socket, r, world, steps, q), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
-    print(f"  {world} trainer ranks (mesh dp={spec.mesh.dp} tp={spec.mesh.tp}), {steps} steps of "
-          f"{spec.micro_batches} micro-batches x {spec.seq_len} tokens each", flush=True)
+    print(
+        f"  {world} trainer ranks (mesh dp={spec.mesh.dp} tp={spec.mesh.tp}), {steps} steps of "
+        f"{spec.micro_batches} micro-batches x {spec.seq_len} tokens each",
+        flush=True,
+    )
     done: dict[int, dict] = {}
     progress = dict.fromkeys(range(world), 0)
     last = 0.0
@@ -207,9 +231,12 @@ def _run(root: str, steps: int) -> int:
             else:
                 j = status["jobs"][0]
                 imb = j.get("imbalance")
-                print(f"  step {lo:4d}/{steps}  {j['micro_batches_per_s']:7.1f} micro-batches/s  "
-                      f"imbalance {imb if imb is None else round(imb, 3)}  " +
-                      " ".join(f"r{r}:{s}" for r, s in sorted(progress.items())), flush=True)
+                print(
+                    f"  step {lo:4d}/{steps}  {j['micro_batches_per_s']:7.1f} micro-batches/s  "
+                    f"imbalance {imb if imb is None else round(imb, 3)}  "
+                    + " ".join(f"r{r}:{s}" for r, s in sorted(progress.items())),
+                    flush=True,
+                )
     for p in procs:
         p.join(30)
     _stop(server, loop, thread)
@@ -239,8 +266,10 @@ def _summary(spec, steps, done, status, peak_pss, data) -> None:
         ("micro-batches delivered (all ranks)", f"{batches}"),
         ("micro-batches / s (all ranks)", f"{batches / seconds:.1f}"),
         ("GB/s delivered to trainer processes", f"{nbytes / seconds / 1e9:.2f}"),
-        ("tokens / s (useful, per DP group)",
-         f"{sum(d['tokens'] for d in done.values()) / spec.mesh.tp / seconds:,.0f}"),
+        (
+            "tokens / s (useful, per DP group)",
+            f"{sum(d['tokens'] for d in done.values()) / spec.mesh.tp / seconds:,.0f}",
+        ),
         ("next() wait p50 (us)", f"{np.median([d['wait_p50_us'] for d in done.values()]):.0f}"),
         ("DP imbalance, msdata planner (max/mean cost)", "n/a" if imb is None else f"{imb:.3f}"),
         ("DP imbalance, plain per-rank loader", f"{base:.3f}"),
@@ -279,7 +308,17 @@ def baseline_imbalance(data, spec, steps: int) -> float:
     def draw(s: int, n: int, rng: np.random.Generator) -> np.ndarray:
         return rng.choice(lengths[names[s]], size=n)
 
-    res = per_rank_steps(draw, DEMO_WEIGHTS, {n: float(lengths[n].mean()) for n in names}, seq_len=spec.seq_len,
-                         dp=spec.mesh.dp, micro_batches=spec.micro_batches, rows=spec.rows, steps=max(steps, 50),
-                         seed=spec.seed, alpha=spec.balance.alpha, beta=spec.balance.beta)
+    res = per_rank_steps(
+        draw,
+        DEMO_WEIGHTS,
+        {n: float(lengths[n].mean()) for n in names},
+        seq_len=spec.seq_len,
+        dp=spec.mesh.dp,
+        micro_batches=spec.micro_batches,
+        rows=spec.rows,
+        steps=max(steps, 50),
+        seed=spec.seed,
+        alpha=spec.balance.alpha,
+        beta=spec.balance.beta,
+    )
     return float(np.mean([r["imbalance"] for r in res]))

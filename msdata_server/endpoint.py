@@ -166,8 +166,9 @@ class UnixEndpoint:
         if os.path.exists(self.path):
             mode = os.lstat(self.path).st_mode
             if not stat.S_ISSOCK(mode):
-                raise ConfigError(f"{self.path!r} exists and is not a socket; "
-                                  "remove it or choose another [node] socket")
+                raise ConfigError(
+                    f"{self.path!r} exists and is not a socket; remove it or choose another [node] socket"
+                )
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(self.path)
@@ -175,8 +176,9 @@ class UnixEndpoint:
                 os.unlink(self.path)  # stale: its server is gone
                 log.info("removed stale socket %s", self.path)
             else:
-                raise ConfigError(f"another msdata server is already listening on {self.path!r}; "
-                                  "stop it or use another [node] socket")
+                raise ConfigError(
+                    f"another msdata server is already listening on {self.path!r}; stop it or use another [node] socket"
+                )
             finally:
                 probe.close()
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -174,12 +174,15 @@ class NodeServer:
             raise ProtocolError(f"unknown frame type {t!r}")
 
     async def _hello(self, conn: ClientConn, frame: dict) -> None:
+        """Register a rank: check the frame, then pick the job it joins (the running one, a pending next run,
+        or a new one) and hand it to the starter. Long because the job-identity cases read best as one rule."""
         if conn.job is not None:
             raise ProtocolError("hello sent twice on one connection")
         v = frame.get("v")
         if v != PROTOCOL_VERSION:
-            raise ProtocolError(f"client speaks protocol {v!r}, this server {PROTOCOL_VERSION}; "
-                                "upgrade msdata on one side")
+            raise ProtocolError(
+                f"client speaks protocol {v!r}, this server {PROTOCOL_VERSION}; upgrade msdata on one side"
+            )
         try:
             spec = JobSpec.from_dict(frame["job"])
             rank, world = int(frame["rank"]), int(frame["world_size"])
@@ -193,16 +196,20 @@ class NodeServer:
             raise ProtocolError(f"malformed hello: {e!r}") from None
         digest = spec.digest()
         if frame.get("digest") != digest:
-            raise ConfigError(f"job digest mismatch: client {frame.get('digest')!r}, server {digest!r} "
-                              "(client and server msdata versions differ?)")
+            raise ConfigError(
+                f"job digest mismatch: client {frame.get('digest')!r}, server {digest!r} "
+                "(client and server msdata versions differ?)"
+            )
         job = self.jobs.get(spec.name)
         if job is not None and job.digest != digest:
             live = job.ranks.live_ranks()
             if live:
-                raise ConfigError(f"job {spec.name!r} is running here with another definition "
-                                  f"(digest {job.digest[:12]}, yours {digest[:12]}) and {len(live)} rank(s) connected; "
-                                  "every rank must register the same job: stop the old run or give the new job "
-                                  "another name")
+                raise ConfigError(
+                    f"job {spec.name!r} is running here with another definition "
+                    f"(digest {job.digest[:12]}, yours {digest[:12]}) and {len(live)} rank(s) connected; "
+                    "every rank must register the same job: stop the old run or give the new job "
+                    "another name"
+                )
             self.forget(job)
             await job.aclose()
             job = None
@@ -219,8 +226,12 @@ class NodeServer:
                 nxt = self.pending.get(spec.name)
                 if nxt is None or nxt.digest != digest:
                     nxt = self.pending[spec.name] = self._new_job(spec, digest, hold=True)
-                    log.warning("job %s: a new run registers while %d rank(s) of the previous run are still "
-                                "connected; it starts when they leave", spec.name, len(job.ranks.live_ranks()))
+                    log.warning(
+                        "job %s: a new run registers while %d rank(s) of the previous run are still "
+                        "connected; it starts when they leave",
+                        spec.name,
+                        len(job.ranks.live_ranks()),
+                    )
                 job = nxt
         if job is None:
             job = self.jobs[spec.name] = self._new_job(spec, digest)
@@ -242,8 +253,15 @@ class NodeServer:
         try:
             if t == "state":
                 step = int(frame["step"])
-                conn.send({"t": "state", "id": rid, "step": step, "planner": await job.state_at(step),
-                           "layout": job.spec.layout()})
+                conn.send(
+                    {
+                        "t": "state",
+                        "id": rid,
+                        "step": step,
+                        "planner": await job.state_at(step),
+                        "layout": job.spec.layout(),
+                    }
+                )
             else:
                 weights = frame.get("weights")
                 if not isinstance(weights, dict):
@@ -272,8 +290,11 @@ class NodeServer:
             "workers": self.pool.size if self.pool is not None else 0,
             "memory": {"server_pss": proc_memory()["pss"], "total_pss": mem["pss"], "total_uss": mem["uss"]},
             "jobs": [j.status() for j in self.jobs.values()],
-            **({"cluster": {**self.cluster.status(), "runs": self.cluster_jobs.status() if self.cluster_jobs else []}}
-               if self.cluster is not None else {}),
+            **(
+                {"cluster": {**self.cluster.status(), "runs": self.cluster_jobs.status() if self.cluster_jobs else []}}
+                if self.cluster is not None
+                else {}
+            ),
         }
 
     # ---- shutdown --------------------------------------------------------------------------------------

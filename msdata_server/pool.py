@@ -116,8 +116,9 @@ class WorkerPool:
                 _, pending = await asyncio.wait(serves, timeout=STOP_TIMEOUT)
                 for w in workers:
                     if w.serve in pending:
-                        log.warning("transform worker %d (pid %s) did not stop in %.1fs; killing it",
-                                    w.n, w.pid, STOP_TIMEOUT)
+                        log.warning(
+                            "transform worker %d (pid %s) did not stop in %.1fs; killing it", w.n, w.pid, STOP_TIMEOUT
+                        )
                         kill(w.pid)
                 if pending:
                     await asyncio.wait(pending, timeout=STOP_TIMEOUT)

@@ -98,15 +98,12 @@ def identity(record, **_) -> np.ndarray:
     )
 
 
-
 def hf_tokenizer(path: str, *, eos: int | None = None, add_special_tokens: bool = False) -> Callable:
     """A transform tokenizing text with a local tokenizer.json (package ``tokenizers``), then ``eos`` if given."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ConfigError(
-            "transform hf_tokenizer needs the 'tokenizers' package: pip install tokenizers"
-        ) from None
+        raise ConfigError("transform hf_tokenizer needs the 'tokenizers' package: pip install tokenizers") from None
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:
@@ -180,8 +177,9 @@ class VlmSample:
 MAX_ASPECT = 200  # Qwen2-VL refuses images whose long side is more than 200 times the short one
 
 
-def smart_resize(height: int, width: int, *, factor: int = 28, min_pixels: int = 56 * 56,
-                 max_pixels: int = 1024 * 1024) -> tuple[int, int]:
+def smart_resize(
+    height: int, width: int, *, factor: int = 28, min_pixels: int = 56 * 56, max_pixels: int = 1024 * 1024
+) -> tuple[int, int]:
     """(height, width) to resize an image to: both multiples of ``factor``, area within [min_pixels,
     max_pixels], aspect ratio kept as nearly as that allows. Qwen2-VL's rule; where its rounding leaves the
     bounds (bounds closer than its rounding steps) the closest aspect ratio inside them is taken instead.

@@ -32,8 +32,11 @@ def no_shm_leaks():
     """
     before = {n for n, _ in list_segments()}
     yield
-    left = [n for n, info in list_segments()
-            if n not in before and (info.get("pid") == os.getpid() or not owner_alive(info))]
+    left = [
+        n
+        for n, info in list_segments()
+        if n not in before and (info.get("pid") == os.getpid() or not owner_alive(info))
+    ]
     if left:
         for n in left:  # do not poison the next test
             try:
@@ -76,21 +79,25 @@ def sockdir():
 class ServerProc:
     """A real `msdata-server serve` subprocess, awaited through its readiness line."""
 
-    def __init__(self, sockdir: str, *, workers: int = 0, extra: str = "", prefix: str | None = None,
-                 shm_mib: int | None = None):
+    def __init__(
+        self, sockdir: str, *, workers: int = 0, extra: str = "", prefix: str | None = None, shm_mib: int | None = None
+    ):
         self.shm_mib = shm_mib  # run the server in a private mount namespace with a /dev/shm this small
         self.dir = sockdir
         self.socket = os.path.join(sockdir, "msdata.sock")
         self.prefix = prefix or "t" + secrets.token_hex(3)
         self.config = os.path.join(sockdir, "node.toml")
-        Path(self.config).write_text(textwrap.dedent(f"""\
+        Path(self.config).write_text(
+            textwrap.dedent(f"""\
             [node]
             id = "test-node"
             socket = "{self.socket}"
             shm_prefix = "{self.prefix}"
             workers = {workers}
             drain_timeout = 5.0
-            """) + extra)
+            """)
+            + extra
+        )
         self.proc: subprocess.Popen | None = None
         self.ready: dict | None = None
 
@@ -100,8 +107,13 @@ class ServerProc:
             self.proc.stdout.close()
         cmd = [sys.executable, "-m", "msdata_server", "serve", "--config", self.config]
         if self.shm_mib is not None:
-            cmd = ["unshare", "-m", "sh", "-c",
-                   f"mount -t tmpfs -o size={self.shm_mib}M tmpfs /dev/shm && exec " + " ".join(cmd)]
+            cmd = [
+                "unshare",
+                "-m",
+                "sh",
+                "-c",
+                f"mount -t tmpfs -o size={self.shm_mib}M tmpfs /dev/shm && exec " + " ".join(cmd),
+            ]
         with open(os.path.join(self.dir, "server.log"), "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=str(ROOT))
         line = _readline(self.proc, timeout)

@@ -17,8 +17,23 @@ import msdata_client as msd
 HERE = Path(__file__).resolve().parent
 
 
-def small_job(name="t", *, dp=2, tp=1, cp=1, pp=1, seq_len=512, micro_batches=2, rows=1, seed=0, samples=400,
-              method="karmarkar_karp", prefetch=2, median=(60.0, 150.0), max_len=None):
+def small_job(
+    name="t",
+    *,
+    dp=2,
+    tp=1,
+    cp=1,
+    pp=1,
+    seq_len=512,
+    micro_batches=2,
+    rows=1,
+    seed=0,
+    samples=400,
+    method="karmarkar_karp",
+    prefetch=2,
+    median=(60.0, 150.0),
+    max_len=None,
+):
     """Two synthetic sources; documents no longer than seq_len unless max_len says otherwise."""
     max_len = max_len or seq_len
     g = msd.DGraph(name, seed=seed)
@@ -39,8 +54,9 @@ def batch_record(batch) -> dict:
     return rec
 
 
-def run_ranks(spec, endpoint, n, ranks=None, *, keep=False, timeout=60.0, states=None, saved=None, mixture=None,
-              pause=None):
+def run_ranks(
+    spec, endpoint, n, ranks=None, *, keep=False, timeout=60.0, states=None, saved=None, mixture=None, pause=None
+):
     """Each rank in its own thread with its own DataClient; returns {rank: [records]} (and batches if keep).
 
     states: {rank: state} loaded before iterating; saved: a dict that receives each rank's state_dict() after
@@ -54,8 +70,9 @@ def run_ranks(spec, endpoint, n, ranks=None, *, keep=False, timeout=60.0, states
 
     def body(r):
         try:
-            with msd.DataClient(spec, endpoint=endpoint, rank=r, world_size=spec.mesh.world_size,
-                                connect_timeout=30) as dc:
+            with msd.DataClient(
+                spec, endpoint=endpoint, rank=r, world_size=spec.mesh.world_size, connect_timeout=30
+            ) as dc:
                 if states is not None and r in states:
                     dc.load_state_dict(states[r])
                 recs, bs = [], []
@@ -96,9 +113,21 @@ def start_rank_process(spec, endpoint, rank, n, outdir, *extra) -> tuple[subproc
     Path(job).write_bytes(orjson.dumps(spec.to_dict()))
     out = os.path.join(outdir, f"rank{rank}-{spec.name}.json")
     with open(out + ".log", "ab") as log:
-        p = subprocess.Popen([sys.executable, str(HERE / "rank_worker.py"), job, endpoint, str(rank),
-                              str(spec.mesh.world_size), str(n), out, *map(str, extra)],
-                             stdout=subprocess.PIPE, stderr=log)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "rank_worker.py"),
+                job,
+                endpoint,
+                str(rank),
+                str(spec.mesh.world_size),
+                str(n),
+                out,
+                *map(str, extra),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
     return p, out
 
 

@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 
-ETCD = os.environ.get("MSDATA_ETCD") or shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd")
-                                                                  else None)
+ETCD = (
+    os.environ.get("MSDATA_ETCD")
+    or shutil.which("etcd")
+    or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
+)
 _READY = b"ready to serve client requests"
 
 __all__ = ["ETCD", "EtcdServer", "etcd_server", "fresh_etcd"]
@@ -58,10 +61,27 @@ class EtcdServer:
 
     def start(self, timeout: float = 30.0) -> EtcdServer:
         peer = f"http://127.0.0.1:{self.peer_port}"
-        cmd = [ETCD, "--name", "t", "--data-dir", str(self.dir / "data"),
-               "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-               "--initial-cluster", f"t={peer}", "--heartbeat-interval", "50", "--election-timeout", "500"]
+        cmd = [
+            ETCD,
+            "--name",
+            "t",
+            "--data-dir",
+            str(self.dir / "data"),
+            "--listen-client-urls",
+            self.url,
+            "--advertise-client-urls",
+            self.url,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"t={peer}",
+            "--heartbeat-interval",
+            "50",
+            "--election-timeout",
+            "500",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         ready = threading.Event()
         proc = self.proc

@@ -9,13 +9,15 @@ import pyarrow.parquet as pq
 
 
 def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "msdata_server", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "msdata_server", *args], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
 
 
 def _job(tmp_path, paths):
     p = tmp_path / "job.toml"
-    p.write_text(textwrap.dedent(f"""\
+    p.write_text(
+        textwrap.dedent(f"""\
         [job]
         name = "v"
         seq_len = 512
@@ -27,7 +29,8 @@ def _job(tmp_path, paths):
         paths = {paths!r}
         [mix]
         weights = {{ web = 1.0 }}
-        """).replace("'", '"'))
+        """).replace("'", '"')
+    )
     return p
 
 

@@ -110,7 +110,10 @@ def test_watch_from_revision_and_compaction(etcd_server, loop):
                 while len(seen) < 3:
                     seen += await anext(w)
             assert [(e.type, e.kv.key, e.kv.value) for e in seen] == [
-                ("put", f"{p}/a".encode(), b"1"), ("put", f"{p}/b".encode(), b"2"), ("delete", f"{p}/a".encode(), b"")]
+                ("put", f"{p}/a".encode(), b"1"),
+                ("put", f"{p}/b".encode(), b"2"),
+                ("delete", f"{p}/a".encode(), b""),
+            ]
             # a watch from the past replays history; once compacted it is refused with the fix in the message
             async with contextlib.aclosing(etcd.watch(f"{p}/a", start_revision=rev + 1)) as w:
                 assert await anext(w) == []
@@ -226,8 +229,9 @@ class Log:
     def stable_leader(self, among: list[Node] | None = None) -> Node | None:
         """The one leader when every node (of ``among``) agrees on it."""
         ls = self.leaders()
-        if len(ls) == 1 and all(n.e.leader_id == ls[0].id and n.e.leader_token == ls[0].e.token
-                                for n in among or self.nodes):
+        if len(ls) == 1 and all(
+            n.e.leader_id == ls[0].id and n.e.leader_token == ls[0].e.token for n in among or self.nodes
+        ):
             return ls[0]
         return None
 
@@ -287,9 +291,10 @@ def test_membership_registers_and_leaves(etcd_server, loop):
 def test_membership_from_config_and_validation(etcd_server):
     async def main():
         async with Etcd(etcd_server.url) as etcd:
-            cfg = ServerConfig(node=NodeConfig(id="node-7", listen="127.0.0.1:7460"),
-                               cluster=ClusterConfig(etcd=(etcd_server.url,), token_file="/x", lease_ttl=2.5,
-                                                     prefix=prefix()))
+            cfg = ServerConfig(
+                node=NodeConfig(id="node-7", listen="127.0.0.1:7460"),
+                cluster=ClusterConfig(etcd=(etcd_server.url,), token_file="/x", lease_ttl=2.5, prefix=prefix()),
+            )
             m = Membership.from_config(etcd, cfg, jobs=0)
             assert (m.node_id, m.ttl, m.info["listen"], m.info["jobs"]) == ("node-7", 2.5, "127.0.0.1:7460", 0)
             with pytest.raises(ConfigError, match="lease ttl=0.5"):

@@ -62,8 +62,13 @@ def test_control_and_payload_round_trip(loop):
             await link.send({"t": "end"})
             got = await inbox.wait(6)
             assert [(p, f["t"], f.get("i")) for p, f, _ in got] == [
-                ("cli", "hello-app", None), ("cli", "blob", 0), ("cli", "blob", 1), ("cli", "blob", 2),
-                ("cli", "blob", 3), ("cli", "end", None)]
+                ("cli", "hello-app", None),
+                ("cli", "blob", 0),
+                ("cli", "blob", 1),
+                ("cli", "blob", 2),
+                ("cli", "blob", 3),
+                ("cli", "end", None),
+            ]
             assert got[1][1]["nbytes"] == big.nbytes and got[1][2] == big.tobytes()
             assert got[2][2] == b"immutable bytes" and got[3][2] == b"" and got[0][2] is None
             assert np.array_equal(np.frombuffer(got[4][2], dtype=np.int64).reshape(3, 4), matrix)
@@ -113,14 +118,17 @@ def test_wrong_token_is_rejected_both_ways(loop, caplog):
     assert "does not hold our token" in text and "mallory" in text
 
 
-@pytest.mark.parametrize("data, why", [
-    (frame({"t": "work"}), "sent 'work' before authenticating"),
-    (frame({"t": "blob", "nbytes": 4}) + b"data", "sent a payload before authenticating"),
-    (struct.pack(">I", 1 << 20) + b"{}", "exceeds 4096 bytes before authentication"),
-    (struct.pack(">I", 3) + b"{x}", "not valid JSON"),
-    (frame({"t": "hello", "v": 1, "node": "x"}), "malformed handshake frame 'hello'"),
-    (b"", "did not complete authentication within 0.2s"),
-])
+@pytest.mark.parametrize(
+    "data, why",
+    [
+        (frame({"t": "work"}), "sent 'work' before authenticating"),
+        (frame({"t": "blob", "nbytes": 4}) + b"data", "sent a payload before authenticating"),
+        (struct.pack(">I", 1 << 20) + b"{}", "exceeds 4096 bytes before authentication"),
+        (struct.pack(">I", 3) + b"{x}", "not valid JSON"),
+        (frame({"t": "hello", "v": 1, "node": "x"}), "malformed handshake frame 'hello'"),
+        (b"", "did not complete authentication within 0.2s"),
+    ],
+)
 def test_unauthenticated_peers_are_dropped(data, why, caplog):
     caplog.set_level(logging.WARNING, logger="msdata_server.cluster.peers")
 
@@ -141,15 +149,18 @@ def test_unauthenticated_peers_are_dropped(data, why, caplog):
     assert why in caplog.text
 
 
-@pytest.mark.parametrize("bad, why", [
-    (struct.pack(">I", (16 << 20) + 1), "exceeds"),
-    (frame([1, 2]), 'string "t"'),
-    (struct.pack(">I", 5) + b"{nope", "not valid JSON"),
-    (frame({"t": "blob", "nbytes": -1}), "nbytes=-1"),
-    (frame({"t": "blob", "nbytes": "3"}), "nbytes='3'"),
-    (frame({"t": "blob", "nbytes": 100}) + b"short", "mid-payload: got 5 of 100"),
-    (frame({"t": "half"})[:-2], "inside a frame"),
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        (struct.pack(">I", (16 << 20) + 1), "exceeds"),
+        (frame([1, 2]), 'string "t"'),
+        (struct.pack(">I", 5) + b"{nope", "not valid JSON"),
+        (frame({"t": "blob", "nbytes": -1}), "nbytes=-1"),
+        (frame({"t": "blob", "nbytes": "3"}), "nbytes='3'"),
+        (frame({"t": "blob", "nbytes": 100}) + b"short", "mid-payload: got 5 of 100"),
+        (frame({"t": "half"})[:-2], "inside a frame"),
+    ],
+)
 def test_malformed_frames_close_only_their_link(bad, why, caplog):
     caplog.set_level(logging.WARNING, logger="msdata_server.cluster.peers")
 

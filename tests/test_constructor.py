@@ -6,23 +6,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from msdata_client.ring import layout_fields
-from msdata_server.batch import (
-    MicroBatchPieces,
-    build_micro_batch,
-    count_segments,
-    field_specs,
-    zigzag_index,
-)
+from msdata_server.batch import MicroBatchPieces, build_micro_batch, count_segments, field_specs, zigzag_index
 
 PAD = 257
 
 
 def _alloc(rows, seq_len, pieces, cp=1):
-    specs = field_specs(rows=rows, seq_len=seq_len, n_pieces=len(pieces.tokens),
-                        n_segments=count_segments(pieces, rows, seq_len), cp=cp)
+    specs = field_specs(
+        rows=rows, seq_len=seq_len, n_pieces=len(pieces.tokens), n_segments=count_segments(pieces, rows, seq_len), cp=cp
+    )
     layouts, n = layout_fields(specs)
     buf = np.zeros(n, dtype=np.uint8)
-    out = {f.name: buf[f.offset:f.offset + f.nbytes].view(f.dtype).reshape(f.shape) for f in layouts}
+    out = {f.name: buf[f.offset : f.offset + f.nbytes].view(f.dtype).reshape(f.shape) for f in layouts}
     return out
 
 
@@ -33,8 +28,12 @@ def _pieces(rows_tokens):
             row.append(r)
             toks.append(np.asarray(d, dtype=np.int32))
     n = len(toks)
-    return MicroBatchPieces(row=np.asarray(row, dtype=np.int32), tokens=toks,
-                            sample_ids=np.arange(n, dtype=np.int64) + 100, source_ids=np.arange(n, dtype=np.int64) % 2)
+    return MicroBatchPieces(
+        row=np.asarray(row, dtype=np.int32),
+        tokens=toks,
+        sample_ids=np.arange(n, dtype=np.int64) + 100,
+        source_ids=np.arange(n, dtype=np.int64) % 2,
+    )
 
 
 def test_keys_follow_the_contract():

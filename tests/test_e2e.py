@@ -22,8 +22,12 @@ from .e2e_util import batch_record, finish, run_ranks, small_job, start_rank_pro
 
 
 def status(endpoint) -> dict:
-    out = subprocess.run([sys.executable, "-m", "msdata_server", "status", "--endpoint", endpoint, "--json"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "msdata_server", "status", "--endpoint", endpoint, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -41,8 +45,17 @@ def test_batch_contract(server_factory):
     spec = small_job(dp=1, micro_batches=1, seq_len=256, rows=2)
     with msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1) as dc:
         b = next(dc)
-        assert set(b) >= {"tokens", "labels", "loss_mask", "position_ids", "cu_seqlens", "sample_ids", "source_ids",
-                          "step", "micro"}
+        assert set(b) >= {
+            "tokens",
+            "labels",
+            "loss_mask",
+            "position_ids",
+            "cu_seqlens",
+            "sample_ids",
+            "source_ids",
+            "step",
+            "micro",
+        }
         assert b["tokens"].shape == (2, 256) and b["tokens"].dtype == torch.int64
         assert b["cu_seqlens"].dtype == torch.int32
         assert int(b["cu_seqlens"][0]) == 0 and int(b["cu_seqlens"][-1]) == 512
@@ -215,8 +228,12 @@ def test_status_json(server_factory):
     assert st["node"] == "test-node" and st["role"] == "single"
     (job,) = st["jobs"]
     assert job["name"] == "t" and job["ranks"] == [0] and job["steps_planned"] >= 1
-    out = subprocess.run([sys.executable, "-m", "msdata_server", "status", "--endpoint", srv.socket],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "msdata_server", "status", "--endpoint", srv.socket],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "role single" in out
 
 

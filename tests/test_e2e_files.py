@@ -68,8 +68,9 @@ def _read_steps(spec, endpoint: str, done) -> tuple[list, dict, dict]:
     """Both DP ranks read step by step (round robin, one thread) until done(planner_state) says stop; returns
     every piece, the planner state at the first step not read and the server's status (ranks still there)."""
     world = spec.mesh.world_size
-    clients = [msd.DataClient(spec, endpoint=endpoint, rank=r, world_size=world, connect_timeout=60)
-               for r in range(world)]
+    clients = [
+        msd.DataClient(spec, endpoint=endpoint, rank=r, world_size=world, connect_timeout=60) for r in range(world)
+    ]
     first: dict[int, list] = {}
 
     def start(r: int) -> None:  # the job starts when every rank asked for a batch: ask from all at once
@@ -104,9 +105,11 @@ def _read_steps(spec, endpoint: str, done) -> tuple[list, dict, dict]:
 
 def _epoch_done(s: int, n: int):
     """Source s has given all n documents of its first epoch: its cursor is past them and none is carried."""
+
     def done(state: dict) -> bool:
         carried = [o for src, o in zip(state["carry"]["source"], state["carry"]["ordinal"]) if src == s]
         return state["cursor"][s] >= n and all(o >= n for o in carried)
+
     return done
 
 
@@ -154,8 +157,13 @@ def _job(name: str, sources: list[tuple[str, str, str]], weights: dict[str, floa
 
 
 def _status(endpoint: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "msdata_server", "status", "--endpoint", endpoint, "--json"],
-                         capture_output=True, text=True, check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "msdata_server", "status", "--endpoint", endpoint, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     return json.loads(out.stdout)
 
 
@@ -165,8 +173,11 @@ def test_three_formats_decode_back_to_their_documents(server_factory, tmp_path):
     js_files = [_texts(rng, "c0", 30, 5, 200) + _texts(rng, "L", 3, 300, 700), _texts(rng, "c1", 30, 5, 200)]
     js_dir, js_docs = _write(tmp_path, "jsonl", "code", js_files)  # some documents longer than seq_len
     ar_dir, ar_docs = _write(tmp_path, "arrow", "books", [_texts(rng, "b0", 40, 5, 150)])
-    spec = _job("files", [("web", "parquet", pq_dir), ("code", "jsonl", js_dir), ("books", "arrow", ar_dir)],
-                {"web": 0.3, "code": 0.4, "books": 0.3})
+    spec = _job(
+        "files",
+        [("web", "parquet", pq_dir), ("code", "jsonl", js_dir), ("books", "arrow", ar_dir)],
+        {"web": 0.3, "code": 0.4, "books": 0.3},
+    )
     srv = server_factory(workers=2).start()
 
     pieces, state, st = _read_steps(spec, srv.socket, _epoch_done(0, len(pq_docs)))

@@ -44,8 +44,9 @@ def run_and_sample(spec: msd.JobSpec, endpoint: str, steps: int, node_endpoints:
 
     def body(r: int) -> None:
         try:
-            with msd.DataClient(spec, endpoint=eps[r], rank=r, world_size=spec.mesh.world_size,
-                                connect_timeout=30) as dc:
+            with msd.DataClient(
+                spec, endpoint=eps[r], rank=r, world_size=spec.mesh.world_size, connect_timeout=30
+            ) as dc:
                 for i in range(steps * micro):
                     b = next(dc)
                     del b
@@ -54,8 +55,7 @@ def run_and_sample(spec: msd.JobSpec, endpoint: str, steps: int, node_endpoints:
                             st = request(ep, {"t": "status"})["status"]
                             for job in st["jobs"]:
                                 if job["name"] == spec.name:
-                                    samples.append({"node": st["node"], "step": i // micro,
-                                                    "sources": job["sources"]})
+                                    samples.append({"node": st["node"], "step": i // micro, "sources": job["sources"]})
         except BaseException as e:  # reported to the test
             errors.append(e)
 
@@ -76,7 +76,8 @@ def check_bounded(samples: list[dict], steps: int, nodes: int = 1) -> None:
         for name, src in smp["sources"].items():
             assert src["held"] <= src["held_bound"], (
                 f"step {smp['step']} node {smp['node']}: source {name} holds {src['held']} payloads, more than "
-                f"its bound {src['held_bound']} (read-ahead + {src['held_pinned']} pinned)")
+                f"its bound {src['held_bound']} (read-ahead + {src['held_pinned']} pinned)"
+            )
     # the bound does not drift: late samples pin no more than a step's worth above the early ones
     for node in {s["node"] for s in samples}:
         mine = [s for s in samples if s["node"] == node]

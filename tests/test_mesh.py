@@ -41,8 +41,13 @@ def test_bad_axis_size(axis, bad):
 
 @pytest.mark.parametrize(
     "order",
-    [("pp", "dp", "cp"), ("pp", "dp", "cp", "tp", "tp"), ("pp", "dp", "dp", "tp"), ("pp", "dp", "cp", "ep"),
-     (1, 2, 3, 4)],
+    [
+        ("pp", "dp", "cp"),
+        ("pp", "dp", "cp", "tp", "tp"),
+        ("pp", "dp", "dp", "tp"),
+        ("pp", "dp", "cp", "ep"),
+        (1, 2, 3, 4),
+    ],
 )
 def test_bad_order(order):
     with pytest.raises(ConfigError, match=r"must name each of \['pp', 'dp', 'cp', 'tp'\] exactly once"):
@@ -111,10 +116,7 @@ def test_bijection_every_order(order):
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    sizes=st.tuples(*(st.integers(1, 4) for _ in AXES)),
-    order=st.permutations(AXES),
-)
+@given(sizes=st.tuples(*(st.integers(1, 4) for _ in AXES)), order=st.permutations(AXES))
 def test_bijection_property(sizes, order):
     m = ClientPlaceTree(**dict(zip(AXES, sizes, strict=True)), order=tuple(order))
     seen = set()

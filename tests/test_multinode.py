@@ -61,13 +61,16 @@ class Cluster:
             nid = f"node-{i}"
             d = base / nid
             d.mkdir()
-            srv = ServerProc(str(d), extra=f"""
+            srv = ServerProc(
+                str(d),
+                extra=f"""
 [cluster]
 etcd = ["{etcd_url}"]
 token_file = "{self.token_file}"
 lease_ttl = {TTL}
 prefix = "{self.prefix}"
-""")
+""",
+            )
             cfg = Path(srv.config)
             cfg.write_text(cfg.read_text().replace('id = "test-node"', f'id = "{nid}"\nlisten = "127.0.0.1:0"'))
             self.nodes[nid] = srv
@@ -131,8 +134,13 @@ def cluster_factory(tmp_path):
 
 
 def cli_status(sock: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "msdata_server", "status", "--endpoint", sock, "--json"],
-                         capture_output=True, text=True, check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "msdata_server", "status", "--endpoint", sock, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     return json.loads(out.stdout)
 
 
@@ -211,12 +219,15 @@ def test_peer_with_wrong_token_is_rejected(etcd_server, cluster_factory):  # noq
     assert "token" in srv.log() or "auth" in srv.log().lower()
 
 
-@pytest.mark.parametrize("bad", [
-    b"\xff\xff\xff\xff" + b"x" * 64,  # absurd length
-    b"\x00\x00\x00\x05{{{{{",  # not JSON
-    b"\x00\x00\x00\x0b" + b'{"t":"ping"}'[:11],  # a frame before the handshake
-    b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # someone else's protocol
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"\xff\xff\xff\xff" + b"x" * 64,  # absurd length
+        b"\x00\x00\x00\x05{{{{{",  # not JSON
+        b"\x00\x00\x00\x0b" + b'{"t":"ping"}'[:11],  # a frame before the handshake
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # someone else's protocol
+    ],
+)
 def test_malformed_peer_frames_close_only_that_connection(etcd_server, cluster_factory, bad):  # noqa: F811
     c = cluster_factory(etcd_server.url, n=2).start()
     alive = set(c.nodes)
@@ -280,9 +291,11 @@ def test_place_round_robin_over_sorted_ids():
 
 
 @settings(max_examples=60, deadline=None)
-@given(parts=st.lists(st.integers(1, 6), min_size=1, max_size=5),
-       nodes=st.sets(st.sampled_from([f"n{i}" for i in range(8)]), min_size=1, max_size=8),
-       costs=st.none() | st.lists(st.floats(0, 100), min_size=5, max_size=5))
+@given(
+    parts=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    nodes=st.sets(st.sampled_from([f"n{i}" for i in range(8)]), min_size=1, max_size=8),
+    costs=st.none() | st.lists(st.floats(0, 100), min_size=5, max_size=5),
+)
 def test_place_sources_is_fair_and_a_function_of_the_member_set(parts, nodes, costs):
     cost = None if costs is None else costs[: len(parts)]
     out = place_sources(parts, list(nodes), cost)
@@ -334,8 +347,9 @@ def test_mixture_weighted_placement_spreads_the_reading_work_when_a_node_leaves(
     assert ca == pytest.approx(0.75 / 2) and cb == pytest.approx(0.25 / 2)
     off = partition_costs(MixSpec(weights={"a": 1.0, "b": 0.0}), ["a", "b"], 1)
     assert off[1] > 0
-    spread = place_sources([1, 4], ["n0", "n1", "n2", "n3"], partition_costs(MixSpec(weights={"a": 1.0, "b": 0.0}),
-                                                                             ["a", "b"], 4))
+    spread = place_sources(
+        [1, 4], ["n0", "n1", "n2", "n3"], partition_costs(MixSpec(weights={"a": 1.0, "b": 0.0}), ["a", "b"], 4)
+    )
     assert len(set(spread[1])) >= 3
 
 
@@ -350,8 +364,11 @@ def _a_plan(dp=4, steps=2):
             rng = np.random.default_rng(source * 1000003 + start)
             return rng.integers(4, 600, count).astype(np.int64)
 
-    p = Planner(PlannerConfig(sources=("a", "b"), seq_len=512, dp=dp, micro_batches=2,
-                              mixture=Mixture.constant({"a": 0.5, "b": 0.5})))
+    p = Planner(
+        PlannerConfig(
+            sources=("a", "b"), seq_len=512, dp=dp, micro_batches=2, mixture=Mixture.constant({"a": 0.5, "b": 0.5})
+        )
+    )
     return [p.plan_step(View()) for _ in range(steps)][-1]
 
 
@@ -378,11 +395,14 @@ def orjson_round(header):
     return orjson.loads(orjson.dumps(header))
 
 
-@pytest.mark.parametrize("mutate, why", [
-    (lambda h, b: (h, b[:-8]), "does not fit"),
-    (lambda h, b: ({**h, "arrays": h["arrays"][1:]}, b), "source"),
-    (lambda h, b: ({k: v for k, v in h.items() if k != "tokens"}, b), "tokens"),
-])
+@pytest.mark.parametrize(
+    "mutate, why",
+    [
+        (lambda h, b: (h, b[:-8]), "does not fit"),
+        (lambda h, b: ({**h, "arrays": h["arrays"][1:]}, b), "source"),
+        (lambda h, b: ({k: v for k, v in h.items() if k != "tokens"}, b), "tokens"),
+    ],
+)
 def test_malformed_plan_frames_are_protocol_errors(mutate, why):
     from msdata_server.cluster.planwire import decode_plan, encode_plan
     from msdata_server.errors import ProtocolError
@@ -437,9 +457,18 @@ def test_state_store_keeps_a_window_and_only_the_leader_writes(etcd_server):  # 
     assert late is False and took_over is True
 
 
-@pytest.mark.parametrize("name", ["msdata_server.cluster.placement", "msdata_server.cluster.planwire",
-                                  "msdata_server.cluster.runtime", "msdata_server.cluster.statestore"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "msdata_server.cluster.placement",
+        "msdata_server.cluster.planwire",
+        "msdata_server.cluster.runtime",
+        "msdata_server.cluster.statestore",
+    ],
+)
 def test_new_cluster_modules_all_sorted_and_torch_free(name):
-    code = (f"import sys, {name} as m; names = list(m.__all__); assert names == sorted(names), names; "
-            "assert all(hasattr(m, n) for n in names); assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        f"import sys, {name} as m; names = list(m.__all__); assert names == sorted(names), names; "
+        "assert all(hasattr(m, n) for n in names); assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).resolve().parents[1]))

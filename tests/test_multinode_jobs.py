@@ -38,8 +38,17 @@ def run_spread(c, spec, n: int, placement: dict[int, list[int]], **kw) -> dict[i
     return out
 
 
-def _node_ranks(c, spec, n: int, pause_at: int, *, node_of: dict[int, int] | None = None, rank0=None,
-                connect_timeout: dict[int, float] | None = None, gone: int | None = None):
+def _node_ranks(
+    c,
+    spec,
+    n: int,
+    pause_at: int,
+    *,
+    node_of: dict[int, int] | None = None,
+    rank0=None,
+    connect_timeout: dict[int, float] | None = None,
+    gone: int | None = None,
+):
     """One rank per node (rank r on node-{node_of[r]}, by default node-r), each in a thread reading n batches
     and pausing after ``pause_at`` of them until ``go`` is set. ``rank0(dc, i)`` runs before rank 0 reads
     batch i; rank ``gone`` stops at the pause (its node is about to die). Returns (got, errs, go, threads)."""
@@ -54,8 +63,13 @@ def _node_ranks(c, spec, n: int, pause_at: int, *, node_of: dict[int, int] | Non
 
     def body(r):
         try:
-            dc = msd.DataClient(spec, endpoint=c.nodes[f"node-{node_of[r]}"].socket, rank=r, world_size=NODES,
-                                connect_timeout=(connect_timeout or {}).get(r, 60))
+            dc = msd.DataClient(
+                spec,
+                endpoint=c.nodes[f"node-{node_of[r]}"].socket,
+                rank=r,
+                world_size=NODES,
+                connect_timeout=(connect_timeout or {}).get(r, 60),
+            )
             for i in range(n):
                 if rank0 is not None and r == 0:
                     rank0(dc, i)
@@ -189,8 +203,12 @@ def _send_peer_frame(srv, token: str, frame: dict) -> None:
     asyncio.run(main())
 
 
-def test_plans_lost_on_a_broken_link_are_sent_again(etcd_server, cluster_factory, server_factory,  # noqa: F811
-                                                     monkeypatch):
+def test_plans_lost_on_a_broken_link_are_sent_again(
+    etcd_server,
+    cluster_factory,
+    server_factory,  # noqa: F811
+    monkeypatch,
+):
     """The leader's link to a follower breaks mid-run and the next plans to it are lost (an injected fault):
     the follower asks for the step it lacks, the leader re-sends, and every rank gets exactly the batches of an
     uninterrupted run."""
@@ -205,8 +223,9 @@ def test_plans_lost_on_a_broken_link_are_sent_again(etcd_server, cluster_factory
     got, errs, go, threads = _node_ranks(c, spec, n, before)
     _at_pause(got, errs, before)
     lead = c.nodes[leader]
-    _send_peer_frame(lead, c.token_file.read_text().strip(),
-                     {"t": "fault", "node": victim, "drop_plans": 4, "close": True})
+    _send_peer_frame(
+        lead, c.token_file.read_text().strip(), {"t": "fault", "node": victim, "drop_plans": 4, "close": True}
+    )
     wait_for(lambda: "test fault: next 4 plan(s)" in lead.log(), 30, "the leader to take the fault")
     go.set()
     for t in threads:
@@ -220,8 +239,11 @@ def test_plans_lost_on_a_broken_link_are_sent_again(etcd_server, cluster_factory
     assert f"to {victim}" in log and "re-sending the plans of steps" in log
 
 
-def test_etcd_restart_during_a_job_one_planner_and_exact_data(fresh_etcd, cluster_factory,  # noqa: F811
-                                                              server_factory):
+def test_etcd_restart_during_a_job_one_planner_and_exact_data(
+    fresh_etcd,
+    cluster_factory,  # noqa: F811
+    server_factory,
+):
     """etcd goes away mid-run (SIGKILL) and comes back: never two leaders (sampled all along), the planner
     resumes from the fenced etcd states, and every rank gets exactly the batches of an uninterrupted run."""
     import signal
@@ -266,8 +288,10 @@ def test_job_layer_modules_all_sorted_and_torch_free():
     from pathlib import Path
 
     for name in ("msdata_server.cluster.coordinator", "msdata_server.cluster.jobs", "msdata_server.cluster.shard"):
-        code = (f"import sys, {name} as m; names = list(m.__all__); assert names == sorted(names), names; "
-                "assert all(hasattr(m, n) for n in names); assert 'torch' not in sys.modules, 'torch was imported'")
+        code = (
+            f"import sys, {name} as m; names = list(m.__all__); assert names == sorted(names), names; "
+            "assert all(hasattr(m, n) for n in names); assert 'torch' not in sys.modules, 'torch was imported'"
+        )
         subprocess.run([sys.executable, "-c", code], check=True, cwd=str(Path(__file__).resolve().parents[1]))
 
 
@@ -288,8 +312,11 @@ def test_fetch_reply_codec_round_trip_and_malformed():
         split_docs({"dtype": "<i4"}, memoryview(buf))
 
 
-def test_set_mixture_across_nodes_cuts_everywhere_and_survives_resume(etcd_server, cluster_factory,  # noqa: F811
-                                                                      server_factory):
+def test_set_mixture_across_nodes_cuts_everywhere_and_survives_resume(
+    etcd_server,
+    cluster_factory,  # noqa: F811
+    server_factory,
+):
     """A rank calls set_mixture mid-run: the leader cuts at the first step no constructor on any node took up,
     every rank on every node sees only source a from cut+2 on, TP peers stay identical, and a run resumed from
     a state saved after the change (on the cluster and on one node, the same batches) keeps it."""
@@ -299,8 +326,9 @@ def test_set_mixture_across_nodes_cuts_everywhere_and_survives_resume(etcd_serve
     c = cluster_factory(etcd_server.url).start()
     wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
     saved: dict = {}
-    got = run_spread(c, spec, n, spread(spec.mesh.world_size), saved=saved,
-                     mixture=(at * spec.micro_batches, {"a": 1.0, "b": 0.0}))
+    got = run_spread(
+        c, spec, n, spread(spec.mesh.world_size), saved=saved, mixture=(at * spec.micro_batches, {"a": 1.0, "b": 0.0})
+    )
     e = saved["mixture_step"]
     assert at <= e and e + 2 < steps, f"cut at step {e}"
     world = spec.mesh.world_size
@@ -326,8 +354,11 @@ def test_set_mixture_across_nodes_cuts_everywhere_and_survives_resume(etcd_serve
         assert all(src == 0 for rec in again[r] for src, _ in rec["ids"])
 
 
-def test_a_new_run_waits_for_the_old_runs_last_rank_and_starts_from_its_states(etcd_server, cluster_factory,  # noqa: F811
-                                                                                server_factory):
+def test_a_new_run_waits_for_the_old_runs_last_rank_and_starts_from_its_states(
+    etcd_server,
+    cluster_factory,  # noqa: F811
+    server_factory,
+):
     """Run 1 ends on two nodes while its rank 0 is still connected on the third; the next run's ranks (bringing
     run 1's states) register there meanwhile. They are not taken for ranks rejoining run 1: the new run starts
     when rank 0 of run 1 leaves, from the states it brought, with the batches of the same resume on one node."""
@@ -359,13 +390,19 @@ def test_a_new_run_waits_for_the_old_runs_last_rank_and_starts_from_its_states(e
     states = {0: first0["state"], 1: saved[1], 2: saved[2]}
     # the next run's ranks 1 and 2 register (with states) while run 1's rank 0 is still there
     out: dict = {}
-    nxt = threading.Thread(target=lambda: out.update(run_spread(c, spec, m, {1: [1], 2: [2]}, states=states)),
-                           daemon=True)
+    nxt = threading.Thread(
+        target=lambda: out.update(run_spread(c, spec, m, {1: [1], 2: [2]}, states=states)), daemon=True
+    )
     nxt.start()
     for r in (1, 2):
-        wait_for(lambda r=r: any(j["name"] == "rerun" and j["state"] == "waiting" and j["ranks"] == [r]
-                                 for j in (node_status(sock[r]) or {}).get("jobs", ())), 30,
-                 f"the next run's rank {r} to register")
+        wait_for(
+            lambda r=r: any(
+                j["name"] == "rerun" and j["state"] == "waiting" and j["ranks"] == [r]
+                for j in (node_status(sock[r]) or {}).get("jobs", ())
+            ),
+            30,
+            f"the next run's rank {r} to register",
+        )
     assert not out
     leave.set()
     t0.join(30)
@@ -378,8 +415,11 @@ def test_a_new_run_waits_for_the_old_runs_last_rank_and_starts_from_its_states(e
         assert out[r] == alone[r], f"rank {r}: the next run differs from the same resume on one node"
 
 
-def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(etcd_server, cluster_factory,  # noqa: F811
-                                                                     server_factory):
+def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(
+    etcd_server,
+    cluster_factory,  # noqa: F811
+    server_factory,
+):
     """Bad weights are refused to the rank alone (the run goes on); a valid change cuts at step e; then the
     leader is SIGKILLed. The ranks on the surviving nodes get the batches of an unchanged run before e and,
     from e on, those of the same job resumed on one node from the state of step e: the new leader planned
@@ -407,8 +447,9 @@ def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(etcd_server
         if "cut" in info and i == info["cut"] * mb:
             info["state"] = dc.state_dict()  # the planner state at the start of step e (with the change)
 
-    got, errs, go, threads = _node_ranks(c, spec, n, pause * mb, node_of=node_of, rank0=rank0,
-                                         connect_timeout={2: 2})  # rank 2 dies with the leader: give up soon
+    got, errs, go, threads = _node_ranks(
+        c, spec, n, pause * mb, node_of=node_of, rank0=rank0, connect_timeout={2: 2}
+    )  # rank 2 dies with the leader: give up soon
     _at_pause(got, errs, pause * mb)
     e = info["cut"]
     assert 2 <= e < pause - 1, f"cut at step {e}"
@@ -431,8 +472,12 @@ def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(etcd_server
         assert all(src == 0 for rec in got[r][(e + 2) * mb :] for src, _ in rec["ids"])
 
 
-def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(etcd_server, cluster_factory,  # noqa: F811
-                                                                            server_factory, monkeypatch):
+def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(
+    etcd_server,
+    cluster_factory,  # noqa: F811
+    server_factory,
+    monkeypatch,
+):
     """The leader stalls with every node held for a mixture change (an injected fault) and is SIGKILLed there.
     The rank that asked gets a PeerLostError (retry), the held nodes go on after their hold expires, the new
     leader continues, and the surviving ranks get exactly the batches of a run without the change."""
@@ -467,8 +512,11 @@ def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(et
 
     got, errs, go, threads = _node_ranks(c, spec, n, 0, node_of=node_of, rank0=rank0, connect_timeout={2: 2})
     go.set()
-    wait_for(lambda: "the mixture change stalls with every node held" in lead.log() or errs, 60,
-             "the leader to stall in the change")
+    wait_for(
+        lambda: "the mixture change stalls with every node held" in lead.log() or errs,
+        60,
+        "the leader to stall in the change",
+    )
     lead.kill()
     for t in threads:
         t.join(120)
@@ -476,14 +524,19 @@ def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(et
     assert set(errs) <= {2}, errs
     assert "broke before it answered" in info["error"] and info["wait"] < 30 * TTL, info
     # the held nodes went on as soon as they saw the new leader (not only when their hold expired)
-    assert all("held the constructors for a mixture change is gone" in c.nodes[f"node-{node_of[r]}"].log()
-               for r in (0, 1))
+    assert all(
+        "held the constructors for a mixture change is gone" in c.nodes[f"node-{node_of[r]}"].log() for r in (0, 1)
+    )
     for r in (0, 1):
         assert got[r] == want[r], f"rank {r} saw other batches than a run without the change"
 
 
-def test_a_node_with_data_but_no_ranks_asks_for_plans_it_lost(etcd_server, cluster_factory, server_factory,  # noqa: F811
-                                                                monkeypatch):
+def test_a_node_with_data_but_no_ranks_asks_for_plans_it_lost(
+    etcd_server,
+    cluster_factory,
+    server_factory,  # noqa: F811
+    monkeypatch,
+):
     """Two ranks on two nodes; the third node only owns data. Plans to it are lost (an injected fault, the link
     stays up): it notices the step it lacks, asks, gets them again (its payload counts come right), and the
     ranks get exactly the batches of an uninterrupted run."""
@@ -524,12 +577,17 @@ def test_a_node_with_data_but_no_ranks_asks_for_plans_it_lost(etcd_server, clust
         assert got[r] == want[r], f"rank {r} saw other batches than an uninterrupted run"
     log = lead.log()
     assert log.count("dropped the plan of step") == 3
-    assert any(line.startswith("re-sending the plans of steps 0..") and line.endswith(f"to {owner}")
-               for line in (x.partition("owner: ")[2] for x in log.splitlines()))
+    assert any(
+        line.startswith("re-sending the plans of steps 0..") and line.endswith(f"to {owner}")
+        for line in (x.partition("owner: ")[2] for x in log.splitlines())
+    )
 
 
-def test_a_lost_mixture_cut_reaches_its_node_late_and_tp_peers_stay_identical(etcd_server, cluster_factory,  # noqa: F811
-                                                                            monkeypatch):
+def test_a_lost_mixture_cut_reaches_its_node_late_and_tp_peers_stay_identical(
+    etcd_server,
+    cluster_factory,  # noqa: F811
+    monkeypatch,
+):
     """The leader's mixcut frames to one follower are lost (an injected fault): first the release of a refused
     change, then the cut of a valid one. That node stays held until it learns where the changes stand (from
     the leader, or the first plan after the cut), never builds a step past the cut with the old plans: TP
@@ -545,8 +603,14 @@ def test_a_lost_mixture_cut_reaches_its_node_late_and_tp_peers_stay_identical(et
     _send_peer_frame(lead, c.token_file.read_text().strip(), {"t": "fault", "node": victim, "drop_cuts": 2})
     wait_for(lambda: "test fault: next 0 plan(s)" in lead.log(), 30, "the leader to take the fault")
     saved: dict = {}
-    got = run_spread(c, spec, steps * mb, spread(spec.mesh.world_size), saved=saved,
-                     mixture=[(at * mb, {"a": 0.0, "b": 0.0}), (at * mb + 1, {"a": 1.0, "b": 0.0})])
+    got = run_spread(
+        c,
+        spec,
+        steps * mb,
+        spread(spec.mesh.world_size),
+        saved=saved,
+        mixture=[(at * mb, {"a": 0.0, "b": 0.0}), (at * mb + 1, {"a": 1.0, "b": 0.0})],
+    )
     assert "must not all be 0" in saved["mixture_refused"]
     e = saved["mixture_step"]
     assert at <= e and e + 2 < steps, f"cut at step {e}"

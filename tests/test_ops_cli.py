@@ -21,8 +21,14 @@ from .test_ops_status import SAMPLE
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "msdata_server", *args], capture_output=True, text=True,
-                          check=False, timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+    return subprocess.run(
+        [sys.executable, "-m", "msdata_server", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": "200"},
+    )
 
 
 class StatusServer:
@@ -105,8 +111,12 @@ def test_status_and_status_json_are_unchanged(server):
 
 def test_status_watch_redraws_until_interrupted(server):
     path = server(SAMPLE).path
-    proc = subprocess.Popen([sys.executable, "-m", "msdata_server", "status", "--watch", "--interval", "0.1",
-                             "--endpoint", path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "msdata_server", "status", "--watch", "--interval", "0.1", "--endpoint", path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)

@@ -25,15 +25,18 @@ def test_good_values():
     assert parse_config({"node": {"metrics": "localhost:9460"}}).node.metrics_addr == ("localhost", 9460)
 
 
-@pytest.mark.parametrize("node, match", [
-    ({"metrics": "9460"}, r'\[node\] metrics = \'9460\' must be "HOST:PORT", e\.g\. "127\.0\.0\.1:9460"'),
-    ({"metrics": "127.0.0.1:65536"}, r"\[node\] metrics = .* must be \"HOST:PORT\""),
-    ({"metrics": "metrics.example.com:9460"}, r"\[node\] metrics host 'metrics\.example\.com' must be an IP"),
-    ({"metrics": 9460}, r"\[node\] metrics = 9460 must be a string"),
-    ({"log_format": "xml"}, r"\[node\] log_format = 'xml' must be one of 'text', 'json'"),
-    ({"log_format": 1}, r"\[node\] log_format = 1 must be a string"),
-    ({"listen": "nowhere"}, r"\[node\] listen = 'nowhere' must be \"HOST:PORT\", e\.g\. \"127\.0\.0\.1:7460\""),
-])
+@pytest.mark.parametrize(
+    "node, match",
+    [
+        ({"metrics": "9460"}, r'\[node\] metrics = \'9460\' must be "HOST:PORT", e\.g\. "127\.0\.0\.1:9460"'),
+        ({"metrics": "127.0.0.1:65536"}, r"\[node\] metrics = .* must be \"HOST:PORT\""),
+        ({"metrics": "metrics.example.com:9460"}, r"\[node\] metrics host 'metrics\.example\.com' must be an IP"),
+        ({"metrics": 9460}, r"\[node\] metrics = 9460 must be a string"),
+        ({"log_format": "xml"}, r"\[node\] log_format = 'xml' must be one of 'text', 'json'"),
+        ({"log_format": 1}, r"\[node\] log_format = 1 must be a string"),
+        ({"listen": "nowhere"}, r"\[node\] listen = 'nowhere' must be \"HOST:PORT\", e\.g\. \"127\.0\.0\.1:7460\""),
+    ],
+)
 def test_bad_values_name_the_key_and_the_fix(node, match):
     with pytest.raises(ConfigError, match=match):
         parse_config({"node": node})
@@ -46,6 +49,11 @@ def test_the_deploy_example_enables_metrics():
 def test_validate_reports_a_bad_metrics_address(tmp_path):
     cfg = tmp_path / "node.toml"
     cfg.write_text('[node]\nmetrics = "127.0.0.1"\n')
-    out = subprocess.run([sys.executable, "-m", "msdata_server", "validate", "--config", str(cfg)],
-                         capture_output=True, text=True, check=False, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "msdata_server", "validate", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
     assert out.returncode == 2 and "[node] metrics = '127.0.0.1' must be \"HOST:PORT\"" in out.stderr

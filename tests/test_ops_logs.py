@@ -56,8 +56,10 @@ def test_text_logs_and_levels(restore_logging):
     assert re.fullmatch(r"\S+ \S+ WARNING msdata_server\.x: loud 3\n", out.getvalue())
 
 
-@pytest.mark.parametrize("level, fmt, match", [("INFO", "xml", r"'xml' must be one of \['text', 'json'\]"),
-                                               ("LOUD", "text", "log level 'LOUD'")])
+@pytest.mark.parametrize(
+    "level, fmt, match",
+    [("INFO", "xml", r"'xml' must be one of \['text', 'json'\]"), ("LOUD", "text", "log level 'LOUD'")],
+)
 def test_bad_format_or_level(level, fmt, match, restore_logging):
     with pytest.raises(ValueError, match=match):
         configure_logging(level, fmt)

@@ -45,7 +45,12 @@ def test_messages_arrive_in_order(listener):
     assert n.ready() and n.watchdog() and n.status("draining") and n.stopping()
     n.ready(status="serving 2 jobs")
     assert [s.recv(4096).decode() for _ in range(5)] == [
-        "READY=1", "WATCHDOG=1", "STATUS=draining", "STOPPING=1", "READY=1\nSTATUS=serving 2 jobs"]
+        "READY=1",
+        "WATCHDOG=1",
+        "STATUS=draining",
+        "STOPPING=1",
+        "READY=1\nSTATUS=serving 2 jobs",
+    ]
     n.close()
     n.close()  # idempotent
     assert not n.ready() and _drain(s) == []

@@ -30,14 +30,14 @@ def test_metrics_of_a_running_job_move(server_factory):
     spec = small_job("metrics", dp=2, samples=300, prefetch=1)
     n = spec.micro_batches * 6
     go = threading.Event()
-    ranks = threading.Thread(target=run_ranks, args=(spec, srv.socket, n), kwargs={"pause": (n // 2, go)},
-                             daemon=True)
+    ranks = threading.Thread(target=run_ranks, args=(spec, srv.socket, n), kwargs={"pause": (n // 2, go)}, daemon=True)
     ranks.start()
     job = (("job", "metrics"),)
 
     def published(m) -> float:
-        return sum(v for (name, lab), v in m.items() if name == "msdata_job_micro_batches_published_total"
-                   and lab == job)
+        return sum(
+            v for (name, lab), v in m.items() if name == "msdata_job_micro_batches_published_total" and lab == job
+        )
 
     deadline = time.monotonic() + 60
     while (first := scrape(port)) and published(first) < n // 2 * 2 and time.monotonic() < deadline:
@@ -45,8 +45,11 @@ def test_metrics_of_a_running_job_move(server_factory):
     go.set()
     ranks.join(60)
     assert published(first) >= n // 2 * 2, sorted(k for k in first if k[0].startswith("msdata_job"))
-    src = [v for (name, lab), v in first.items()
-           if name == "msdata_source_samples_total" and dict(lab).get("job") == "metrics"]
+    src = [
+        v
+        for (name, lab), v in first.items()
+        if name == "msdata_source_samples_total" and dict(lab).get("job") == "metrics"
+    ]
     assert src and all(v > 0 for v in src)
     assert any(name.startswith("msdata_job_steps") for name, _ in first)
 

@@ -64,8 +64,9 @@ def test_snapshot_is_json_ready_sorted_by_rank_and_forgets():
     assert list(ws.snapshot()) == ["0", "10"]
 
 
-@pytest.mark.parametrize("waits, match", [([0.1, -1.0], r"\[-1\.0\].*>= 0"), ([float("nan")], "finite"),
-                                          (["soon"], "not numbers")])
+@pytest.mark.parametrize(
+    "waits, match", [([0.1, -1.0], r"\[-1\.0\].*>= 0"), ([float("nan")], "finite"), (["soon"], "not numbers")]
+)
 def test_a_bad_report_is_a_protocol_error_and_changes_nothing(waits, match):
     ws = WaitStats(clock=Clock())
     with pytest.raises(ProtocolError, match=match):

@@ -9,12 +9,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODULES = ["msdata_client", "msdata_client.graph", "msdata_client.mesh", "msdata_client.ring", "msdata_client.wire",
-           "msdata_client.errors", "msdata_client.client", "msdata_server.shm", "msdata_server.batch",
-           "msdata_server.node", "msdata_server.job", "msdata_server.endpoint", "msdata_server.config",
-           "msdata_server.planner", "msdata_server.sources", "msdata_server.loader", "msdata_server.pool",
-           "msdata_client.choices", "msdata_client.spec", "msdata_server.checkpoint", "msdata_server.job.pieces",
-           "msdata_server.job.seams"]
+MODULES = [
+    "msdata_client",
+    "msdata_client.graph",
+    "msdata_client.mesh",
+    "msdata_client.ring",
+    "msdata_client.wire",
+    "msdata_client.errors",
+    "msdata_client.client",
+    "msdata_server.shm",
+    "msdata_server.batch",
+    "msdata_server.node",
+    "msdata_server.job",
+    "msdata_server.endpoint",
+    "msdata_server.config",
+    "msdata_server.planner",
+    "msdata_server.sources",
+    "msdata_server.loader",
+    "msdata_server.pool",
+    "msdata_client.choices",
+    "msdata_client.spec",
+    "msdata_server.checkpoint",
+    "msdata_server.job.pieces",
+    "msdata_server.job.seams",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -27,8 +45,10 @@ def test_all_is_sorted_and_importable(name):
 
 
 def test_server_never_imports_torch():
-    code = ("import sys; import msdata_server.cli, msdata_server.node, msdata_server.job, msdata_server.pool, "
-            "msdata_server.demo, msdata_client; assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys; import msdata_server.cli, msdata_server.node, msdata_server.job, msdata_server.pool, "
+        "msdata_server.demo, msdata_client; assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

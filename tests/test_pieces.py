@@ -53,8 +53,14 @@ def test_planner_marks_the_last_piece_of_every_document():
             rng = np.random.default_rng(source * 1000003 + start)
             return rng.integers(1, 8 * seq_len, size=count).astype(np.int64)
 
-    cfg = PlannerConfig(sources=("a", "b"), seq_len=seq_len, dp=2, micro_batches=2, rows=1,
-                        mixture=Mixture.constant({"a": 0.5, "b": 0.5}))
+    cfg = PlannerConfig(
+        sources=("a", "b"),
+        seq_len=seq_len,
+        dp=2,
+        micro_batches=2,
+        rows=1,
+        mixture=Mixture.constant({"a": 0.5, "b": 0.5}),
+    )
     planner = Planner(cfg)
     seen: dict[tuple[int, int], list[tuple[int, bool]]] = {}
     spanning = 0

@@ -99,8 +99,10 @@ def check_plan(plan, cfg):
 def all_pieces(plans, planner):
     """(source, ordinal, offset, length) of every piece planned, plus the carry-over."""
     carry = planner.state_dict()["carry"]
-    cols = [np.concatenate([getattr(p, f).astype(np.int64) for p in plans] + [np.array(carry[c], np.int64)])
-            for f, c in (("source", "source"), ("ordinal", "ordinal"), ("offset", "offset"), ("length", "length"))]
+    cols = [
+        np.concatenate([getattr(p, f).astype(np.int64) for p in plans] + [np.array(carry[c], np.int64)])
+        for f, c in (("source", "source"), ("ordinal", "ordinal"), ("offset", "offset"), ("length", "length"))
+    ]
     return cols
 
 

@@ -199,8 +199,12 @@ def test_resize_under_load_loses_and_repeats_nothing(prefix, loop):
         async with WorkerPool(2, shm_prefix=prefix) as pool:
             futs = [
                 asyncio.ensure_future(
-                    pool.transform(f"{HERE}:pid_of", [f"t{t}-{i}" for i in range(per)], seed=0,
-                                   sample_ids=np.arange(t * per, (t + 1) * per))
+                    pool.transform(
+                        f"{HERE}:pid_of",
+                        [f"t{t}-{i}" for i in range(per)],
+                        seed=0,
+                        sample_ids=np.arange(t * per, (t + 1) * per),
+                    )
                 )
                 for t in range(n_tasks)
             ]

@@ -46,8 +46,13 @@ def interrupted(endpoint, spec_a, k, spec_b, n_b, mixture=None):
     state = saved[0]
     json.dumps(state)  # JSON-serialisable
     b_saved = {}
-    b = run_ranks(spec_b, endpoint, n_b * spec_b.micro_batches,
-                  states={r: state for r in range(spec_b.mesh.world_size)}, saved=b_saved)
+    b = run_ranks(
+        spec_b,
+        endpoint,
+        n_b * spec_b.micro_batches,
+        states={r: state for r in range(spec_b.mesh.world_size)},
+        saved=b_saved,
+    )
     return a, b, state, b_saved
 
 
@@ -174,7 +179,9 @@ def test_disagreeing_states_are_refused_for_every_rank(srv):
 def test_server_sigkill_mid_run_continues_from_its_checkpoint(server_factory):
     import threading
 
-    srv = server_factory().start()
+    # two ring slots: at the kill at most 5 + 2 of the 12 batches can have been published, so the ranks must
+    # reconnect to the restarted server for the rest (with more slots they could all be in flight already)
+    srv = server_factory(extra="ring_slots = 2\n").start()
     spec = small_job("crash", dp=2, micro_batches=2)
     ref = run_ranks(spec, srv.socket, 12)
     got = {0: [], 1: []}

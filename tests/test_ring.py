@@ -38,7 +38,7 @@ def test_segment_is_private_unlinked_and_views_are_copy_on_write():
         assert not seg.linked  # rings are unlinked at once: nothing to leak even on SIGKILL
         assert read_header(seg.mm)["kind"] == "ring"
         lay, _ = layout_fields([("x", "<i8", (16,))])
-        view = np.frombuffer(seg.mm, dtype=np.uint8)[HEADER_SIZE:HEADER_SIZE + 128].view("<i8")
+        view = np.frombuffer(seg.mm, dtype=np.uint8)[HEADER_SIZE : HEADER_SIZE + 128].view("<i8")
         view[:] = np.arange(16)
         r1, r2 = RingMap(seg.fd, seg.size), RingMap(seg.fd, seg.size)
         wire = [f.to_wire() for f in lay]
@@ -97,11 +97,23 @@ needs_unshare = pytest.mark.skipif(not _can_unshare(), reason="needs `unshare -m
 @needs_unshare
 def test_too_small_shm_fails_at_creation_clearly():
     """A real 2 MiB /dev/shm (a private mount namespace): an 8 MiB ring fails at once, saying the fix."""
-    code = ("from msdata_server import shm\n"
-            "try:\n    shm.create_segment('tsmall', 'ring', 8 << 20)\n"
-            "except shm.ShmError as e:\n    print('ShmError:', e)\n")
-    out = subprocess.run(["unshare", "-m", "sh", "-c",
-                          f"mount -t tmpfs -o size=2M tmpfs /dev/shm && exec {sys.executable} -c \"$0\"", code],
-                         capture_output=True, text=True, timeout=60)
+    code = (
+        "from msdata_server import shm\n"
+        "try:\n    shm.create_segment('tsmall', 'ring', 8 << 20)\n"
+        "except shm.ShmError as e:\n    print('ShmError:', e)\n"
+    )
+    out = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            f'mount -t tmpfs -o size=2M tmpfs /dev/shm && exec {sys.executable} -c "$0"',
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "ShmError:" in out.stdout, out.stderr
     assert "shm-size" in out.stdout and "2.0 MiB free" in out.stdout

@@ -221,8 +221,17 @@ class _Spec:
     """A spec that skips SourceSpec's own validation, to test the source's."""
 
     def __init__(self, **kw):
-        defaults = dict(paths=(), column="text", transform=None, max_sample_bytes=64 << 20, samples=100,
-                        median=64.0, sigma=1.0, min_len=16, max_len=1024)
+        defaults = dict(
+            paths=(),
+            column="text",
+            transform=None,
+            max_sample_bytes=64 << 20,
+            samples=100,
+            median=64.0,
+            sigma=1.0,
+            min_len=16,
+            max_len=1024,
+        )
         defaults.update(kw)
         self.__dict__.update(defaults)
 
@@ -246,8 +255,9 @@ def test_paths_dirs_globs_and_hidden_files(tmp_path):
     (tmp_path / "d" / "notes.txt").write_text("x")
     write_jsonl(tmp_path / "c.jsonl", ["c"])
     src = open_source(
-        SourceSpec(name="p", format="jsonl",
-                   paths=(str(tmp_path / "d"), str(tmp_path / "*.jsonl"), str(tmp_path / "c.jsonl"))),
+        SourceSpec(
+            name="p", format="jsonl", paths=(str(tmp_path / "d"), str(tmp_path / "*.jsonl"), str(tmp_path / "c.jsonl"))
+        ),
         seed=0,
     )
     assert [os.path.relpath(p, tmp_path) for p in src.paths] == ["d/b.jsonl", "d/sub/a.jsonl", "c.jsonl"]
@@ -299,7 +309,11 @@ def test_corrupt_row_group_found_at_read(tmp_path):
     path = tmp_path / "c.parquet"
     rows = [f"row {i} " + "z" * 50 for i in range(300)]
     pq.write_table(
-        pa.table({"text": rows}), path, row_group_size=100, write_page_checksum=True, compression="none",
+        pa.table({"text": rows}),
+        path,
+        row_group_size=100,
+        write_page_checksum=True,
+        compression="none",
         use_dictionary=False,
     )
     md = pq.ParquetFile(path).metadata
@@ -368,8 +382,9 @@ def test_invalid_utf8_in_a_parquet_string_column(tmp_path):
 def test_pretokenized_list_column(tmp_path):
     docs = [[1, 2, 3], [4], list(range(100))]
     pq.write_table(pa.table({"ids": pa.array(docs, type=pa.list_(pa.int32()))}), tmp_path / "t.parquet")
-    src = open_source(SourceSpec(name="t", format="parquet", paths=(str(tmp_path),), column="ids", transform=None),
-                      seed=0)
+    src = open_source(
+        SourceSpec(name="t", format="parquet", paths=(str(tmp_path),), column="ids", transform=None), seed=0
+    )
     recs = src.read(np.arange(3))
     assert sorted(r.tolist() for r in recs) == sorted(docs)
     assert all(isinstance(r, np.ndarray) for r in recs)
@@ -425,8 +440,20 @@ def test_many_files_keep_few_handles_open(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "module",
-    ["sources", "sources.base", "sources.order", "sources.paths", "sources.parquet", "sources.arrow",
-     "sources.jsonl", "sources.synthetic", "transforms", "pool", "_worker", "loader"],
+    [
+        "sources",
+        "sources.base",
+        "sources.order",
+        "sources.paths",
+        "sources.parquet",
+        "sources.arrow",
+        "sources.jsonl",
+        "sources.synthetic",
+        "transforms",
+        "pool",
+        "_worker",
+        "loader",
+    ],
 )
 def test_all_is_sorted_and_importable(module):
     import importlib

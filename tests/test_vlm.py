@@ -61,8 +61,14 @@ sides = st.integers(1, 6000)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(h=sides, w=sides, patch=st.sampled_from([7, 14, 16]), merge=st.sampled_from([1, 2]),
-       lo=st.integers(1, 400_000), span=st.floats(1.0, 400.0))
+@given(
+    h=sides,
+    w=sides,
+    patch=st.sampled_from([7, 14, 16]),
+    merge=st.sampled_from([1, 2]),
+    lo=st.integers(1, 400_000),
+    span=st.floats(1.0, 400.0),
+)
 def test_smart_resize_bounds(h, w, patch, merge, lo, span):
     f = patch * merge
     hi = int(lo * span)
@@ -126,7 +132,7 @@ def test_one_image_caption(fmt, size):
     colour = "yellow" if size[0] % 2 else "blue"
     out = fn({"image": encode(colour, size, fmt), "caption": f"a {colour} thing"})
     assert isinstance(out, VlmSample) and out.tokens.dtype == np.int32
-    (t, h, w), = out.image_grid_thw.tolist()
+    ((t, h, w),) = out.image_grid_thw.tolist()
     assert out.image_grid_thw.dtype == np.int64 and t == 1
     assert 3136 <= h * w * 196 <= 401_408 and h % 2 == 0 and w % 2 == 0
     assert abs(math.log((w / h) / (size[0] / size[1]))) < 0.25
@@ -229,8 +235,14 @@ def _image_table(n):
         caps.append(f"{a} then {b}")
         imgs.append(encode(a, (30 + 7 * i, 40), fmt))
         multi.append([encode(a, (50, 30), fmt), encode(b, (30, 50), fmt)])
-    return pa.table({"image": pa.array(imgs, pa.binary()), "caption": caps,
-                     "images": pa.array(multi, pa.list_(pa.binary())), "n": list(range(n))})
+    return pa.table(
+        {
+            "image": pa.array(imgs, pa.binary()),
+            "caption": caps,
+            "images": pa.array(multi, pa.list_(pa.binary())),
+            "n": list(range(n)),
+        }
+    )
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "arrow"])
@@ -264,11 +276,13 @@ def test_multi_column_records_round_trip(tmp_path, fmt):
 
 
 def test_multi_column_bad_rows_count_once(tmp_path):
-    t = pa.table({"image": pa.array([b"a" * 10, None, b"b" * 500, b"c"], pa.binary()),
-                  "caption": ["x", "y", "z", None]})
+    t = pa.table(
+        {"image": pa.array([b"a" * 10, None, b"b" * 500, b"c"], pa.binary()), "caption": ["x", "y", "z", None]}
+    )
     pq.write_table(t, tmp_path / "b.parquet")
-    with open_source(spec(tmp_path / "b.parquet", format="parquet", columns=["image", "caption"],
-                          max_sample_bytes=400), seed=0) as src:
+    with open_source(
+        spec(tmp_path / "b.parquet", format="parquet", columns=["image", "caption"], max_sample_bytes=400), seed=0
+    ) as src:
         recs = src.read(np.arange(4))
         reasons = sorted(r.reason for r in recs if isinstance(r, BadSample))
         assert reasons == ["missing_field", "missing_field", "oversize"]

@@ -52,7 +52,8 @@ class VlmView:
             images = np.where(rng.random(BLOCK) < 0.3, 2, 1) if s == 0 else np.ones(BLOCK, np.int64)
             median = 400 if s == 0 else 1600
             patches = 4 * np.maximum(1, np.rint(rng.lognormal(np.log(median / 4), 0.5, int(images.sum())))).astype(
-                np.int64)
+                np.int64
+            )
             text = np.rint(rng.lognormal(np.log(30 if s == 0 else 800), 1.0, BLOCK)).astype(np.int64) + 1
             doc = np.repeat(np.arange(BLOCK), images)
             lengths = np.bincount(doc, weights=patches // 4, minlength=BLOCK).astype(np.int64) + text
@@ -93,9 +94,19 @@ class TextView:
 
 
 def config(**kw) -> PlannerConfig:
-    base = dict(sources=NAMES, seq_len=2048, dp=8, micro_batches=2, rows=1, cost="vlm",
-                mixture=Mixture.constant(WEIGHTS), alpha=COST.alpha, beta=COST.beta, alpha_v=COST.alpha_v,
-                beta_v=COST.beta_v)
+    base = dict(
+        sources=NAMES,
+        seq_len=2048,
+        dp=8,
+        micro_batches=2,
+        rows=1,
+        cost="vlm",
+        mixture=Mixture.constant(WEIGHTS),
+        alpha=COST.alpha,
+        beta=COST.beta,
+        alpha_v=COST.alpha_v,
+        beta_v=COST.beta_v,
+    )
     base.update(kw)
     return PlannerConfig(**base)
 
@@ -122,9 +133,12 @@ def test_vlm_is_a_cost_kind_and_configs_are_checked():
 
 
 def test_job_spec_with_the_vlm_cost():
-    d = {"job": {"name": "vl", "seq_len": 2048},
-         "source": [{"name": "syn", "format": "synthetic", "samples": 100, "median": 64.0}],
-         "mix": {"weights": {"syn": 1.0}}, "balance": {"cost": "vlm", "alpha": 2.0}}
+    d = {
+        "job": {"name": "vl", "seq_len": 2048},
+        "source": [{"name": "syn", "format": "synthetic", "samples": 100, "median": 64.0}],
+        "mix": {"weights": {"syn": 1.0}},
+        "balance": {"cost": "vlm", "alpha": 2.0},
+    }
     cfg = planner_config(JobSpec.from_dict(d))
     assert cfg.cost == "vlm" and cfg.cost_fn is None and cfg.alpha == 2.0
     d["balance"]["cost"] = "numpy:square"
@@ -136,8 +150,19 @@ def test_stats_keys_are_added_only():
     plan = Planner(config(cost="attention")).plan_step(VlmView())
     d = plan.stats.to_dict()
     assert d["encoder_imbalance"] is None and d["backbone_imbalance"] is None and plan.stats.stage_cost is None
-    assert {"imbalance", "gap", "lower_bound", "max_cost", "mean_cost", "padding_fraction", "tokens", "docs",
-            "carried", "plan_ms", "ingest_ms"} < set(d)
+    assert {
+        "imbalance",
+        "gap",
+        "lower_bound",
+        "max_cost",
+        "mean_cost",
+        "padding_fraction",
+        "tokens",
+        "docs",
+        "carried",
+        "plan_ms",
+        "ingest_ms",
+    } < set(d)
     d = Planner(config()).plan_step(VlmView()).stats.to_dict()
     assert d["encoder_imbalance"] >= 1.0 and d["backbone_imbalance"] >= 1.0
     json.dumps(d)
@@ -183,10 +208,18 @@ def test_small_cases_are_near_the_brute_force_optimum(k):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10_000), dp=st.integers(1, 12), micro=st.integers(1, 3), rows=st.integers(1, 2),
-       seq_len=st.sampled_from([256, 1000, 4096]), fill=st.floats(0.3, 1.6), pics=st.floats(0.0, 1.0),
-       method=st.sampled_from(["karmarkar_karp", "greedy", "none"]), tolerance=st.sampled_from([None, 0.0, 0.01]),
-       priority=st.integers(0, 5))
+@given(
+    seed=st.integers(0, 10_000),
+    dp=st.integers(1, 12),
+    micro=st.integers(1, 3),
+    rows=st.integers(1, 2),
+    seq_len=st.sampled_from([256, 1000, 4096]),
+    fill=st.floats(0.3, 1.6),
+    pics=st.floats(0.0, 1.0),
+    method=st.sampled_from(["karmarkar_karp", "greedy", "none"]),
+    tolerance=st.sampled_from([None, 0.0, 0.01]),
+    priority=st.integers(0, 5),
+)
 def test_any_two_stage_placement_is_valid(seed, dp, micro, rows, seq_len, fill, pics, method, tolerance, priority):
     rng = np.random.default_rng(seed)
     layout = Layout(dp=dp, micro=micro, rows=rows, seq_len=seq_len)
@@ -298,12 +331,15 @@ def test_a_text_view_has_no_encoder_cost():
     assert plan.stats.backbone_imbalance < 1.1
 
 
-@pytest.mark.parametrize("answer,match", [
-    (lambda n: (np.ones(n + 1, np.int64), np.ones(n + 1, np.int64)), "image counts"),
-    (lambda n: (np.ones(n, np.int64), np.ones(n - 1, np.int64)), "image counts"),
-    (lambda n: (-np.ones(n, np.int64), np.zeros(0, np.int64)), "non-negative ints"),
-    (lambda n: (np.ones(n), np.ones(n)), "non-negative ints"),
-])
+@pytest.mark.parametrize(
+    "answer,match",
+    [
+        (lambda n: (np.ones(n + 1, np.int64), np.ones(n + 1, np.int64)), "image counts"),
+        (lambda n: (np.ones(n, np.int64), np.ones(n - 1, np.int64)), "image counts"),
+        (lambda n: (-np.ones(n, np.int64), np.zeros(0, np.int64)), "non-negative ints"),
+        (lambda n: (np.ones(n), np.ones(n)), "non-negative ints"),
+    ],
+)
 def test_a_bad_vision_answer_is_a_protocol_error(answer, match):
     class Bad(TextView):
         def vision(self, s, start, count):
@@ -320,6 +356,7 @@ def test_a_bad_vision_answer_is_a_protocol_error(answer, match):
 
 def test_baseline_two_stages_share_the_one_stage_rule():
     """The per-rank baseline with images absent is the text baseline: the same draws, rows and backbone."""
+
     def text(s, n, rng):
         return np.maximum(1, np.rint(rng.lognormal(np.log(300 * (s + 1)), 1.0, n))).astype(np.int64)
 
@@ -327,8 +364,16 @@ def test_baseline_two_stages_share_the_one_stage_rule():
         lengths = text(s, n, rng)
         return np.stack([lengths, np.zeros(n, np.int64), np.zeros(n, np.int64)])
 
-    kw = dict(weights={"a": 0.5, "b": 0.5}, mean_len={"a": 500.0, "b": 1000.0}, seq_len=2048, dp=4,
-              micro_batches=2, rows=1, steps=3, seed=5)
+    kw = dict(
+        weights={"a": 0.5, "b": 0.5},
+        mean_len={"a": 500.0, "b": 1000.0},
+        seq_len=2048,
+        dp=4,
+        micro_batches=2,
+        rows=1,
+        steps=3,
+        seed=5,
+    )
     one = per_rank_steps(text, **kw)
     two = per_rank_steps(pictures, **kw, vlm=COST)
     for a, b in zip(one, two):

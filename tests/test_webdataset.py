@@ -72,8 +72,15 @@ def caption_samples(shard: int, n: int, fmt: str = "PNG"):
 
 
 def spec(path, name="wds", **kw):
-    base = dict(name=name, format="webdataset", paths=(str(path),), column="text", columns=None,
-                max_sample_bytes=64 << 20, transform=None)
+    base = dict(
+        name=name,
+        format="webdataset",
+        paths=(str(path),),
+        column="text",
+        columns=None,
+        max_sample_bytes=64 << 20,
+        transform=None,
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -125,7 +132,7 @@ def test_round_trip_png_and_jpeg_through_vlm(tmp_path):
                 assert rec == want  # the parts, byte for byte
                 out = fn(rec)
                 colour = rec["txt"].decode().split()[1]
-                (t, h, w), = out.image_grid_thw.tolist()
+                ((t, h, w),) = out.image_grid_thw.tolist()
                 n_ph = t * h * w // 4
                 assert out.tokens[:n_ph].tolist() == [IMAGE_TOKEN] * n_ph
                 assert out.tokens[n_ph:].tolist() == byte_tokens(rec["txt"]).tolist()

@@ -33,7 +33,7 @@ def payload_frame(header: dict, buffer, max_payload: int) -> tuple[bytes, list[m
     n = mv.nbytes
     if n > max_payload:
         raise ProtocolError(f"payload of {n} bytes exceeds max_payload={max_payload}; split it")
-    return encode({**header, "nbytes": n}), [mv[off:off + CHUNK] for off in range(0, n, CHUNK)]
+    return encode({**header, "nbytes": n}), [mv[off : off + CHUNK] for off in range(0, n, CHUNK)]
 
 
 class FrameDecoder:
@@ -54,7 +54,7 @@ class FrameDecoder:
 
     def get_buffer(self) -> memoryview:
         if self._payload is not None:
-            return self._payload[self._got:]
+            return self._payload[self._got :]
         return self._scratch
 
     def received(self, nbytes: int) -> None:
@@ -79,12 +79,14 @@ class FrameDecoder:
         (n,) = _LEN.unpack_from(buf)
         limit = MAX_FRAME if trusted else _MAX_AUTH_FRAME
         if n > limit:
-            raise ProtocolError(f"frame length {n} exceeds {limit} bytes"
-                                f"{'' if trusted else ' before authentication'}: not an msdata peer?")
+            raise ProtocolError(
+                f"frame length {n} exceeds {limit} bytes"
+                f"{'' if trusted else ' before authentication'}: not an msdata peer?"
+            )
         if len(buf) < 4 + n:
             return None
-        frame = decode(bytes(buf[4:4 + n]))
-        del buf[:4 + n]
+        frame = decode(bytes(buf[4 : 4 + n]))
+        del buf[: 4 + n]
         if not trusted or "nbytes" not in frame:
             return frame, None, n
         size = frame["nbytes"]
@@ -102,8 +104,9 @@ class FrameDecoder:
     def truncation(self, peer: str) -> ProtocolError | None:
         """The error to report if the stream ends now: inside a payload or a frame; None between frames."""
         if self._payload is not None:
-            return ProtocolError(f"peer {peer} closed the link mid-payload: got {self._got} of "
-                                 f"{len(self._payload)} announced bytes")
+            return ProtocolError(
+                f"peer {peer} closed the link mid-payload: got {self._got} of {len(self._payload)} announced bytes"
+            )
         if self._buf:
             return ProtocolError(f"peer {peer} closed the link inside a frame ({len(self._buf)} bytes of it arrived)")
         return None

@@ -39,8 +39,10 @@ def load_token(path: str) -> bytes:
     except OSError as e:
         raise AuthError(f"cannot read [cluster] token_file {path!r}: {e}; create it with a shared secret") from None
     if len(token) < 16:
-        raise AuthError(f"[cluster] token_file {path!r} holds {len(token)} bytes; use a secret of at least 16 "
-                        "(e.g. `head -c 32 /dev/urandom | base64 > token`)")
+        raise AuthError(
+            f"[cluster] token_file {path!r} holds {len(token)} bytes; use a secret of at least 16 "
+            "(e.g. `head -c 32 /dev/urandom | base64 > token`)"
+        )
     return token
 
 
@@ -106,15 +108,18 @@ class Handshake:
             self._their_nonce = bytes.fromhex(frame["nonce"])
             want = _mac(self.token, b"server", self._nonce, self._their_nonce, self._id_bytes())
             if not hmac.compare_digest(want, bytes.fromhex(frame["mac"])):
-                raise AuthError(f"peer {peer} ({self.peer_id!r}) does not hold our token: "
-                                "check [cluster] token_file on both nodes")
+                raise AuthError(
+                    f"peer {peer} ({self.peer_id!r}) does not hold our token: check [cluster] token_file on both nodes"
+                )
             mac = _mac(self.token, b"client", self._their_nonce, self._nonce, self._id_bytes())
             return [{"t": "auth", "mac": mac.hex()}]
         if self.server and self._step == 1 and t == "auth":
             want = _mac(self.token, b"client", self._nonce, self._their_nonce, self._id_bytes())
             if not hmac.compare_digest(want, bytes.fromhex(frame["mac"])):
-                raise Refusal(f"peer {peer} (claims {self.peer_id!r}) does not hold our token: "
-                              "check [cluster] token_file on both nodes")
+                raise Refusal(
+                    f"peer {peer} (claims {self.peer_id!r}) does not hold our token: "
+                    "check [cluster] token_file on both nodes"
+                )
             self.done = True
             return [{"t": "welcome"}]
         if not self.server and self._step == 1 and t == "welcome":

@@ -1,4 +1,5 @@
-"""A node that lacks plans gets them again: from the leader's memory, else re-planned from etcd.
+"""A node that lacks plans gets them again: from the leader's memory, else re-planned from etcd; a node
+whose ranks rejoin a run (its server restarted) is told the run again first.
 
 Links break and nodes restart; frames sent meanwhile are lost. The leader keeps the encoded plans of the
 steps not yet fed on every live node and re-sends them; a step it no longer holds (or that an earlier leader
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 
 from msdata_client.spec import JobSpec
 
+from ..errors import PeerLostError
 from ..job.view import ThreadView
 from ..planner import Planner
 from ..planner.spec import planner_config
@@ -43,11 +45,14 @@ class RunPlans(Protocol):
     gen: int
     last_cut: int | None
     views: set[ThreadView]
+    rank_nodes: dict[int, str]  # where each rank of the run is registered
 
     @property
     def token(self) -> int: ...
 
     def view(self, run, loop: asyncio.AbstractEventLoop) -> ThreadView: ...
+
+    def insts_frame(self) -> dict[str, list[str]]: ...
 
 
 class CatchUp:
@@ -56,6 +61,51 @@ class CatchUp:
     def __init__(self, coord: RunPlans):
         self.coord = coord
         self._resending: dict[str, asyncio.Task] = {}
+
+    def update(self, per: dict[str, dict]) -> None:
+        """A later report: ranks that (re)joined on a node are told the run (a restarted follower rejoins)."""
+        c = self.coord
+        if c.start_frame is None:
+            return
+        changed = False
+        for nid, j in per.items():
+            for r in j["ranks"]:
+                if c.rank_nodes.get(int(r)) != nid:
+                    c.rank_nodes[int(r)] = nid
+                    changed = True
+            if j["ranks"] and not j["running"]:
+                changed = True
+        if changed:
+            c.tasks.spawn(self._rejoin(per), name="rejoin")
+
+    async def _rejoin(self, per: dict[str, dict]) -> None:
+        c = self.coord
+        if c.start_frame is None:
+            return  # not started (update() checks it too)
+        positions = dict(c.start_frame["positions"])
+        for j in per.values():
+            for r, info in j["ranks"].items():
+                if info.get("resume"):
+                    positions[str(r)] = info["pos"]
+        frame = {
+            **c.start_frame,
+            "rank_nodes": {str(r): n for r, n in c.rank_nodes.items()},
+            "positions": positions,
+            "token": c.token,
+            "insts": c.insts_frame(),
+        }
+        for nid, j in per.items():
+            if j["ranks"] and not j["running"]:
+                low = min(int(info["pos"][0]) for info in j["ranks"].values())
+                delay = 0.05
+                while not c.stopped:  # a node that restarted at once is linked again shortly
+                    try:
+                        await c.jobs.rpc.send(nid, frame)
+                        break
+                    except PeerLostError:
+                        await asyncio.sleep(delay)  # back-off until the link to the restarted node is up
+                        delay = min(2 * delay, 0.5)
+                await self.replay(nid, low)
 
     def resend(self, nid: str, step: int) -> None:
         """Send a node the plans of [step, planned) again (it lost some): from memory, else re-planned."""

@@ -101,7 +101,7 @@ class Coordinator:
             return
         by = self._entries()
         for digest, c in self.coords.items():
-            c.update(c.own(by.get(digest, [])))
+            c.catchup.update(c.own(by.get(digest, [])))
             c.catchup.resend(nid, c.acks.get(nid, c.low_ack()) + 1)
 
     def _entries(self) -> dict[str, list[tuple[str, dict]]]:
@@ -130,15 +130,20 @@ class Coordinator:
         for digest, entries in by.items():
             running = self.coords.get(digest)
             if running is not None:
-                running.update(running.own(entries, adopt=True))
+                running.catchup.update(running.own(entries, adopt=True))
                 continue
             runs = sorted({str(j["run"]) for _, j in entries if j.get("run") and j["ranks"]})
             if runs:  # a run in progress whose leader died: resume it once every live node has reported
                 if not live <= set(self.reports):
                     continue
                 if len(runs) > 1:
-                    log.warning("job %s: nodes report ranks of %d runs (%s); resuming %s", entries[0][1]["name"],
-                                len(runs), runs, runs[0])
+                    log.warning(
+                        "job %s: nodes report ranks of %d runs (%s); resuming %s",
+                        entries[0][1]["name"],
+                        len(runs),
+                        runs,
+                        runs[0],
+                    )
                 rid = runs[0]
                 per = _pick(entries, lambda _n, j: j.get("run") == rid or (not j.get("run") and _resuming(j)))  # noqa: B023 (_pick calls it at once)
                 resume = True
@@ -176,8 +181,9 @@ class JobCoordinator:
         self.views: set[ThreadView] = set()  # planner threads' look-ups, cancelled when we stop
         self.tasks = TaskSet(f"coordinator {spec.name}", on_error=self._failed)
         cl = self.jobs.cluster
-        self.store = EtcdStateStore(cl.etcd, cl.election, prefix=self.jobs.node.config.cluster.prefix, job=spec.name,
-                                    digest=digest, keep=32)
+        self.store = EtcdStateStore(
+            cl.etcd, cl.election, prefix=self.jobs.node.config.cluster.prefix, job=spec.name, digest=digest, keep=32
+        )
         self.acks: dict[str, int] = {}
         self.acked = asyncio.Event()
         self.rank_nodes: dict[int, str] = {}
@@ -229,44 +235,6 @@ class JobCoordinator:
             self.acks[nid] = step
             self.acked.set()
 
-    def update(self, per: dict[str, dict]) -> None:
-        """A later report: ranks that (re)joined on a node are told the run (a restarted follower rejoins)."""
-        if self.start_frame is None:
-            return
-        changed = False
-        for nid, j in per.items():
-            for r in j["ranks"]:
-                if self.rank_nodes.get(int(r)) != nid:
-                    self.rank_nodes[int(r)] = nid
-                    changed = True
-            if j["ranks"] and not j["running"]:
-                changed = True
-        if changed:
-            self.tasks.spawn(self._rejoin(per), name="rejoin")
-
-    async def _rejoin(self, per: dict[str, dict]) -> None:
-        if self.start_frame is None:
-            return  # not started (update() checks it too)
-        positions = dict(self.start_frame["positions"])
-        for j in per.values():
-            for r, info in j["ranks"].items():
-                if info.get("resume"):
-                    positions[str(r)] = info["pos"]
-        frame = {**self.start_frame, "rank_nodes": {str(r): n for r, n in self.rank_nodes.items()},
-                 "positions": positions, "token": self.token, "insts": self._insts()}
-        for nid, j in per.items():
-            if j["ranks"] and not j["running"]:
-                low = min(int(info["pos"][0]) for info in j["ranks"].values())
-                delay = 0.05
-                while not self.stopped:  # a node that restarted at once is linked again shortly
-                    try:
-                        await self.jobs.rpc.send(nid, frame)
-                        break
-                    except PeerLostError:
-                        await asyncio.sleep(delay)  # back-off until the link to the restarted node is up
-                        delay = min(2 * delay, 0.5)
-                await self.catchup.replay(nid, low)
-
     @property
     def token(self) -> int:
         return int(self.jobs.cluster.election.token or 0)
@@ -282,8 +250,13 @@ class JobCoordinator:
             if found is None:
                 raise CheckpointError(f"job {self.spec.name!r}: no planner state in etcd at or before step {low}")
             return found[1], positions
-        sp = start_point({r: RankStart((int(info["pos"][0]), int(info["pos"][1])), info.get("state"),
-                                       bool(info.get("resume"))) for r, info in ranks.items()}, self.spec.layout())
+        sp = start_point(
+            {
+                r: RankStart((int(info["pos"][0]), int(info["pos"][1])), info.get("state"), bool(info.get("resume")))
+                for r, info in ranks.items()
+            },
+            self.spec.layout(),
+        )
         if sp.clear:
             await self.store.clear()
         state = sp.planner
@@ -292,7 +265,7 @@ class JobCoordinator:
             state = found[1] if found else None
         return state, {r: list(p) for r, p in sp.positions.items()}
 
-    def _insts(self) -> dict[str, list[str]]:
+    def insts_frame(self) -> dict[str, list[str]]:
         return {nid: sorted(v) for nid, v in self.insts.items()}
 
     async def run(self, per: dict[str, dict], resume: bool, after: JobCoordinator | None = None) -> None:
@@ -308,14 +281,23 @@ class JobCoordinator:
         self.rank_nodes = {int(r): nid for nid, j in per.items() for r in j["ranks"]}
         live = self.jobs.live_nodes()
         self.start_frame = {
-            "t": "jstart", "digest": self.digest, "run": self.run_id, "spec": self.spec.to_dict(),
+            "t": "jstart",
+            "digest": self.digest,
+            "run": self.run_id,
+            "spec": self.spec.to_dict(),
             "nparts": max(1, len(live)),
-            "start_step": planner.step, "positions": {str(r): p for r, p in positions.items()},
-            "cursor": planner.state_dict().get("cursor")}
+            "start_step": planner.step,
+            "positions": {str(r): p for r, p in positions.items()},
+            "cursor": planner.state_dict().get("cursor"),
+        }
         if resume:  # keep the partition count of the run the nodes already hold
             self.start_frame["nparts"] = self._nparts_of_nodes() or self.start_frame["nparts"]
-        frame = {**self.start_frame, "rank_nodes": {str(r): n for r, n in self.rank_nodes.items()},
-                 "token": self.token, "insts": self._insts()}
+        frame = {
+            **self.start_frame,
+            "rank_nodes": {str(r): n for r, n in self.rank_nodes.items()},
+            "token": self.token,
+            "insts": self.insts_frame(),
+        }
         self.acks = {nid: planner.step - 1 for nid in set(self.rank_nodes.values())}
         if resume:
             for nid, j in per.items():
@@ -323,8 +305,15 @@ class JobCoordinator:
                     self.acks[nid] = max(self.acks[nid], int(j["fed"]))
         for nid in live:
             await self.jobs.rpc.quiet_send(nid, frame)
-        log.info("job %s: %s run %s across %d node(s) from step %d (token %d)", self.spec.name,
-                 "resumed" if resume else "started", self.run_id, len(live), planner.step, self.token)
+        log.info(
+            "job %s: %s run %s across %d node(s) from step %d (token %d)",
+            self.spec.name,
+            "resumed" if resume else "started",
+            self.run_id,
+            len(live),
+            planner.step,
+            self.token,
+        )
         await self._plan_loop(planner)
 
     def _nparts_of_nodes(self) -> int | None:
@@ -400,9 +389,14 @@ class JobCoordinator:
             frame: dict = {"t": "mixcut", "digest": self.digest, "run": self.run_id, "cut": None, "token": self.token}
             self.mixing = True
             try:
-                replies = await asyncio.gather(*(self.jobs.rpc.request(n, {"t": "mixhold", "digest": self.digest,
-                                                                           "run": self.run_id, "token": self.token})
-                                                 for n in nodes))
+                replies = await asyncio.gather(
+                    *(
+                        self.jobs.rpc.request(
+                            n, {"t": "mixhold", "digest": self.digest, "run": self.run_id, "token": self.token}
+                        )
+                        for n in nodes
+                    )
+                )
                 cut = min(max(int(h["committed"]) for h, _ in replies) + 1, self.planner.step)
                 planner = self.states.rebase(self.planner, cut, weights)  # ConfigError: nothing changed
                 state = planner.state_dict()
@@ -420,15 +414,18 @@ class JobCoordinator:
             for n in self.acks:
                 self.acks[n] = min(self.acks[n], cut - 1)
             if not await self.store.save_cut(cut, state, end):
-                raise PeerLostError(f"job {self.spec.name}: lost the leadership while changing the mixture; the "
-                                    "next leader continues without the change: call set_mixture again")
+                raise PeerLostError(
+                    f"job {self.spec.name}: lost the leadership while changing the mixture; the "
+                    "next leader continues without the change: call set_mixture again"
+                )
             self.planner, self.planned = planner, cut
             self.mix_states[cut] = state
             for s in [s for s in self.mix_states if s > cut]:
                 del self.mix_states[s]
         self.acked.set()
-        log.info("job %s: mixture %s from step %d (%d planned step(s) re-planned)", self.spec.name, weights, cut,
-                 end - cut)
+        log.info(
+            "job %s: mixture %s from step %d (%d planned step(s) re-planned)", self.spec.name, weights, cut, end - cut
+        )
         return cut
 
     def view(self, run, loop: asyncio.AbstractEventLoop) -> ThreadView:

@@ -43,8 +43,9 @@ def run_callbacks(callbacks: list, args: tuple, on_fatal: Callable[[BaseExceptio
         try:
             cb(*args)
         except Exception as e:
-            log.critical("a callback failed on %s: %r; this node cannot continue in a consistent role", what, e,
-                         exc_info=e)
+            log.critical(
+                "a callback failed on %s: %r; this node cannot continue in a consistent role", what, e, exc_info=e
+            )
             failed = failed or e
     if failed is not None:
         if on_fatal is None:
@@ -61,8 +62,9 @@ class Membership:
     a new one is granted and registered: "granted").
     """
 
-    def __init__(self, etcd: Etcd, *, node_id: str, prefix: str = "/msdata", ttl: float = 3.0,
-                 info: Mapping | None = None):
+    def __init__(
+        self, etcd: Etcd, *, node_id: str, prefix: str = "/msdata", ttl: float = 3.0, info: Mapping | None = None
+    ):
         if not node_id or "/" in node_id:
             raise ConfigError(f"node_id={node_id!r} must be a non-empty name without '/'")
         if not isinstance(ttl, (int, float)) or not 1 <= ttl <= 60:
@@ -91,8 +93,13 @@ class Membership:
         """From a ServerConfig with a [cluster] table; the registration carries the peer listen address."""
         if config.cluster is None:
             raise ConfigError("Membership needs a [cluster] table in node.toml (single node: no etcd)")
-        return cls(etcd, node_id=config.node.id, prefix=config.cluster.prefix, ttl=config.cluster.lease_ttl,
-                   info={"listen": config.node.listen, **info})
+        return cls(
+            etcd,
+            node_id=config.node.id,
+            prefix=config.cluster.prefix,
+            ttl=config.cluster.lease_ttl,
+            info={"listen": config.node.listen, **info},
+        )
 
     @property
     def alive(self) -> bool:
@@ -260,7 +267,7 @@ class LeaderElection:
     # ---- public ---------------------------------------------------------------------------------------
     @property
     def role(self) -> Role:
-        """"leader" only while we hold the key under a lease that is surely alive (checked now, so a late
+        """ "leader" only while we hold the key under a lease that is surely alive (checked now, so a late
         watchdog timer never stretches leadership)."""
         return "leader" if self._leading and self.m.alive else "follower"
 
@@ -311,14 +318,16 @@ class LeaderElection:
         self._step_down("closing")
         if token is not None:
             with suppress(EtcdError, TimeoutError):
-                await asyncio.wait_for(self.etcd.txn([Compare(self.key, "create", "==", token)],
-                                                     [Op.delete(self.key)], []), self.m.ttl)
+                await asyncio.wait_for(
+                    self.etcd.txn([Compare(self.key, "create", "==", token)], [Op.delete(self.key)], []), self.m.ttl
+                )
 
     # ---- state changes --------------------------------------------------------------------------------
     def _fire(self) -> None:
         role: Role = "leader" if self._leading else "follower"
-        run_callbacks(self._callbacks, (role, self.leader_id, self.leader_token), self.on_fatal,
-                      f"the change to role {role!r}")
+        run_callbacks(
+            self._callbacks, (role, self.leader_id, self.leader_token), self.on_fatal, f"the change to role {role!r}"
+        )
 
     def _on_lease(self, event: LeaseEvent) -> None:
         if event in ("lost", "unreachable"):
@@ -369,12 +378,21 @@ class LeaderElection:
                 await self._wake.wait()
                 continue
             try:
-                res = await self.etcd.txn([Compare(self.key, "create", "==", 0)],
-                                          [Op.put(self.key, self.node_id, lease=lease)], [Op.get(self.key)])
+                res = await self.etcd.txn(
+                    [Compare(self.key, "create", "==", 0)],
+                    [Op.put(self.key, self.node_id, lease=lease)],
+                    [Op.get(self.key)],
+                )
                 kv: KV | None
                 if res.succeeded:
-                    kv = KV(key=self.key.encode(), value=self.node_id.encode(), create_revision=res.revision,
-                            mod_revision=res.revision, version=1, lease=lease)
+                    kv = KV(
+                        key=self.key.encode(),
+                        value=self.node_id.encode(),
+                        create_revision=res.revision,
+                        mod_revision=res.revision,
+                        version=1,
+                        lease=lease,
+                    )
                 else:
                     kv = res.responses[0][0] if res.responses and res.responses[0] else None
                 self._observe(kv, lease)

@@ -23,17 +23,7 @@ import orjson
 
 from ..errors import ClosedError, ConfigError, MsdataError
 
-__all__ = [
-    "Compare",
-    "Etcd",
-    "EtcdError",
-    "EtcdUnavailable",
-    "Event",
-    "KV",
-    "Op",
-    "TxnResult",
-    "prefix_end",
-]
+__all__ = ["Compare", "Etcd", "EtcdError", "EtcdUnavailable", "Event", "KV", "Op", "TxnResult", "prefix_end"]
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +92,14 @@ class KV:
 
     @classmethod
     def from_json(cls, d: dict) -> KV:
-        return cls(key=_unb64(d.get("key")), value=_unb64(d.get("value")),
-                   create_revision=int(d.get("create_revision", 0)), mod_revision=int(d.get("mod_revision", 0)),
-                   version=int(d.get("version", 0)), lease=int(d.get("lease", 0)))
+        return cls(
+            key=_unb64(d.get("key")),
+            value=_unb64(d.get("value")),
+            create_revision=int(d.get("create_revision", 0)),
+            mod_revision=int(d.get("mod_revision", 0)),
+            version=int(d.get("version", 0)),
+            lease=int(d.get("lease", 0)),
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,8 +121,13 @@ class TxnResult:
     responses: list
 
 
-_TARGETS = {"create": ("CREATE", "create_revision"), "mod": ("MOD", "mod_revision"),
-            "version": ("VERSION", "version"), "value": ("VALUE", "value"), "lease": ("LEASE", "lease")}
+_TARGETS = {
+    "create": ("CREATE", "create_revision"),
+    "mod": ("MOD", "mod_revision"),
+    "version": ("VERSION", "version"),
+    "value": ("VALUE", "value"),
+    "lease": ("LEASE", "lease"),
+}
 _RESULTS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
 
 
@@ -209,8 +209,10 @@ class _Conn:
 
     async def send(self, host: str, path: str, body: bytes, extra: str = "") -> None:
         self.answered = False
-        head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n{extra}\r\n")
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}\r\n"
+        )
         self.writer.write(head.encode("latin-1") + body)
         await self.writer.drain()
 
@@ -354,8 +356,10 @@ class Etcd:
                 log.warning("etcd endpoint %s is unreachable; using %s", self.urls[self._current], self.urls[idx])
                 self._current = idx
             return _Conn(reader, writer, idx)
-        raise EtcdUnavailable(f"no etcd endpoint answered ({'; '.join(errors)}); "
-                              "check that etcd runs and that [cluster] etcd lists its client URLs")
+        raise EtcdUnavailable(
+            f"no etcd endpoint answered ({'; '.join(errors)}); "
+            "check that etcd runs and that [cluster] etcd lists its client URLs"
+        )
 
     def _next_endpoint(self, conn: _Conn) -> None:
         self._current = (conn.index + 1) % len(self._eps)
@@ -426,9 +430,14 @@ class Etcd:
 
     async def txn(self, compare: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> TxnResult:
         """Atomically: if every compare holds run success, else failure."""
-        obj = await self._call("/v3/kv/txn", {"compare": [c.to_json() for c in compare],
-                                              "success": [o.to_json() for o in success],
-                                              "failure": [o.to_json() for o in failure]})
+        obj = await self._call(
+            "/v3/kv/txn",
+            {
+                "compare": [c.to_json() for c in compare],
+                "success": [o.to_json() for o in success],
+                "failure": [o.to_json() for o in failure],
+            },
+        )
         responses: list = []
         for r in obj.get("responses", ()):
             if "response_range" in r:
@@ -439,8 +448,9 @@ class Etcd:
                 responses.append(int(r["response_delete_range"].get("deleted", 0)))
             else:
                 responses.append(r)
-        return TxnResult(succeeded=bool(obj.get("succeeded", False)), revision=int(obj["header"]["revision"]),
-                         responses=responses)
+        return TxnResult(
+            succeeded=bool(obj.get("succeeded", False)), revision=int(obj["header"]["revision"]), responses=responses
+        )
 
     # ---- leases ---------------------------------------------------------------------------------------
     async def lease_grant(self, ttl: float) -> int:
@@ -471,8 +481,9 @@ class Etcd:
         return float(obj["result"].get("TTL", 0))
 
     # ---- watch ----------------------------------------------------------------------------------------
-    async def watch(self, key: Key, *, prefix: bool = False, start_revision: int | None = None,
-                    prev_kv: bool = False) -> AsyncGenerator[list[Event], None]:
+    async def watch(
+        self, key: Key, *, prefix: bool = False, start_revision: int | None = None, prev_kv: bool = False
+    ) -> AsyncGenerator[list[Event], None]:
         """Yield ``[]`` once etcd has created the watch (a readiness signal), then each batch of events.
 
         Runs on its own connection until the caller closes the iterator (``contextlib.aclosing``); raises
@@ -497,15 +508,16 @@ class Etcd:
             except TimeoutError:
                 if conn is not None:
                     self._next_endpoint(conn)
-                raise EtcdUnavailable(f"etcd at {self.urls[self._current]} did not start a watch within "
-                                      f"{self.timeout:g}s") from None
+                raise EtcdUnavailable(
+                    f"etcd at {self.urls[self._current]} did not start a watch within {self.timeout:g}s"
+                ) from None
             if status != 200 or headers.get("transfer-encoding", "").lower() != "chunked":
                 raise _decode_stream_error(path, status, await conn.read_body(headers))
             buf = b""
             while (chunk := await conn.read_chunk()) is not None:
                 buf += chunk
                 while (nl := buf.find(b"\n")) >= 0:
-                    line, buf = buf[:nl], buf[nl + 1:]
+                    line, buf = buf[:nl], buf[nl + 1 :]
                     if line.strip():
                         yield _watch_message(key, line)
             raise EtcdUnavailable(f"etcd at {self.urls[conn.index]} ended the watch on {_b(key)!r}")
@@ -540,6 +552,11 @@ def _watch_message(key: Key, line: bytes) -> list[Event]:
         if "compact_revision" in res:
             why = f"revision compacted up to {res['compact_revision']}; read the key again and watch from there"
         raise EtcdError(f"etcd canceled the watch on {_b(key)!r}: {why or 'no reason given'}")
-    return [Event(type="delete" if e.get("type") == "DELETE" else "put", kv=KV.from_json(e.get("kv", {})),
-                  prev_kv=KV.from_json(e["prev_kv"]) if e.get("prev_kv") else None)
-            for e in res.get("events", ())]
+    return [
+        Event(
+            type="delete" if e.get("type") == "DELETE" else "put",
+            kv=KV.from_json(e.get("kv", {})),
+            prev_kv=KV.from_json(e["prev_kv"]) if e.get("prev_kv") else None,
+        )
+        for e in res.get("events", ())
+    ]

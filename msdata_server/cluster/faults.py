@@ -34,8 +34,9 @@ class _Faults:
         if self.drop.get((t, nid), 0) > 0:
             self.drop[(t, nid)] -= 1
             if t == "plan":
-                log.warning("node %s: test fault: dropped the plan of step %s to %s", self.node_id,
-                            frame.get("step"), nid)
+                log.warning(
+                    "node %s: test fault: dropped the plan of step %s to %s", self.node_id, frame.get("step"), nid
+                )
             else:
                 log.warning("node %s: test fault: dropped a mixcut (cut %s) to %s", self.node_id, frame.get("cut"), nid)
             return
@@ -52,8 +53,13 @@ class _Faults:
         link = self.jobs.cluster.links.get(nid)
         if frame.get("close") and link is not None:
             self.jobs.tasks.spawn(link.aclose(), name="fault-close")
-        log.warning("node %s: test fault: next %d plan(s) to %s dropped%s", self.node_id, self.drop[("plan", nid)],
-                    nid, ", link closed" if frame.get("close") else "")
+        log.warning(
+            "node %s: test fault: next %d plan(s) to %s dropped%s",
+            self.node_id,
+            self.drop[("plan", nid)],
+            nid,
+            ", link closed" if frame.get("close") else "",
+        )
 
 
 def install(jobs) -> bool:

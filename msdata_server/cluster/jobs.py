@@ -37,11 +37,12 @@ import numpy as np
 
 from msdata_client.spec import JobSpec
 
-from ..errors import ConfigError, MsdataError, PeerLostError, ProtocolError
+from ..errors import MsdataError, PeerLostError, ProtocolError
 from ..job import Job
 from ..tasks import TaskSet
 from . import faults
 from .coordinator import Coordinator
+from .mixing import MixtureRelay
 from .planwire import decode_plan
 from .report import LeaderReports
 from .rpc import PeerRpc, error_reply
@@ -67,20 +68,34 @@ class ClusterJobs:
         self.pool = node.pool
         self.runs: dict[str, Run] = {}
         self.tasks = TaskSet("cluster-jobs")
-        self.rpc = PeerRpc(self.cluster, self.node_id, self.on_frame,
-                           timeout=max(5.0, 3 * node.config.cluster.lease_ttl))
+        self.rpc = PeerRpc(
+            self.cluster, self.node_id, self.on_frame, timeout=max(5.0, 3 * node.config.cluster.lease_ttl)
+        )
         self.probe = node.config.cluster.lease_ttl / 2  # how long a node waits for a plan before asking again
         self.coordinator = Coordinator(self)
         self._runs_changed = asyncio.Event()  # set (and replaced) whenever a run starts here
         self.reports = LeaderReports(node, self.rpc, self.runs, self.tasks)
         self.need, self.ack = self.reports.need, self.reports.ack
+        self.mixing = MixtureRelay(self)
+        self.set_mixture, self.mix_state = self.mixing.set_mixture, self.mixing.mix_state
         self._settled = asyncio.Event()
         self._leader_token: int | None = None  # the fencing token of the leader this node follows
         self.handlers: dict[str, Handler] = {
-            "rep": self._on_rep, "plan": self._on_plan, "jstart": self._on_jstart, "jstop": self._on_jstop,
-            "len": self._on_serve, "fetch": self._on_serve, "skip": self._on_skip, "mixhold": self._on_mixhold,
-            "mixcut": self._on_mixcut, "mix": self._on_mix, "mixstate": self._on_mixstate,
-            "jobs": self._to_coordinator, "ack": self._to_coordinator, "need": self._to_coordinator}
+            "rep": self._on_rep,
+            "plan": self._on_plan,
+            "jstart": self._on_jstart,
+            "jstop": self._on_jstop,
+            "len": self._on_serve,
+            "fetch": self._on_serve,
+            "skip": self._on_skip,
+            "mixhold": self._on_mixhold,
+            "mixcut": self._on_mixcut,
+            "mix": self.mixing.on_mix,
+            "mixstate": self.mixing.on_mixstate,
+            "jobs": self._to_coordinator,
+            "ack": self._to_coordinator,
+            "need": self._to_coordinator,
+        }
         faults.install(self)
 
     async def start(self) -> None:
@@ -114,8 +129,12 @@ class ClusterJobs:
             self._leader_token = token
             for run in self.runs.values():  # a hold for a leader that is gone ends now (its change never comes)
                 if run.holding is not None and run.hold_token < int(token):
-                    log.info("node %s: job %s: the leader that held the constructors for a mixture change is gone; "
-                             "going on without it", self.node_id, run.spec.name)
+                    log.info(
+                        "node %s: job %s: the leader that held the constructors for a mixture change is gone; "
+                        "going on without it",
+                        self.node_id,
+                        run.spec.name,
+                    )
                     run.release_hold()
         self.coordinator.on_role(role)
 
@@ -167,8 +186,12 @@ class ClusterJobs:
         run = self._run(frame)
         if run is not None:
             cut = frame.get("cut")
-            run.add_plan(decode_plan(frame, payload), frame.get("state"),
-                         (int(frame.get("token") or 0), int(frame.get("gen", 0))), None if cut is None else int(cut))
+            run.add_plan(
+                decode_plan(frame, payload),
+                frame.get("state"),
+                (int(frame.get("token") or 0), int(frame.get("gen", 0))),
+                None if cut is None else int(cut),
+            )
 
     async def _on_jstart(self, peer: str, frame: dict, payload) -> None:
         self._jstart(frame)
@@ -197,50 +220,8 @@ class ClusterJobs:
             cut = frame.get("cut")
             run.cut(None if cut is None else int(cut), (int(frame.get("token") or 0), int(frame.get("gen", 0))))
 
-    async def _on_mix(self, peer: str, frame: dict, payload) -> None:
-        self.tasks.spawn(self._serve_mix(frame), name="serve-mix")
-
-    async def _on_mixstate(self, peer: str, frame: dict, payload) -> None:
-        """A held node asks where the leader's mixture changes stand."""
-        c = self.coordinator.coordinating(frame)
-        if c is None:
-            await self.rpc.reply(frame, error_reply(PeerLostError(f"node {self.node_id} does not coordinate that run")))
-        else:
-            await self.rpc.reply(frame, {"busy": c.mixing, "token": c.token, "gen": c.gen, "cut": c.last_cut})
-
     async def _to_coordinator(self, peer: str, frame: dict, payload) -> None:
         self.coordinator.on_frame(frame)
-
-    # ---- mixture changes ------------------------------------------------------------------------------------
-    async def set_mixture(self, run: Run, weights: dict) -> int:
-        """A rank's set_mixture: the leader's coordinator cuts, re-plans and records it; returns the cut step."""
-        leader = self.cluster.leader_id
-        if leader is None:
-            raise PeerLostError("set_mixture: the cluster has no leader right now (etcd unreachable?); retry shortly")
-        head, _ = await self.rpc.request(leader, {"t": "mix", "digest": run.digest, "run": run.id, "weights": weights})
-        if head.get("refused"):
-            raise ConfigError(head["refused"])
-        return int(head["step"])
-
-    async def mix_state(self, run: Run) -> dict:
-        """The leader's mixture-change state of a run (PeerLostError while there is no leader to ask)."""
-        leader = self.cluster.leader_id
-        if leader is None:
-            raise PeerLostError("the cluster has no leader right now")
-        head, _ = await self.rpc.request(leader, {"t": "mixstate", "digest": run.digest, "run": run.id})
-        return head
-
-    async def _serve_mix(self, frame: dict) -> None:
-        c = self.coordinator.coordinating(frame)
-        try:
-            if c is None:
-                raise PeerLostError(f"node {self.node_id} does not coordinate job {str(frame.get('digest'))[:12]} "
-                                    "(the leader changed); retry")
-            await self.rpc.reply(frame, {"step": await c.set_mixture(dict(frame["weights"]))})
-        except ConfigError as e:
-            await self.rpc.reply(frame, {"refused": str(e)})
-        except (MsdataError, KeyError, TypeError, ValueError) as e:
-            await self.rpc.reply(frame, error_reply(e))
 
     # ---- runs -----------------------------------------------------------------------------------------------
     def _run(self, frame: dict) -> Run | None:
@@ -270,9 +251,18 @@ class ClusterJobs:
 
     def status(self) -> list[dict]:
         """The runs this node takes part in (with ranks or only as a data owner)."""
-        return [{"job": run.spec.name, "run": run.id, "ranks_here": run.job is not None, "next_step": run.next_step,
-                 "fed": run.fed_step, "partitions_here": len(run.shard.loaders),
-                 "payloads_pending": len(run.shard.refs)} for run in self.runs.values()]
+        return [
+            {
+                "job": run.spec.name,
+                "run": run.id,
+                "ranks_here": run.job is not None,
+                "next_step": run.next_step,
+                "fed": run.fed_step,
+                "partitions_here": len(run.shard.loaders),
+                "payloads_pending": len(run.shard.refs),
+            }
+            for run in self.runs.values()
+        ]
 
     def _set_run(self, run: Run) -> None:
         self.runs[run.digest] = run
@@ -285,16 +275,19 @@ class ClusterJobs:
         log.info("node %s: the run of job %s ended (%s)", self.node_id, run.spec.name, why)
         job = run.job
         if job is not None and job.state != "closed" and job.feed is run:
-            job.fail(f"the run of job {run.spec.name!r} this rank belonged to ended on the cluster ({why}); "
-                     "register again for a new run")
+            job.fail(
+                f"the run of job {run.spec.name!r} this rank belonged to ended on the cluster ({why}); "
+                "register again for a new run"
+            )
         self.tasks.spawn(run.shard.aclose(), name="shard-close")
 
     async def _serve(self, frame: dict) -> None:
         run = await self._await_run(frame)
         try:
             if run is None:
-                raise PeerLostError(f"node {self.node_id} does not run job {str(frame.get('digest'))[:12]} "
-                                    f"(run {frame.get('run')})")
+                raise PeerLostError(
+                    f"node {self.node_id} does not run job {str(frame.get('digest'))[:12]} (run {frame.get('run')})"
+                )
             if frame["t"] == "len":
                 s = int(frame["s"])
                 parts = [await run.shard.serve_lengths(s, int(a), int(n)) for a, n in frame["spans"]]

@@ -19,7 +19,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import cast
+from typing import Any, cast
 
 from msdata_client.wire import encode
 
@@ -58,9 +58,19 @@ class PeerLink(asyncio.BufferedProtocol):
     at most ``high_water`` + one frame of received frames wait for the handler before reading pauses.
     """
 
-    def __init__(self, *, token: bytes | str, node_id: str, handler: Handler | None = None, server: bool,
-                 high_water: int = HIGH_WATER, max_payload: int = MAX_PAYLOAD, auth_timeout: float = AUTH_TIMEOUT,
-                 on_ready: Callable[[PeerLink], None] | None = None, traffic: Traffic | None = None):
+    def __init__(
+        self,
+        *,
+        token: bytes | str,
+        node_id: str,
+        handler: Handler | None = None,
+        server: bool,
+        high_water: int = HIGH_WATER,
+        max_payload: int = MAX_PAYLOAD,
+        auth_timeout: float = AUTH_TIMEOUT,
+        on_ready: Callable[[PeerLink], None] | None = None,
+        traffic: Traffic | None = None,
+    ):
         if high_water < CHUNK // 16:
             raise ValueError(f"{high_water=} must be >= {CHUNK // 16}")
         self.node_id = node_id
@@ -99,22 +109,10 @@ class PeerLink(asyncio.BufferedProtocol):
         return f"<PeerLink {self.node_id}<->{who} {self._peername}>"
 
     # ---- opening --------------------------------------------------------------------------------------
-    @classmethod
-    async def connect(cls, host: str, port: int, *, token: bytes | str, node_id: str, handler: Handler | None = None,
-                      high_water: int = HIGH_WATER, timeout: float = AUTH_TIMEOUT, **kw) -> PeerLink:
-        """Connect and authenticate; AuthError when the other side lacks our token, PeerLostError if it is gone."""
-        loop = asyncio.get_running_loop()
-        try:
-            _, link = await asyncio.wait_for(loop.create_connection(
-                lambda: cls(token=token, node_id=node_id, handler=handler, server=False, high_water=high_water,
-                            auth_timeout=timeout, **kw), host, port), timeout)
-        except (OSError, TimeoutError) as e:
-            raise PeerLostError(f"cannot connect to peer {host}:{port}: {e or 'timed out'}") from None
-        try:
-            return await asyncio.shield(link.ready)
-        except asyncio.CancelledError:
-            link.abort()
-            raise
+    @staticmethod
+    async def connect(host: str, port: int, **kw: Any) -> PeerLink:
+        """Connect and authenticate (see ``dial``)."""
+        return await dial(host, port, **kw)
 
     def _live_transport(self) -> asyncio.Transport:
         """The link's transport (set once connection_made ran, before any data can arrive)."""
@@ -295,8 +293,9 @@ class PeerLink(asyncio.BufferedProtocol):
             log.warning("%r: %s", self, self.error)
         self._frames.close()
         if not self.ready.done():
-            err = self.error or PeerLostError(f"peer {self._peername} closed the link during authentication"
-                                              f"{f': {exc}' if exc else ''}")
+            err = self.error or PeerLostError(
+                f"peer {self._peername} closed the link during authentication{f': {exc}' if exc else ''}"
+            )
             self.ready.set_exception(err)
         if self.ready.done() and not self.ready.cancelled():
             self.ready.exception()  # retrieved: connect() reports it, a server side logs it
@@ -321,11 +320,55 @@ class PeerLink(asyncio.BufferedProtocol):
             await asyncio.gather(self._consumer, return_exceptions=True)
 
 
+async def dial(
+    host: str,
+    port: int,
+    *,
+    token: bytes | str,
+    node_id: str,
+    handler: Handler | None = None,
+    high_water: int = HIGH_WATER,
+    timeout: float = AUTH_TIMEOUT,
+    **kw: Any,
+) -> PeerLink:
+    """Connect to a peer and authenticate; AuthError when the other side lacks our token, PeerLostError if it is
+    gone or does not answer within ``timeout``."""
+    loop = asyncio.get_running_loop()
+    make = partial(
+        PeerLink,
+        token=token,
+        node_id=node_id,
+        handler=handler,
+        server=False,
+        high_water=high_water,
+        auth_timeout=timeout,
+        **kw,
+    )
+    try:
+        _, link = await asyncio.wait_for(loop.create_connection(make, host, port), timeout)
+    except (OSError, TimeoutError) as e:
+        raise PeerLostError(f"cannot connect to peer {host}:{port}: {e or 'timed out'}") from None
+    try:
+        return await asyncio.shield(link.ready)
+    except asyncio.CancelledError:
+        link.abort()
+        raise
+
+
 class PeerServer:
     """Accepts peer links on (host, port); each authenticated frame goes to ``handler(peer_id, frame, payload)``."""
 
-    def __init__(self, *, token: bytes | str, node_id: str, handler: Handler, high_water: int = HIGH_WATER,
-                 max_payload: int = MAX_PAYLOAD, auth_timeout: float = AUTH_TIMEOUT, traffic: Traffic | None = None):
+    def __init__(
+        self,
+        *,
+        token: bytes | str,
+        node_id: str,
+        handler: Handler,
+        high_water: int = HIGH_WATER,
+        max_payload: int = MAX_PAYLOAD,
+        auth_timeout: float = AUTH_TIMEOUT,
+        traffic: Traffic | None = None,
+    ):
         self._token = check_token(token)
         self.traffic = traffic
         self.node_id = node_id
@@ -347,9 +390,17 @@ class PeerServer:
         return self.port
 
     def _make(self) -> PeerLink:
-        link = PeerLink(token=self._token, node_id=self.node_id, handler=self.handler, server=True,
-                        high_water=self.high_water, max_payload=self.max_payload, auth_timeout=self.auth_timeout,
-                        on_ready=self._ready, traffic=self.traffic)
+        link = PeerLink(
+            token=self._token,
+            node_id=self.node_id,
+            handler=self.handler,
+            server=True,
+            high_water=self.high_water,
+            max_payload=self.max_payload,
+            auth_timeout=self.auth_timeout,
+            on_ready=self._ready,
+            traffic=self.traffic,
+        )
         self._all.add(link)
         link.closed.add_done_callback(partial(self._gone, link))
         return link

@@ -33,8 +33,9 @@ def place(n_partitions: int, nodes: Sequence[str]) -> list[str]:
     return [ids[k % len(ids)] for k in range(n_partitions)]
 
 
-def place_sources(partitions: Sequence[int], nodes: Sequence[str],
-                  cost: Sequence[float] | None = None) -> list[list[str]]:
+def place_sources(
+    partitions: Sequence[int], nodes: Sequence[str], cost: Sequence[float] | None = None
+) -> list[list[str]]:
     """Node of every (source, partition): ``out[s][k]``. Without costs, one round robin across all sources;
     with a per-source cost per partition, each partition (most costly first, ties by (s, k)) goes to the node
     with the least load so far (ties by id): deterministic, and within one partition's cost of even."""

@@ -14,8 +14,19 @@ from ..planner.planner import PlanStats
 
 __all__ = ["decode_plan", "encode_plan"]
 
-_ARRAYS = (("source", "<i4"), ("ordinal", "<i8"), ("offset", "<i4"), ("length", "<i4"), ("group", "<i4"),
-           ("micro", "<i4"), ("row", "<i4"), ("last", "|b1"), ("bounds", "<i8"), ("cost", "<f8"), ("micro_cost", "<f8"))
+_ARRAYS = (
+    ("source", "<i4"),
+    ("ordinal", "<i8"),
+    ("offset", "<i4"),
+    ("length", "<i4"),
+    ("group", "<i4"),
+    ("micro", "<i4"),
+    ("row", "<i4"),
+    ("last", "|b1"),
+    ("bounds", "<i8"),
+    ("cost", "<f8"),
+    ("micro_cost", "<f8"),
+)
 _SCALARS = ("imbalance", "lower_bound", "padding_fraction", "docs", "carried", "plan_ms", "ingest_ms")
 
 
@@ -29,9 +40,16 @@ def encode_plan(plan: StepPlan, *, job: str, digest: str, token: int) -> tuple[d
         arrays.append([name, list(np.shape(a)), off, len(b)])
         parts.append(b)
         off += len(b)
-    header = {"t": "plan", "job": job, "digest": digest, "step": int(plan.step), "token": int(token),
-              "arrays": arrays, "tokens": {k: int(v) for k, v in st.tokens.items()},
-              **{k: getattr(st, k) for k in _SCALARS}}
+    header = {
+        "t": "plan",
+        "job": job,
+        "digest": digest,
+        "step": int(plan.step),
+        "token": int(token),
+        "arrays": arrays,
+        "tokens": {k: int(v) for k, v in st.tokens.items()},
+        **{k: getattr(st, k) for k in _SCALARS},
+    }
     return header, b"".join(parts)
 
 
@@ -50,12 +68,24 @@ def decode_plan(header: dict, payload) -> StepPlan:
         n = got["source"].shape[0]
         if any(got[k].shape != (n,) for k in ("ordinal", "offset", "length", "group", "micro", "row", "last")):
             raise ValueError("plan columns differ in length")
-        stats = PlanStats(cost=got["cost"], micro_cost=got["micro_cost"],
-                          tokens={str(k): int(v) for k, v in header["tokens"].items()},
-                          **{k: type_(header[k]) for k, type_ in zip(_SCALARS, (float, float, float, int, int, float,
-                                                                                 float))})
-        return StepPlan(step=int(header["step"]), source=got["source"], ordinal=got["ordinal"], offset=got["offset"],
-                        length=got["length"], group=got["group"], micro=got["micro"], row=got["row"],
-                        last=got["last"], stats=stats, bounds=got["bounds"])
+        stats = PlanStats(
+            cost=got["cost"],
+            micro_cost=got["micro_cost"],
+            tokens={str(k): int(v) for k, v in header["tokens"].items()},
+            **{k: type_(header[k]) for k, type_ in zip(_SCALARS, (float, float, float, int, int, float, float))},
+        )
+        return StepPlan(
+            step=int(header["step"]),
+            source=got["source"],
+            ordinal=got["ordinal"],
+            offset=got["offset"],
+            length=got["length"],
+            group=got["group"],
+            micro=got["micro"],
+            row=got["row"],
+            last=got["last"],
+            stats=stats,
+            bounds=got["bounds"],
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError(f"malformed plan frame for step {header.get('step')!r}: {e}") from None

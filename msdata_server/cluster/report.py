@@ -43,10 +43,19 @@ class LeaderReports:
                 continue
             run = self.runs.get(job.digest)
             mine = run if run is not None and run.inst == job.inst else None  # this registration is in that run
-            jobs.append({"name": job.name, "digest": job.digest, "spec": job.spec.to_dict(),
-                         "ranks": job.ranks.report(), "inst": job.inst, "run": mine.id if mine is not None else None,
-                         "running": mine is not None, "next": mine.next_step if mine is not None else None,
-                         "fed": mine.fed_step if mine is not None else None})
+            jobs.append(
+                {
+                    "name": job.name,
+                    "digest": job.digest,
+                    "spec": job.spec.to_dict(),
+                    "ranks": job.ranks.report(),
+                    "inst": job.inst,
+                    "run": mine.id if mine is not None else None,
+                    "running": mine is not None,
+                    "next": mine.next_step if mine is not None else None,
+                    "fed": mine.fed_step if mine is not None else None,
+                }
+            )
         return {"t": "jobs", "node": self.node_id, "jobs": jobs}
 
     async def push(self) -> None:
@@ -77,8 +86,16 @@ class LeaderReports:
 
     def need(self, run) -> None:
         """Tell the leader the lowest step this node lacks and the last it fed (it re-sends what is missing)."""
-        self._to_leader({"t": "need", "digest": run.digest, "run": run.id, "node": self.node_id,
-                         "step": run.next_step, "fed": run.fed_step})
+        self._to_leader(
+            {
+                "t": "need",
+                "digest": run.digest,
+                "run": run.id,
+                "node": self.node_id,
+                "step": run.next_step,
+                "fed": run.fed_step,
+            }
+        )
 
     def ack(self, run) -> None:
         self._to_leader({"t": "ack", "digest": run.digest, "run": run.id, "node": self.node_id, "step": run.fed_step})

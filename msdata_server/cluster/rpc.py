@@ -18,13 +18,16 @@ __all__ = ["PeerRpc", "error_reply"]
 
 # a refusal travels with the name of its type, and is raised again as that type when it is one of ours
 _KINDS: dict[str, type[MsdataError]] = {
-    name: cls for name in errors.__all__
-    if isinstance(cls := getattr(errors, name), type) and issubclass(cls, MsdataError)}
+    name: cls
+    for name in errors.__all__
+    if isinstance(cls := getattr(errors, name), type) and issubclass(cls, MsdataError)
+}
 
 
 def error_reply(e: BaseException) -> dict:
     """The reply head of a request this node could not serve (see ``PeerRpc.request``)."""
     return {"error": f"{type(e).__name__}: {e}", "kind": type(e).__name__}
+
 
 Local = Callable[[str, dict, memoryview | None], Awaitable[None]]
 

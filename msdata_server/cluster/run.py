@@ -48,6 +48,7 @@ class RunHost(Protocol):
 
     async def mix_state(self, run: Run) -> dict: ...
 
+
 log = logging.getLogger(__name__)
 
 KEEP_STATES = 256  # planner states kept per run for state_dict() (kilobytes each)
@@ -95,15 +96,17 @@ class Run:
         """This node's registration of the job joins the run at the positions the leader gives."""
         self.inst = job.inst
         self.positions = {int(r): (int(p[0]), int(p[1])) for r, p in positions.items()}
-        self.start_step = min((self.positions[r] for r in job.ranks.conns if r in self.positions),
-                              default=(self.start_step, 0))[0]
+        self.start_step = min(
+            (self.positions[r] for r in job.ranks.conns if r in self.positions), default=(self.start_step, 0)
+        )[0]
         self.next_step = max(self.next_step, self.start_step)
         self.fed_step = self.start_step - 1
         self.feed_next = self.start_step
 
     # ---- plans arriving -----------------------------------------------------------------------------------
-    def add_plan(self, plan: StepPlan, state: dict | None, key: tuple[int, int] = (0, 0),
-                 cut: int | None = None) -> None:
+    def add_plan(
+        self, plan: StepPlan, state: dict | None, key: tuple[int, int] = (0, 0), cut: int | None = None
+    ) -> None:
         if key < self.gen_key:
             return  # planned before a mixture change: its steps were planned again
         if cut is not None and key > self.gen_key:
@@ -111,8 +114,12 @@ class Run:
         if plan.step < self.next_step or plan.step in self.early:
             return  # a re-sent plan (a new leader re-plans from an earlier step): identical, ignored
         if plan.step > self.next_step + KEEP_STATES:
-            log.warning("node %s: plan of step %d far past the missing step %d; dropped", self.jobs.node_id,
-                        plan.step, self.next_step)
+            log.warning(
+                "node %s: plan of step %d far past the missing step %d; dropped",
+                self.jobs.node_id,
+                plan.step,
+                self.next_step,
+            )
             return
         self.early[plan.step] = (plan, state)  # a later step may overtake a re-sent one: keep it until its turn
         while self.next_step in self.early:
@@ -169,9 +176,11 @@ class Run:
         """The planner state at the start of ``step`` (it comes with that step's plan)."""
         while step not in self.states:
             if step < min(self.states, default=step + 1) or self.closed:
-                raise CheckpointError(f"the server no longer holds the state of step {step} (recent steps "
-                                      f"{min(self.states, default=0)}..{self.next_step - 1}); call state_dict() "
-                                      "at the position you checkpoint")
+                raise CheckpointError(
+                    f"the server no longer holds the state of step {step} (recent steps "
+                    f"{min(self.states, default=0)}..{self.next_step - 1}); call state_dict() "
+                    "at the position you checkpoint"
+                )
             self.arrived.clear()
             await self.arrived.wait()
         return self.states[step]
@@ -208,15 +217,23 @@ class Run:
             try:
                 head = await self.jobs.mix_state(self)
             except PeerLostError as e:
-                log.info("node %s: job %s: held for a mixture change; asking the leader: %s", self.jobs.node_id,
-                         self.spec.name, e)
+                log.info(
+                    "node %s: job %s: held for a mixture change; asking the leader: %s",
+                    self.jobs.node_id,
+                    self.spec.name,
+                    e,
+                )
                 continue
             if head.get("busy") or self.holding is not ev:
                 continue
             key = (int(head["token"]), int(head["gen"]))
             if head.get("cut") is not None and key > self.gen_key:
-                log.info("node %s: job %s: the cut of a mixture change reached us late (step %s)", self.jobs.node_id,
-                         self.spec.name, head["cut"])
+                log.info(
+                    "node %s: job %s: the cut of a mixture change reached us late (step %s)",
+                    self.jobs.node_id,
+                    self.spec.name,
+                    head["cut"],
+                )
                 self.cut(int(head["cut"]), key)
             else:
                 self.release_hold()
@@ -249,6 +266,11 @@ class Run:
             self.next_step = min(self.next_step, cut)
             self.fed_step = min(self.fed_step, cut - 1)
             self.feed_next = min(self.feed_next, cut)
-            log.info("node %s: job %s: mixture change from step %d (%d planned step(s) dropped)", self.jobs.node_id,
-                     self.spec.name, cut, len(dropped))
+            log.info(
+                "node %s: job %s: mixture change from step %d (%d planned step(s) dropped)",
+                self.jobs.node_id,
+                self.spec.name,
+                cut,
+                len(dropped),
+            )
         self.release_hold()

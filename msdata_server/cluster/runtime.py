@@ -35,8 +35,9 @@ class ClusterNode:
     live member (reconnected when a member re-registers). Frames that are not handled here go to ``handler``.
     """
 
-    def __init__(self, config, *, handler: FrameHandler | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self, config, *, handler: FrameHandler | None = None, on_fatal: Callable[[BaseException], None] | None = None
+    ):
         self.config = config
         self.node_id = config.node.id
         self.cc = config.cluster
@@ -65,16 +66,22 @@ class ClusterNode:
         host, port = self.config.node.listen_addr
         bound = await self.peers.start(host, port)
         self.listen = f"{host}:{bound}"
-        self.membership = Membership(self.etcd, node_id=self.node_id, prefix=self.cc.prefix, ttl=self.cc.lease_ttl,
-                                     info={"listen": self.listen})
+        self.membership = Membership(
+            self.etcd, node_id=self.node_id, prefix=self.cc.prefix, ttl=self.cc.lease_ttl, info={"listen": self.listen}
+        )
         self.election = LeaderElection(self.etcd, self.membership)
         self.membership.on_fatal = self.election.on_fatal = self.on_fatal
         self.election.on_change(self._on_role)
         await self.membership.start()
         await self.election.start()
         self._tasks.spawn(self._follow_members(), name="members")
-        log.info("node %s joined the cluster (etcd %s, prefix %s, peers on %s)", self.node_id, ",".join(self.cc.etcd),
-                 self.cc.prefix, self.listen)
+        log.info(
+            "node %s joined the cluster (etcd %s, prefix %s, peers on %s)",
+            self.node_id,
+            ",".join(self.cc.etcd),
+            self.cc.prefix,
+            self.listen,
+        )
 
     async def aclose(self) -> None:
         """Leave: step down (the leader key goes at once), revoke the lease, close links and the listener."""
@@ -134,14 +141,14 @@ class ClusterNode:
         while True:
             try:
                 kvs, rev = await self.etcd.get_with_revision(prefix, prefix=True)
-                self._set_members({kv.key.decode()[len(prefix):]: kv.value for kv in kvs})
+                self._set_members({kv.key.decode()[len(prefix) :]: kv.value for kv in kvs})
                 async with aclosing(self.etcd.watch(prefix, prefix=True, start_revision=rev + 1)) as events:
                     async for batch in events:
                         if not batch:
                             continue
                         cur = {i: orjson.dumps(r) for i, r in self.members.items()}
                         for ev in batch:
-                            nid = ev.kv.key.decode()[len(prefix):]
+                            nid = ev.kv.key.decode()[len(prefix) :]
                             if ev.type == "delete":
                                 cur.pop(nid, None)
                             else:
@@ -187,8 +194,14 @@ class ClusterNode:
             listen = str(self.members[nid].get("listen", ""))
             host, _, port = listen.rpartition(":")
             try:
-                link = await PeerLink.connect(host.strip("[]"), int(port), token=self.token, node_id=self.node_id,
-                                              handler=self._on_frame, traffic=self.traffic)
+                link = await PeerLink.connect(
+                    host.strip("[]"),
+                    int(port),
+                    token=self.token,
+                    node_id=self.node_id,
+                    handler=self._on_frame,
+                    traffic=self.traffic,
+                )
             except AuthError as e:
                 log.error("node %s: peer %s at %s refused our token: %s", self.node_id, nid, listen, e)
                 return
@@ -198,8 +211,13 @@ class ClusterNode:
                 delay = min(delay * 2, self.cc.lease_ttl / 2)
                 continue
             if link.peer_id != nid or self.members.get(nid, {}).get("listen") != listen:
-                log.warning("node %s: %s answered as %r for %r (or moved); dropping the link", self.node_id, listen,
-                            link.peer_id, nid)
+                log.warning(
+                    "node %s: %s answered as %r for %r (or moved); dropping the link",
+                    self.node_id,
+                    listen,
+                    link.peer_id,
+                    nid,
+                )
                 await link.aclose()
                 continue
             log.info("node %s: linked to peer %s at %s", self.node_id, nid, listen)
@@ -237,13 +255,18 @@ class ClusterNode:
             link = self.peers.links.get(peer_id)
             if link is not None:
                 with suppress(PeerLostError, ConnectionError):
-                    await link.send({"t": "pong", "id": frame.get("id"), "node": self.node_id,
-                                     "role": self.role})
+                    await link.send({"t": "pong", "id": frame.get("id"), "node": self.node_id, "role": self.role})
             return
         tok = frame.get("token")
         if tok is not None and not self.fence.admit(int(tok)):
-            log.warning("node %s: dropped %r from %s: token %s is older than %s", self.node_id, t, peer_id, tok,
-                        self.fence.token)
+            log.warning(
+                "node %s: dropped %r from %s: token %s is older than %s",
+                self.node_id,
+                t,
+                peer_id,
+                tok,
+                self.fence.token,
+            )
             return
         if self.handler is None:
             log.debug("node %s: no handler for frame %r from %s", self.node_id, t, peer_id)

@@ -72,7 +72,7 @@ class JobShard:
             for k, nid in enumerate(row):
                 if nid == me:
                     await self.loader(s, k)
-        for (s, k) in list(self.loaders):
+        for s, k in list(self.loaders):
             if pl[s][k] != me:
                 ld = self.loaders.pop((s, k))
                 src = self._sources.pop((s, k))
@@ -95,8 +95,9 @@ class JobShard:
     async def _open(self, s: int, k: int) -> SourceLoader:
         sp = self.spec.sources[s]
         src = await asyncio.to_thread(open_source, sp, seed=self.spec.seed)
-        ld = SourceLoader(src, self.jobs.pool, transform=sp.transform, seed=self.spec.seed, batch=BLOCK,
-                          partition=(k, self.nparts))
+        ld = SourceLoader(
+            src, self.jobs.pool, transform=sp.transform, seed=self.spec.seed, batch=BLOCK, partition=(k, self.nparts)
+        )
         if self.cursor is not None and self.cursor[s] > 0:
             ld.seek(int(self.cursor[s]))
         await ld.start()
@@ -144,8 +145,9 @@ class JobShard:
         """Indices of a plan's pieces owned here, and how many nodes build each."""
         me = self.jobs.node_id
         pl = self.placement()
-        idx = [i for i, (s, o) in enumerate(zip(plan.source.tolist(), plan.ordinal.tolist()))
-               if pl[s][self.part(o)] == me]
+        idx = [
+            i for i, (s, o) in enumerate(zip(plan.source.tolist(), plan.ordinal.tolist())) if pl[s][self.part(o)] == me
+        ]
         return np.asarray(idx, dtype=np.int64), [len(group_nodes.get(int(g), ())) for g in plan.group[idx].tolist()]
 
     def add_refs(self, plan, group_nodes: dict[int, tuple[str, ...]]) -> None:
@@ -181,8 +183,9 @@ class JobShard:
                     by.setdefault(pl[s][self.part(o)], []).append(i)
             if not by:
                 break
-            results = await asyncio.gather(*(self._fetch_from(nid, idx, src, ords) for nid, idx in by.items()),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(self._fetch_from(nid, idx, src, ords) for nid, idx in by.items()), return_exceptions=True
+            )
             lost = None
             for idx, r in zip(by.values(), results):
                 if retryable(r):
@@ -201,8 +204,9 @@ class JobShard:
         s_sel, o_sel = src[idx].astype(np.int64), ords[idx].astype(np.int64)
         if nid == self.jobs.node_id:
             return await self.serve_tokens(s_sel, o_sel)
-        head, payload = await self.jobs.rpc.request(nid, {"t": "fetch", "digest": self.digest, "run": self.run,
-                                                       "s": s_sel.tolist(), "o": o_sel.tolist()})
+        head, payload = await self.jobs.rpc.request(
+            nid, {"t": "fetch", "digest": self.digest, "run": self.run, "s": s_sel.tolist(), "o": o_sel.tolist()}
+        )
         return split_docs(head, payload)
 
     async def skip(self, src: np.ndarray, ords: np.ndarray) -> None:
@@ -216,8 +220,16 @@ class JobShard:
                 self.unref(src[idx], ords[idx])
             else:
                 try:
-                    await self.jobs.rpc.send(nid, {"t": "skip", "digest": self.digest, "run": self.run,
-                                               "s": src[idx].tolist(), "o": ords[idx].tolist()})
+                    await self.jobs.rpc.send(
+                        nid,
+                        {
+                            "t": "skip",
+                            "digest": self.digest,
+                            "run": self.run,
+                            "s": src[idx].tolist(),
+                            "o": ords[idx].tolist(),
+                        },
+                    )
                 except PeerLostError:
                     pass  # the owner is gone: its payloads went with it
 
@@ -249,8 +261,9 @@ class JobShard:
     async def _lengths_from(self, nid: str, s: int, spans: list) -> np.ndarray:
         if nid == self.jobs.node_id:
             return np.concatenate([await self.serve_lengths(s, a, n) for a, n in spans])
-        _, body = await self.jobs.rpc.request(nid, {"t": "len", "digest": self.digest, "run": self.run, "s": s,
-                                                    "spans": spans})
+        _, body = await self.jobs.rpc.request(
+            nid, {"t": "len", "digest": self.digest, "run": self.run, "s": s, "spans": spans}
+        )
         a = np.frombuffer(body or b"", dtype="<i8")
         if len(a) != sum(n for _, n in spans):
             raise ProtocolError(f"lengths reply of {len(a)} values for {sum(n for _, n in spans)} asked")
@@ -263,15 +276,19 @@ class JobShard:
             lds = [ld for (si, _), ld in sorted(self.loaders.items()) if si == s]
             figs = [loader_figures(ld) for ld in lds]
             summed = {k: sum(f[k] for f in figs) for k in ("samples_done", "bytes_read", "errors", "inflight")}
-            out[sp.name] = {"partitions_here": len(lds), "nparts": self.nparts, **(summed if figs else {}),
-                            **hold_figures(s, lds, self.refs, newest_state)}
+            out[sp.name] = {
+                "partitions_here": len(lds),
+                "nparts": self.nparts,
+                **(summed if figs else {}),
+                **hold_figures(s, lds, self.refs, newest_state),
+            }
         return out
 
     async def aclose(self) -> None:
         self.closed = True
         for t in self._opening.values():
             t.cancel()
-        for (key, ld) in list(self.loaders.items()):
+        for key, ld in list(self.loaders.items()):
             await ld.aclose()
             self._sources.pop(key).close()
         self.loaders.clear()
@@ -285,8 +302,7 @@ def retryable(e: object) -> bool:
     owner is gone or not ready (it closed a loader, its run had not started), the reply was garbled, or a
     read failed (transient errors are retried; ARCHITECTURE §4.5). A peer that failed on our request (RemoteError)
     or a job that does not fit (config, checkpoint) is not: the job fails with the peer's message."""
-    return isinstance(e, (MsdataError, TimeoutError)) and not isinstance(e, (RemoteError, ConfigError,
-                                                                             CheckpointError))
+    return isinstance(e, (MsdataError, TimeoutError)) and not isinstance(e, (RemoteError, ConfigError, CheckpointError))
 
 
 class ShardPayloads:

@@ -19,8 +19,9 @@ __all__ = ["EtcdStateStore"]
 class EtcdStateStore:
     """A window of the last ``keep`` planner states of one job run in etcd."""
 
-    def __init__(self, etcd: Etcd, election: LeaderElection | None, *, prefix: str, job: str, digest: str,
-                 keep: int = 16):
+    def __init__(
+        self, etcd: Etcd, election: LeaderElection | None, *, prefix: str, job: str, digest: str, keep: int = 16
+    ):
         if keep < 1:
             raise CheckpointError(f"{keep=} must be >= 1")
         self.etcd = etcd
@@ -49,13 +50,13 @@ class EtcdStateStore:
         return await self.election.txn_fenced(ops)
 
     async def steps(self) -> list[int]:
-        return [int(kv.key.decode()[len(self.base):]) for kv in await self.etcd.get(self.base, prefix=True)]
+        return [int(kv.key.decode()[len(self.base) :]) for kv in await self.etcd.get(self.base, prefix=True)]
 
     async def load_at_or_before(self, step: int | None = None) -> tuple[int, dict] | None:
         """The newest saved state at or before ``step`` (None: the newest of all), or None."""
         best = None
         for kv in await self.etcd.get(self.base, prefix=True):
-            s = int(kv.key.decode()[len(self.base):])
+            s = int(kv.key.decode()[len(self.base) :])
             if (step is None or s <= step) and (best is None or s > best[0]):
                 best = (s, kv.value)
         if best is None:

@@ -39,16 +39,26 @@ def estimate_slot(spec: JobSpec, cp: int) -> int:
     """Slot size for a typical micro-batch: row fields exactly, per-document ids for docs of >= 64 tokens."""
     tokens = spec.rows * spec.seq_len
     docs = tokens // 64 + spec.rows + 1
-    _, nbytes = layout_fields(field_specs(rows=spec.rows, seq_len=spec.seq_len, n_pieces=docs,
-                                          n_segments=docs + spec.rows, cp=cp))
+    _, nbytes = layout_fields(
+        field_specs(rows=spec.rows, seq_len=spec.seq_len, n_pieces=docs, n_segments=docs + spec.rows, cp=cp)
+    )
     return round_slot(nbytes)
 
 
 class Constructor:
     """Builds the micro-batches of one group whose ranks read on this node."""
 
-    def __init__(self, *, spec: JobSpec, group: Group, ranks: RankRegistry, feed: PlanFeed,
-                 payloads: PayloadSource, cp: int, tasks: TaskSet):
+    def __init__(
+        self,
+        *,
+        spec: JobSpec,
+        group: Group,
+        ranks: RankRegistry,
+        feed: PlanFeed,
+        payloads: PayloadSource,
+        cp: int,
+        tasks: TaskSet,
+    ):
         assert group.rings is not None, "a constructor needs the group's rings"
         self.spec = spec
         self.group = group
@@ -92,8 +102,11 @@ class Constructor:
                 (want if self._readers(plan.step, m) else skip).append((m, sl))
             if skip:
                 await self.payloads.skip(*_columns(plan, skip, ("source", "ordinal")))
-            toks = await self.payloads.fetch(*_columns(plan, want, ("source", "ordinal", "offset", "length"))) \
-                if want else []
+            toks = (
+                await self.payloads.fetch(*_columns(plan, want, ("source", "ordinal", "offset", "length")))
+                if want
+                else []
+            )
             await staged.put((plan, want, toks))
 
     def _micro_slices(self, plan: StepPlan):
@@ -115,13 +128,24 @@ class Constructor:
             sids[sel] = self.payloads.sample_ids(s, ords[sel])
         pieces = MicroBatchPieces(row=plan.row[sl], tokens=toks, sample_ids=sids, source_ids=src.astype(np.int64))
         nseg = count_segments(pieces, spec.rows, spec.seq_len)
-        layouts, nbytes = layout_fields(field_specs(rows=spec.rows, seq_len=spec.seq_len, n_pieces=len(toks),
-                                                    n_segments=nseg, cp=self.cp))
+        layouts, nbytes = layout_fields(
+            field_specs(rows=spec.rows, seq_len=spec.seq_len, n_pieces=len(toks), n_segments=nseg, cp=self.cp)
+        )
         ring, slot = await self.rings.acquire(nbytes)
         try:
             out = ring.views(slot, layouts)
-            build = partial(build_micro_batch, out, pieces, rows=spec.rows, seq_len=spec.seq_len, pad_id=spec.pad_id,
-                            cp=self.cp, step=pos.step, micro=pos.micro, scratch=scratch)
+            build = partial(
+                build_micro_batch,
+                out,
+                pieces,
+                rows=spec.rows,
+                seq_len=spec.seq_len,
+                pad_id=spec.pad_id,
+                cp=self.cp,
+                step=pos.step,
+                micro=pos.micro,
+                scratch=scratch,
+            )
             if nbytes >= THREAD_BUILD_BYTES:
                 await asyncio.to_thread(build)
             else:
@@ -133,16 +157,32 @@ class Constructor:
             raise
         self._publish(ring, slot, pos, layouts, readers, nbytes)
 
-    def _publish(self, ring: ServerRing, slot: int, pos: RankPosition, layouts: list[FieldLayout],
-                 readers: list[int], nbytes: int) -> None:
+    def _publish(
+        self,
+        ring: ServerRing,
+        slot: int,
+        pos: RankPosition,
+        layouts: list[FieldLayout],
+        readers: list[int],
+        nbytes: int,
+    ) -> None:
         live = [r for r in readers if not self.ranks.conns[r].closed]
         ring.table.publish(slot, live)
         if not live:
             ring.freed.set()
         base = ring.offset(slot)
         for r in live:
-            self.ranks.conns[r].send({"t": "batch", "ring": ring.id, "slot": slot, "base": base, "step": pos.step,
-                                      "micro": pos.micro, "fields": self.ranks.fields(r, layouts)})
+            self.ranks.conns[r].send(
+                {
+                    "t": "batch",
+                    "ring": ring.id,
+                    "slot": slot,
+                    "base": base,
+                    "step": pos.step,
+                    "micro": pos.micro,
+                    "fields": self.ranks.fields(r, layouts),
+                }
+            )
         self.group.published += 1
         self.group.bytes_published += nbytes
 

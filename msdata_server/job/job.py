@@ -40,8 +40,16 @@ Prepare = Callable[[], Awaitable[tuple[PlanFeed, PayloadSource, dict[int, tuple[
 class Job:
     """A registered job: waiting (for its start) -> running -> closed."""
 
-    def __init__(self, spec: JobSpec, digest: str, *, node_id: str, rings: RingConfig,
-                 forget: Callable[[Job], None], hold: bool = False):
+    def __init__(
+        self,
+        spec: JobSpec,
+        digest: str,
+        *,
+        node_id: str,
+        rings: RingConfig,
+        forget: Callable[[Job], None],
+        hold: bool = False,
+    ):
         self.spec = spec
         self.digest = digest
         self.name = spec.name
@@ -71,8 +79,9 @@ class Job:
         self._closing: asyncio.Task | None = None  # aclose() after a failure (it cancels self.tasks)
 
     # ---- ranks ------------------------------------------------------------------------------------------
-    async def attach(self, conn, rank: int, position: RankPosition, state: dict | None = None,
-                     resume: bool = False) -> None:
+    async def attach(
+        self, conn, rank: int, position: RankPosition, state: dict | None = None, resume: bool = False
+    ) -> None:
         """Register a rank (checked with ``ranks.check_rank``/``check_state``); a running job welcomes it."""
         self.ranks.add(conn, rank, position, state, resume)
         conn.job, conn.rank = self, rank
@@ -86,8 +95,13 @@ class Job:
         for g in self.groups:
             if g.rings is not None:
                 g.rings.drop_reader(conn.rank)
-        log.info("job %s: rank %d disconnected (%d of %d still connected)", self.name, conn.rank, self.ranks.connected,
-                 self.mesh.world_size)
+        log.info(
+            "job %s: rank %d disconnected (%d of %d still connected)",
+            self.name,
+            conn.rank,
+            self.ranks.connected,
+            self.mesh.world_size,
+        )
 
     def release(self, conn, ring_id: int, slot: int) -> None:
         for g in self.groups:
@@ -97,8 +111,19 @@ class Job:
     def _welcome(self, rank: int) -> None:
         grp = self.groups[self.spec.group_of(rank)]
         rings, fds = grp.rings.describe() if grp.rings is not None else ([], [])
-        self.ranks.send([rank], {"t": "welcome", "node": self.node_id, "job": self.name, "rank": rank,
-                                 "group": grp.index, "rings": rings, "fds": len(fds)}, fds)
+        self.ranks.send(
+            [rank],
+            {
+                "t": "welcome",
+                "node": self.node_id,
+                "job": self.name,
+                "rank": rank,
+                "group": grp.index,
+                "rings": rings,
+                "fds": len(fds),
+            },
+            fds,
+        )
 
     # ---- start ---------------------------------------------------------------------------------------------
     async def start_with(self, prepare: Prepare) -> None:
@@ -125,14 +150,27 @@ class Job:
             readers = spec.readers(g)
             grp = Group(index=g, readers=readers, queue=StepQueue(spec.prefetch_steps), committed=self.start_step - 1)
             if any(r in self.ranks.conns for r in readers):  # read here: rings and a constructor
-                grp.rings = RingSet(self._ring_cfg, job=self.name, group=g, ids=self._ring_ids,
-                                    announce=partial(self.ranks.send, readers))
+                grp.rings = RingSet(
+                    self._ring_cfg,
+                    job=self.name,
+                    group=g,
+                    ids=self._ring_ids,
+                    announce=partial(self.ranks.send, readers),
+                )
                 await grp.rings.open(est)
             self.groups.append(grp)
         self.state = "running"
         self.started_at = time.monotonic()
-        log.info("job %s started: %d ranks, %d groups, ring %d x %.1f MiB, from step %d micro %d", self.name,
-                 self.mesh.world_size, len(self.groups), self._ring_cfg.slots, est / 2**20, start.step, start.micro)
+        log.info(
+            "job %s started: %d ranks, %d groups, ring %d x %.1f MiB, from step %d micro %d",
+            self.name,
+            self.mesh.world_size,
+            len(self.groups),
+            self._ring_cfg.slots,
+            est / 2**20,
+            start.step,
+            start.micro,
+        )
         for rank in sorted(self.ranks.conns):
             self._welcome(rank)
         self._started.set()
@@ -140,8 +178,9 @@ class Job:
         self.tasks.spawn(self._distribute(), name=f"{self.name}-plans")
         for grp in self.groups:
             if grp.rings is not None:
-                con = Constructor(spec=spec, group=grp, ranks=self.ranks, feed=feed, payloads=payloads, cp=cp,
-                                  tasks=self.tasks)
+                con = Constructor(
+                    spec=spec, group=grp, ranks=self.ranks, feed=feed, payloads=payloads, cp=cp, tasks=self.tasks
+                )
                 self.tasks.spawn(con.run(), name=f"{self.name}-constructor-{grp.index}")
 
     async def _distribute(self) -> None:
@@ -199,8 +238,9 @@ class Job:
         if self.state == "closed":
             return
         self.error = message
-        self.ranks.send(list(self.ranks.conns), {"t": "error", "kind": kind,
-                                                 "message": f"job {self.name!r} stopped: {message}"})
+        self.ranks.send(
+            list(self.ranks.conns), {"t": "error", "kind": kind, "message": f"job {self.name!r} stopped: {message}"}
+        )
         self._forget(self)
         self._closing = asyncio.get_running_loop().create_task(self.aclose(), name=f"{self.name}-close")
 
@@ -244,5 +284,6 @@ class Job:
             **plans,
             "rings": [r for g in self.groups if g.rings is not None for r in g.rings.status()],
             "sources": self.payloads.status(self.feed.newest_state() if self.feed else None)
-            if self.payloads is not None else {},
+            if self.payloads is not None
+            else {},
         }

@@ -49,8 +49,9 @@ class LocalPlanFeed:
 
     async def next(self) -> tuple[StepPlan, int]:
         if self._view is None:
-            self._view = ThreadView(self.payloads.lengths, asyncio.get_running_loop(),
-                                    closed="job closed while planning")
+            self._view = ThreadView(
+                self.payloads.lengths, asyncio.get_running_loop(), closed="job closed while planning"
+            )
         async with self._lock:
             planner = self.planner
             step = planner.step
@@ -92,8 +93,10 @@ class LocalPlanFeed:
                 return self.planner.state_dict()
             state = self.history.get(step)
         if state is None:
-            raise CheckpointError(f"the server no longer holds the state of step {step} (it keeps recent steps "
-                                  f"{self.history.span()}); call state_dict() at the position you checkpoint")
+            raise CheckpointError(
+                f"the server no longer holds the state of step {step} (it keeps recent steps "
+                f"{self.history.span()}); call state_dict() at the position you checkpoint"
+            )
         return state
 
     def newest_state(self) -> dict | None:
@@ -129,12 +132,17 @@ class LocalStarter:
         if sp.load_at is not None:
             found = store.load_at_or_before(sp.load_at)
             if found is not None:
-                log.info("job %s: continuing from the node's checkpoint of step %d (ranks at step %d)", spec.name,
-                         found[0], sp.load_at)
+                log.info(
+                    "job %s: continuing from the node's checkpoint of step %d (ranks at step %d)",
+                    spec.name,
+                    found[0],
+                    sp.load_at,
+                )
                 state = found[1]
             else:
-                log.warning("job %s: no checkpoint at or before step %d; replaying from the beginning", spec.name,
-                            sp.load_at)
+                log.warning(
+                    "job %s: no checkpoint at or before step %d; replaying from the beginning", spec.name, sp.load_at
+                )
         planner = Planner(planner_config(spec), state=state)  # a state that does not fit fails before any I/O
         payloads = LocalPayloads(await self._open_loaders(spec, state))
         keep = max(64, spec.prefetch_steps + self.ring_slots + 4)
@@ -143,8 +151,9 @@ class LocalStarter:
     async def _open_loaders(self, spec: JobSpec, state: dict | None) -> list[SourceLoader]:
         # sources open in a thread: opening many files must not stall the loop
         sources = await asyncio.to_thread(lambda: [open_source(s, seed=spec.seed) for s in spec.sources])
-        loaders = [SourceLoader(src, self.pool, transform=s.transform, seed=spec.seed)
-                   for src, s in zip(sources, spec.sources)]
+        loaders = [
+            SourceLoader(src, self.pool, transform=s.transform, seed=spec.seed) for src, s in zip(sources, spec.sources)
+        ]
         cursor = (state or {}).get("cursor") or [0] * len(loaders)
         for ld, at in zip(loaders, cursor):
             ld.seek(int(at))  # a resumed job reads on from its position (carried pieces: on demand)

@@ -35,8 +35,9 @@ class LocalPayloads:
     def unplanned(self, plan: StepPlan) -> None:
         self.refs.unplan(plan.source, plan.ordinal, plan.last)
 
-    async def fetch(self, source: np.ndarray, ordinal: np.ndarray, offset: np.ndarray,
-                    length: np.ndarray) -> list[np.ndarray]:
+    async def fetch(
+        self, source: np.ndarray, ordinal: np.ndarray, offset: np.ndarray, length: np.ndarray
+    ) -> list[np.ndarray]:
         out = []
         for s, o, a, n in zip(source.tolist(), ordinal.tolist(), offset.tolist(), length.tolist()):
             doc = await self.loaders[s].tokens(o)
@@ -55,8 +56,10 @@ class LocalPayloads:
         return self.loaders[source].sample_ids(ordinals)
 
     def status(self, newest_state: dict | None) -> dict[str, dict]:
-        return {ld.name: {**loader_figures(ld), **hold_figures(s, [ld], self.refs, newest_state)}
-                for s, ld in enumerate(self.loaders)}
+        return {
+            ld.name: {**loader_figures(ld), **hold_figures(s, [ld], self.refs, newest_state)}
+            for s, ld in enumerate(self.loaders)
+        }
 
     async def lengths(self, source: int, start: int, count: int) -> np.ndarray:
         """For the planner's view: lengths of ordinals [start, start+count) of ``source``."""

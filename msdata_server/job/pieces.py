@@ -40,14 +40,16 @@ class PieceRefs:
         """Documents of ``source`` held for planned pieces (see the invariant)."""
         return sum(1 for s, _ in self._count.keys() | self._final if s == source)
 
-    def plan(self, source: np.ndarray, ordinal: np.ndarray, last: np.ndarray,
-             weight: Iterable[int] | None = None) -> list[tuple[int, int]]:
+    def plan(
+        self, source: np.ndarray, ordinal: np.ndarray, last: np.ndarray, weight: Iterable[int] | None = None
+    ) -> list[tuple[int, int]]:
         """Count a plan's pieces (``weight`` references each, default 1); returns documents now free (a piece
         served before its plan was counted)."""
         return self._add(source, ordinal, last, weight, +1)
 
-    def unplan(self, source: np.ndarray, ordinal: np.ndarray, last: np.ndarray,
-               weight: Iterable[int] | None = None) -> None:
+    def unplan(
+        self, source: np.ndarray, ordinal: np.ndarray, last: np.ndarray, weight: Iterable[int] | None = None
+    ) -> None:
         """Take back a plan that will never be built (a mixture change re-plans its step)."""
         self._add(source, ordinal, last, weight, -1)
 

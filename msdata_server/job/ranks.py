@@ -62,15 +62,20 @@ class RankRegistry:
     def check_rank(self, rank: int, world_size: int) -> None:
         name, ws = self.spec.name, self.mesh.world_size
         if world_size != ws:
-            raise ConfigError(f"rank {rank} says world_size={world_size} but job {name!r} has a mesh of {ws} ranks "
-                              f"({self.mesh.to_dict()}); make WORLD_SIZE and the [mesh] agree")
+            raise ConfigError(
+                f"rank {rank} says world_size={world_size} but job {name!r} has a mesh of {ws} ranks "
+                f"({self.mesh.to_dict()}); make WORLD_SIZE and the [mesh] agree"
+            )
         if not 0 <= rank < ws:
-            raise ConfigError(f"rank {rank} is outside the world of job {name!r} (world_size={ws}); "
-                              f"ranks are 0..{ws - 1}")
+            raise ConfigError(
+                f"rank {rank} is outside the world of job {name!r} (world_size={ws}); ranks are 0..{ws - 1}"
+            )
         old = self.conns.get(rank)
         if old is not None and not old.gone():
-            raise ConfigError(f"rank {rank} of job {name!r} is already connected (pid {old.pid}); "
-                              "two trainer processes claim the same RANK (for a new run, stop the old one first)")
+            raise ConfigError(
+                f"rank {rank} of job {name!r} is already connected (pid {old.pid}); "
+                "two trainer processes claim the same RANK (for a new run, stop the old one first)"
+            )
 
     def check_state(self, state: dict | None) -> None:
         """A state a rank brings must belong to this job's data identity (any layout)."""
@@ -79,9 +84,11 @@ class RankRegistry:
         if not isinstance(state, dict) or not isinstance(state.get("planner"), dict):
             raise CheckpointError("the state has no planner position; it is truncated or not an msdata state")
         if state.get("data_digest") != self.spec.data_digest():
-            raise CheckpointError(f"the state belongs to another data identity than job {self.spec.name!r} (name, "
-                                  "seed, sources, transforms, mixture or cost differ); restore it into the job that "
-                                  "saved it")
+            raise CheckpointError(
+                f"the state belongs to another data identity than job {self.spec.name!r} (name, "
+                "seed, sources, transforms, mixture or cost differ); restore it into the job that "
+                "saved it"
+            )
 
     def add(self, conn, rank: int, position: RankPosition, state: dict | None, resume: bool) -> None:
         self.conns[rank] = conn
@@ -95,8 +102,10 @@ class RankRegistry:
 
     def starts(self) -> dict[int, RankStart]:
         """What every registered rank brings to the start (see ``checkpoint.start_point``)."""
-        return {r: RankStart((p.step, p.micro), self.states.get(r), self.resuming.get(r, False))
-                for r, p in self.positions.items()}
+        return {
+            r: RankStart((p.step, p.micro), self.states.get(r), self.resuming.get(r, False))
+            for r, p in self.positions.items()
+        }
 
     def place(self, positions: dict[int, tuple[int, int]]) -> None:
         """Set the positions the run starts ranks at (only ranks registered here)."""
@@ -104,15 +113,24 @@ class RankRegistry:
 
     def report(self) -> dict[str, dict]:
         """Connected ranks as the cluster leader reads them: position, brought state, resuming."""
-        return {str(r): {"pos": [self.positions[r].step, self.positions[r].micro], "state": self.states.get(r),
-                         "resume": self.resuming.get(r, False)}
-                for r, c in self.conns.items() if not c.closed}
+        return {
+            str(r): {
+                "pos": [self.positions[r].step, self.positions[r].micro],
+                "state": self.states.get(r),
+                "resume": self.resuming.get(r, False),
+            }
+            for r, c in self.conns.items()
+            if not c.closed
+        }
 
     # ---- reading ----
     def readers(self, group_readers: tuple[int, ...], pos: RankPosition) -> list[int]:
         """The group's ranks that read the micro-batch at pos (connected, and not resuming past it)."""
-        return [r for r in group_readers
-                if (c := self.conns.get(r)) is not None and not c.closed and self.positions[r] <= pos]
+        return [
+            r
+            for r in group_readers
+            if (c := self.conns.get(r)) is not None and not c.closed and self.positions[r] <= pos
+        ]
 
     def send(self, ranks, frame: dict, fds: list[int] | None = None) -> None:
         """Send a frame (with descriptors) to those of ``ranks`` that are connected here."""

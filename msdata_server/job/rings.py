@@ -72,8 +72,9 @@ class ServerRing:
 class RingSet:
     """The rings of one group; ``announce(frame, fds)`` tells the group's readers of a ring coming or going."""
 
-    def __init__(self, cfg: RingConfig, *, job: str, group: int, ids: Iterator[int],
-                 announce: Callable[[dict, list[int]], None]):
+    def __init__(
+        self, cfg: RingConfig, *, job: str, group: int, ids: Iterator[int], announce: Callable[[dict, list[int]], None]
+    ):
         self.cfg = cfg
         self.job = job
         self.group = group
@@ -88,10 +89,17 @@ class RingSet:
 
     async def _new(self, slot_size: int) -> ServerRing:
         if slot_size > self.cfg.max_slot_mib << 20:
-            raise SlotSizeError(f"a micro-batch of job {self.job!r} needs {slot_size / 2**20:.1f} MiB, more than "
-                              f"max_slot_mib={self.cfg.max_slot_mib}; lower rows/seq_len or raise [node] max_slot_mib")
-        seg = await asyncio.to_thread(create_segment, self.cfg.prefix, "ring", self.cfg.slots * slot_size,
-                                      info={"job": self.job, "group": self.group})
+            raise SlotSizeError(
+                f"a micro-batch of job {self.job!r} needs {slot_size / 2**20:.1f} MiB, more than "
+                f"max_slot_mib={self.cfg.max_slot_mib}; lower rows/seq_len or raise [node] max_slot_mib"
+            )
+        seg = await asyncio.to_thread(
+            create_segment,
+            self.cfg.prefix,
+            "ring",
+            self.cfg.slots * slot_size,
+            info={"job": self.job, "group": self.group},
+        )
         ring = ServerRing(next(self._ids), seg, self.cfg.slots, slot_size)
         self.rings[ring.id] = ring
         return ring
@@ -139,8 +147,16 @@ class RingSet:
         return [r.describe() for r in rings], [r.seg.fd for r in rings]
 
     def status(self) -> list[dict]:
-        return [{"group": self.group, "ring": r.id, "slots": r.table.slots, "in_use": r.table.in_use,
-                 "slot_size": r.slot_size} for r in self.rings.values()]
+        return [
+            {
+                "group": self.group,
+                "ring": r.id,
+                "slots": r.table.slots,
+                "in_use": r.table.in_use,
+                "slot_size": r.slot_size,
+            }
+            for r in self.rings.values()
+        ]
 
     def close(self) -> None:
         for ring in self.rings.values():

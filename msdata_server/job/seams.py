@@ -83,8 +83,9 @@ class PlanFeed(Protocol):
 class PayloadSource(Protocol):
     """The documents plans name: fetched for building, skipped when nobody reads them; ids and figures."""
 
-    async def fetch(self, source: np.ndarray, ordinal: np.ndarray, offset: np.ndarray,
-                    length: np.ndarray) -> list[np.ndarray]:
+    async def fetch(
+        self, source: np.ndarray, ordinal: np.ndarray, offset: np.ndarray, length: np.ndarray
+    ) -> list[np.ndarray]:
         """The token slices of these pieces, in order (each counted done)."""
         ...
 

@@ -21,8 +21,13 @@ __all__ = ["ThreadView"]
 class ThreadView:
     """``lengths(source, start, count)`` for a planner thread, answered by ``ask`` on ``loop``."""
 
-    def __init__(self, ask: Callable[[int, int, int], Awaitable[np.ndarray]], loop: asyncio.AbstractEventLoop,
-                 *, closed: str = "planning stopped"):
+    def __init__(
+        self,
+        ask: Callable[[int, int, int], Awaitable[np.ndarray]],
+        loop: asyncio.AbstractEventLoop,
+        *,
+        closed: str = "planning stopped",
+    ):
         self._ask = ask
         self._loop = loop
         self._closed_msg = closed

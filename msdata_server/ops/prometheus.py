@@ -232,8 +232,12 @@ def _cluster(out: _Samples, c: Any) -> None:
     if c.get("leader") is not None:
         out.add("msdata_cluster_leader_info", (c["leader"],), 1)
     out.add("msdata_cluster_leader_token", (), c.get("leader_token"))
-    for key, name in (("members", "msdata_cluster_members"), ("links", "msdata_cluster_links"),
-                      ("incoming", "msdata_cluster_incoming_links"), ("runs", "msdata_cluster_runs")):
+    for key, name in (
+        ("members", "msdata_cluster_members"),
+        ("links", "msdata_cluster_links"),
+        ("incoming", "msdata_cluster_incoming_links"),
+        ("runs", "msdata_cluster_runs"),
+    ):
         if isinstance(c.get(key), list):
             out.add(name, (), len(c[key]))
     out.add("msdata_cluster_lease_alive", (), c.get("lease_alive"))
@@ -285,8 +289,10 @@ async def start_metrics_server(addr: str, status: Callable[[], Mapping[str, Any]
                 except Exception:  # a bug in status() must cost one scrape, not the server
                     log.exception("rendering /metrics failed")
                     code, ctype, body = "500 Internal Server Error", "text/plain; charset=utf-8", b"error\n"
-            writer.write(f"HTTP/1.1 {code}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                         "Connection: close\r\n\r\n".encode("latin-1"))
+            writer.write(
+                f"HTTP/1.1 {code}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode("latin-1")
+            )
             if method != "HEAD":
                 writer.write(body)
             await asyncio.wait_for(writer.drain(), _READ_TIMEOUT)
@@ -298,8 +304,9 @@ async def start_metrics_server(addr: str, status: Callable[[], Mapping[str, Any]
     try:
         server = await asyncio.start_server(handle, host, port, limit=_MAX_REQUEST)
     except OSError as e:
-        raise ConfigError(f"[node] metrics = {addr!r} cannot be served: {e}; choose a free port, or \"\" to turn "
-                          "the exporter off") from None
+        raise ConfigError(
+            f'[node] metrics = {addr!r} cannot be served: {e}; choose a free port, or "" to turn the exporter off'
+        ) from None
     bound = server.sockets[0].getsockname()[1]
     log.info("Prometheus metrics at http://%s:%d/metrics", host, bound)
     return server, bound

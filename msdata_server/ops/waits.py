@@ -65,8 +65,9 @@ class WaitStats:
             raise ProtocolError(f"rank {rank} reported data waits that are not numbers: {e}") from None
         bad = [w for w in values if not math.isfinite(w) or w < 0]
         if bad:
-            raise ProtocolError(f"rank {rank} reported data waits {bad[:4]}: each must be a finite number of "
-                                "seconds >= 0")
+            raise ProtocolError(
+                f"rank {rank} reported data waits {bad[:4]}: each must be a finite number of seconds >= 0"
+            )
         now = self._clock()
         r = self._ranks.get(rank)
         if r is None:

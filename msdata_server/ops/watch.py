@@ -65,15 +65,21 @@ def _clip(line: str, width: int) -> str:
 
 def _header(st: Mapping[str, Any]) -> list[str]:
     mem = st.get("memory") or {}
-    lines = [(f"{st.get('node')}  {st.get('role')}  pid {st.get('pid')}  up {_uptime(st.get('uptime_s'))}  "
-              f"workers {st.get('workers')}  PSS {_bytes(mem.get('total_pss'))} "
-              f"(server {_bytes(mem.get('server_pss'))})")]
+    lines = [
+        (
+            f"{st.get('node')}  {st.get('role')}  pid {st.get('pid')}  up {_uptime(st.get('uptime_s'))}  "
+            f"workers {st.get('workers')}  PSS {_bytes(mem.get('total_pss'))} "
+            f"(server {_bytes(mem.get('server_pss'))})"
+        )
+    ]
     c = st.get("cluster")
     if isinstance(c, Mapping):
         t = c.get("traffic") or {}
-        lines.append(f"leader {c.get('leader')} #{c.get('leader_token')}  members {len(c.get('members') or [])}  "
-                     f"links {len(c.get('links') or [])}  peer in {_bytes(t.get('bytes_in'))}  "
-                     f"out {_bytes(t.get('bytes_out'))}")
+        lines.append(
+            f"leader {c.get('leader')} #{c.get('leader_token')}  members {len(c.get('members') or [])}  "
+            f"links {len(c.get('links') or [])}  peer in {_bytes(t.get('bytes_in'))}  "
+            f"out {_bytes(t.get('bytes_out'))}"
+        )
     a = st.get("autoscale")
     if isinstance(a, Mapping) and a.get("sources"):
         parts = [f"{name} {s.get('workers')}w" for name, s in a["sources"].items()]
@@ -83,11 +89,17 @@ def _header(st: Mapping[str, Any]) -> list[str]:
 
 def _job(j: Mapping[str, Any]) -> list[str]:
     imb = j.get("imbalance")
-    lines = [(f"job {j.get('name')} [{j.get('state')}]  ranks {len(j.get('ranks') or [])}/{j.get('world_size')}  "
-              f"steps {j.get('steps_planned')}  imbalance {_f(imb, '.3f')}  "
-              f"padding {_pct(j.get('padding_fraction'))}"),
-             (f"  published {_f(j.get('micro_batches_per_s'), '.1f')} micro-batches/s  "
-              f"{_f((j.get('bytes_per_s') or 0) / 1e9, '.2f')} GB/s")]
+    lines = [
+        (
+            f"job {j.get('name')} [{j.get('state')}]  ranks {len(j.get('ranks') or [])}/{j.get('world_size')}  "
+            f"steps {j.get('steps_planned')}  imbalance {_f(imb, '.3f')}  "
+            f"padding {_pct(j.get('padding_fraction'))}"
+        ),
+        (
+            f"  published {_f(j.get('micro_batches_per_s'), '.1f')} micro-batches/s  "
+            f"{_f((j.get('bytes_per_s') or 0) / 1e9, '.2f')} GB/s"
+        ),
+    ]
     if j.get("error"):
         lines.append(f"  error: {j['error']}")
     detail = j.get("ranks_detail") or {}
@@ -96,24 +108,31 @@ def _job(j: Mapping[str, Any]) -> list[str]:
         ranks = sorted(detail, key=lambda r: int(r) if str(r).isdigit() else 0)
         for r in ranks[:MAX_RANKS]:
             d = detail[r]
-            lines.append(f"  {r:>5} {d.get('step', '-'):>8} {d.get('delivered', '-'):>10} {_dur(d.get('wait_s')):>9} "
-                         f"{_dur(d.get('wait_p50_s')):>8} {_dur(d.get('wait_p99_s')):>8} {_pct(d.get('wait_frac')):>7}")
+            lines.append(
+                f"  {r:>5} {d.get('step', '-'):>8} {d.get('delivered', '-'):>10} {_dur(d.get('wait_s')):>9} "
+                f"{_dur(d.get('wait_p50_s')):>8} {_dur(d.get('wait_p99_s')):>8} {_pct(d.get('wait_frac')):>7}"
+            )
         if len(ranks) > MAX_RANKS:
             worst = max(ranks, key=lambda r: detail[r].get("wait_frac") or 0.0)
-            lines.append(f"  … {len(ranks) - MAX_RANKS} more ranks; most waiting: rank {worst} "
-                         f"{_pct(detail[worst].get('wait_frac'))}")
+            lines.append(
+                f"  … {len(ranks) - MAX_RANKS} more ranks; most waiting: rank {worst} "
+                f"{_pct(detail[worst].get('wait_frac'))}"
+            )
     sources = j.get("sources") or {}
     if sources:
-        lines.append(f"  {'source':<18} {'rate/s':>9} {'read':>10} {'held/bound':>13} {'fill':>5} "
-                     f"{'bad':>6} {'err':>5}")
+        lines.append(
+            f"  {'source':<18} {'rate/s':>9} {'read':>10} {'held/bound':>13} {'fill':>5} {'bad':>6} {'err':>5}"
+        )
         for name, s in sources.items():
             held = s.get("held", s.get("ready", "-"))
             bound = s.get("held_bound", s.get("readahead", "-"))
             bad = sum((s.get("bad_samples") or {}).values())
-            lines.append(f"  {_clip(str(name), 18):<18} {_f(s.get('samples_per_s'), '.1f'):>9} "
-                         f"{_bytes(s.get('bytes_read')):>10} {f'{held}/{bound}':>13} "
-                         f"{_f(s.get('buffer_fill'), '.2f'):>5} "
-                         f"{bad:>6} {s.get('errors', '-'):>5}")
+            lines.append(
+                f"  {_clip(str(name), 18):<18} {_f(s.get('samples_per_s'), '.1f'):>9} "
+                f"{_bytes(s.get('bytes_read')):>10} {f'{held}/{bound}':>13} "
+                f"{_f(s.get('buffer_fill'), '.2f'):>5} "
+                f"{bad:>6} {s.get('errors', '-'):>5}"
+            )
     groups: dict[Any, list[int]] = {}
     for r in j.get("rings") or []:
         g = groups.setdefault(r.get("group"), [0, 0, 0])
@@ -121,8 +140,11 @@ def _job(j: Mapping[str, Any]) -> list[str]:
         g[1] += r.get("slots", 0)
         g[2] = max(g[2], r.get("slot_size", 0))
     if groups:
-        lines.append("  rings in use: " + "  ".join(f"g{g} {u}/{n}" for g, (u, n, _) in groups.items())
-                     + f"  (slot {_bytes(max(v[2] for v in groups.values()))})")
+        lines.append(
+            "  rings in use: "
+            + "  ".join(f"g{g} {u}/{n}" for g, (u, n, _) in groups.items())
+            + f"  (slot {_bytes(max(v[2] for v in groups.values()))})"
+        )
     return lines
 
 
@@ -139,8 +161,14 @@ def render(status: Mapping[str, Any], width: int = 80) -> str:
     return "\n".join(_clip(line, width) for line in lines)
 
 
-def watch(endpoint: str, interval: float = 2.0, *, iterations: int | None = None, stream: IO[str] | None = None,
-          fetch: Callable[[], Mapping[str, Any]] | None = None) -> int:
+def watch(
+    endpoint: str,
+    interval: float = 2.0,
+    *,
+    iterations: int | None = None,
+    stream: IO[str] | None = None,
+    fetch: Callable[[], Mapping[str, Any]] | None = None,
+) -> int:
     """Redraw ``render(status)`` every ``interval`` seconds until interrupted (or ``iterations`` frames).
 
     A server that is down or restarting is shown as such and polled again; this never raises for it.

@@ -82,8 +82,16 @@ def place(
         return _arrival(lengths, costs, layout)
     if vision is not None:
         budget = KK_BUDGET if method is Method.KARMARKAR_KARP else 0
-        st = place_stages(lengths, costs, np.asarray(vision, dtype=np.float64), layout, priority=priority,
-                          tolerance=tolerance, kk_budget=budget, iters=STAGE_ITERS + layout.dp)
+        st = place_stages(
+            lengths,
+            costs,
+            np.asarray(vision, dtype=np.float64),
+            layout,
+            priority=priority,
+            tolerance=tolerance,
+            kk_budget=budget,
+            iters=STAGE_ITERS + layout.dp,
+        )
         return _result(st)
     st = Rows(lengths, costs, layout)
     n = lengths.size

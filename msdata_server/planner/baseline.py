@@ -21,9 +21,21 @@ __all__ = ["per_rank_steps"]
 Draw = Callable[[int, int, np.random.Generator], np.ndarray]
 
 
-def per_rank_steps(draw: Draw, weights: Mapping[str, float], mean_len: Mapping[str, float], *, seq_len: int,
-                   dp: int, micro_batches: int, rows: int, steps: int, seed: int, alpha: float = 1.0,
-                   beta: float = 4096.0, vlm: VlmCost | None = None) -> list[dict]:
+def per_rank_steps(
+    draw: Draw,
+    weights: Mapping[str, float],
+    mean_len: Mapping[str, float],
+    *,
+    seq_len: int,
+    dp: int,
+    micro_batches: int,
+    rows: int,
+    steps: int,
+    seed: int,
+    alpha: float = 1.0,
+    beta: float = 4096.0,
+    vlm: VlmCost | None = None,
+) -> list[dict]:
     """Simulate `steps` steps of per-rank packing; per step: imbalance (max/mean cost), padding, tokens, max_cost.
 
     Sources are drawn per document with probability weight/mean_len, so token shares follow the mixture.
@@ -73,11 +85,18 @@ def per_rank_steps(draw: Draw, weights: Mapping[str, float], mean_len: Mapping[s
                 cost[r] = attention_cost(piece_len[placed], alpha=vlm.alpha, beta=vlm.beta).sum()
                 enc[r] = piece_enc[placed].sum()
             tokens += int(piece_len[placed].sum())
-        step = {"imbalance": float((cost + enc).max() / (cost + enc).mean()),
-                "padding": 1.0 - tokens / (dp * k * seq_len), "tokens": tokens, "max_cost": float((cost + enc).max())}
+        step = {
+            "imbalance": float((cost + enc).max() / (cost + enc).mean()),
+            "padding": 1.0 - tokens / (dp * k * seq_len),
+            "tokens": tokens,
+            "max_cost": float((cost + enc).max()),
+        }
         if vlm is not None:
-            step.update(backbone_imbalance=float(cost.max() / cost.mean()),
-                        encoder_imbalance=float(enc.max() / enc.mean()) if enc.mean() > 0 else 1.0,
-                        max_backbone=float(cost.max()), max_encoder=float(enc.max()))
+            step.update(
+                backbone_imbalance=float(cost.max() / cost.mean()),
+                encoder_imbalance=float(enc.max() / enc.mean()) if enc.mean() > 0 else 1.0,
+                max_backbone=float(cost.max()),
+                max_encoder=float(enc.max()),
+            )
         out.append(step)
     return out

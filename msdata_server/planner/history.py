@@ -47,8 +47,9 @@ class StateHistory:
         unknown sources or bad weights, and then nothing changed."""
         base = planner.state_dict() if cut == planner.step else self.states.get(cut)
         if base is None:
-            raise CheckpointError(f"no planner state of step {cut} (states held: {self.span()}, planned up to "
-                                  f"{planner.step})")
+            raise CheckpointError(
+                f"no planner state of step {cut} (states held: {self.span()}, planned up to {planner.step})"
+            )
         rebased = Planner(planner.config, state=base)
         rebased.set_mixture(cut, weights)
         for s in [s for s in self.states if s > cut]:

@@ -50,8 +50,10 @@ def moments(images: np.ndarray, patches: np.ndarray) -> tuple[np.ndarray, np.nda
     """int64 per document: the sum of its images' patches and the sum of their squares."""
     doc = np.repeat(np.arange(images.size), images)
     p = patches.astype(np.int64)
-    return (np.bincount(doc, weights=p, minlength=images.size).astype(np.int64),
-            np.bincount(doc, weights=p * p, minlength=images.size).astype(np.int64))
+    return (
+        np.bincount(doc, weights=p, minlength=images.size).astype(np.int64),
+        np.bincount(doc, weights=p * p, minlength=images.size).astype(np.int64),
+    )
 
 
 class LengthReader:
@@ -133,7 +135,8 @@ class LengthReader:
         for name, x in (("images", images), ("patches", patches)):
             if x.ndim != 1 or not (np.issubdtype(x.dtype, np.integer) or x.size == 0) or (x.size and int(x.min()) < 0):
                 raise ProtocolError(
-                    f"{where} returned {name} of {x.dtype} shape {x.shape}; it must be non-negative ints")
+                    f"{where} returned {name} of {x.dtype} shape {x.shape}; it must be non-negative ints"
+                )
         if images.size != count or int(images.sum()) != patches.size:
             raise ProtocolError(
                 f"{where} returned {images.size} image counts summing to {int(images.sum())} for {patches.size}"

@@ -81,9 +81,7 @@ class Mixture:
         return cls(points=((0, _normalise(weights, "mixture")),))
 
     @classmethod
-    def schedule(
-        cls, points: Sequence[tuple[int, Mapping[str, float]]], interpolate: str = "step"
-    ) -> Mixture:
+    def schedule(cls, points: Sequence[tuple[int, Mapping[str, float]]], interpolate: str = "step") -> Mixture:
         """Weights that change at the given steps (`"step"`) or blend between them (`"linear"`)."""
         mode = Interpolate.parse(interpolate, "interpolate", brief=True)
         if isinstance(points, (str, bytes, Mapping)) or not isinstance(points, Sequence) or not points:

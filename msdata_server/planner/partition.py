@@ -96,7 +96,4 @@ def greedy_partition(values: np.ndarray, k: int, loads: np.ndarray | None = None
     return out
 
 
-PARTITIONERS: dict[str, Callable[..., np.ndarray]] = {
-    "greedy": greedy_partition,
-    "karmarkar_karp": kk_partition,
-}
+PARTITIONERS: dict[str, Callable[..., np.ndarray]] = {"greedy": greedy_partition, "karmarkar_karp": kk_partition}

@@ -269,6 +269,30 @@ class Planner:
 
     # -- planning ---------------------------------------------------------------------------
 
+    def _draw_parts(self, view: MetadataView, weights: np.ndarray, target: np.ndarray, taken: np.ndarray,
+                    cursor: np.ndarray, ingest: list[float]) -> list[list[np.ndarray]]:  # fmt: skip
+        """Each source's next documents until it has paid its target, as pieces with their arrival keys
+        (``taken`` and ``cursor`` advance in place); with the vlm cost, each piece's image moments too."""
+        cfg, vision = self._cfg, self._vlm is not None
+        parts: list[list[np.ndarray]] = []
+        for s in range(len(cfg.sources)):
+            deficit = float(target[s]) - float(taken[s])
+            if deficit <= 0:
+                continue
+            start = int(cursor[s])
+            got = self._reader.draw(view, s, start, deficit, ingest)
+            lens = got[0] if vision else got
+            cursor[s] = start + lens.size
+            doc, off, plen = pieces(lens, cfg.seq_len, self._mode)
+            taken[s] += int(plen.sum())
+            # arrival order interleaves the sources by tokens drawn per unit of weight (fair queueing)
+            key = (np.cumsum(plen) - plen) / max(float(weights[s]), 1e-12)
+            part: list[np.ndarray] = [np.full(doc.size, s, np.int32), start + doc, off, plen, key]
+            if vision:  # a document's images (its placeholders lead it) go with its first piece
+                part += [np.where(off == 0, m[doc], 0) for m in got[1:]]
+            parts.append(part)
+        return parts
+
     def plan_step(self, view: MetadataView) -> StepPlan:
         """Plan step `self.step` from the lengths in `view` and advance the state.
 
@@ -289,23 +313,7 @@ class Planner:
         target = pos.target + weights * need
         taken, cursor = pos.taken.copy(), pos.cursor.copy()
 
-        parts: list[list[np.ndarray]] = []
-        for s in range(len(cfg.sources)):
-            deficit = float(target[s]) - float(taken[s])
-            if deficit <= 0:
-                continue
-            start = int(cursor[s])
-            got = self._reader.draw(view, s, start, deficit, ingest)
-            lens = got[0] if vision else got
-            cursor[s] = start + lens.size
-            doc, off, plen = pieces(lens, cfg.seq_len, self._mode)
-            taken[s] += int(plen.sum())
-            # arrival order interleaves the sources by tokens drawn per unit of weight (fair queueing)
-            key = (np.cumsum(plen) - plen) / max(float(weights[s]), 1e-12)
-            part: list[np.ndarray] = [np.full(doc.size, s, np.int32), start + doc, off, plen, key]
-            if vision:  # a document's images (its placeholders lead it) go with its first piece
-                part += [np.where(off == 0, m[doc], 0) for m in got[1:]]
-            parts.append(part)
+        parts = self._draw_parts(view, weights, target, taken, cursor, ingest)
 
         src, ords, off, lens = (carry[k] for k in CARRY_KEYS)
         mom = [carry[k] for k in VISION_KEYS] if vision else []  # patches, patches squared per piece
@@ -370,11 +378,9 @@ class Planner:
             ),
             bounds=bounds.astype(np.int64),
         )
-        log.debug(
-            "step %d: %d pieces, imbalance %.4f, padding %.4f, %d carried, %.1f ms (+%.1f ms metadata)",
-            pos.step, idx.size, plan.stats.imbalance, plan.stats.padding_fraction, plan.stats.carried,
-            plan.stats.plan_ms, ingest[0],
-        )
+        st = plan.stats
+        log.debug("step %d: %d pieces, imbalance %.4f, padding %.4f, %d carried, %.1f ms (+%.1f ms metadata)",
+                  pos.step, idx.size, st.imbalance, st.padding_fraction, st.carried, st.plan_ms, ingest[0])  # fmt: skip
         # commit
         self._pos = Position(
             step=pos.step + 1,
@@ -382,20 +388,29 @@ class Planner:
             taken=taken,
             target=target,
             placed=pos.placed + per_source,
-            carry={"source": src[left], "ordinal": ords[left], "offset": off[left], "length": lens[left],
-                   **{k: m[left] for k, m in zip(VISION_KEYS, mom)}},
+            carry={
+                "source": src[left],
+                "ordinal": ords[left],
+                "offset": off[left],
+                "length": lens[left],
+                **{k: m[left] for k, m in zip(VISION_KEYS, mom)},
+            },
             mixture=self._pos.mixture,  # plan_step never changes the mixture
         )
         return plan
 
 
-def _two_stages(backbone: np.ndarray, micro_backbone: np.ndarray, enc: np.ndarray, rank: np.ndarray,
-                micro: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
+def _two_stages(
+    backbone: np.ndarray, micro_backbone: np.ndarray, enc: np.ndarray, rank: np.ndarray, micro: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, dict]:
     """Rank and micro-batch costs of both stages together, and PlanStats' per-stage fields (the placed
     pieces' encoder costs `enc`, on `rank` and `micro`)."""
     dp, n_micro = micro_backbone.shape
     encoder = np.bincount(rank, weights=enc, minlength=dp).astype(np.float64)
     micro_enc = np.bincount(rank * n_micro + micro, weights=enc, minlength=dp * n_micro).reshape(dp, n_micro)
-    stages = {"stage_cost": np.stack([backbone, encoder]), "backbone_imbalance": load_imbalance(backbone),
-              "encoder_imbalance": load_imbalance(encoder)}
+    stages = {
+        "stage_cost": np.stack([backbone, encoder]),
+        "backbone_imbalance": load_imbalance(backbone),
+        "encoder_imbalance": load_imbalance(encoder),
+    }
     return backbone + encoder, micro_backbone + micro_enc, stages

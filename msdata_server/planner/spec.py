@@ -25,7 +25,17 @@ def planner_config(spec: JobSpec) -> PlannerConfig:
     # the vision encoder's constants: BalanceSpec.alpha_v / beta_v once the job spec has them, else the defaults
     vision = {k: getattr(bal, k) for k in ("alpha_v", "beta_v") if hasattr(bal, k)}
     return PlannerConfig(
-        sources=spec.source_names(), seq_len=spec.seq_len, dp=spec.data_groups(), micro_batches=spec.micro_batches,
-        rows=spec.rows, method=bal.method, alpha=bal.alpha, beta=bal.beta,
-        cost=bal.cost if builtin else CostKind.ATTENTION.value, cost_fn=None if builtin else bal.cost,
-        long_docs=spec.long_docs, mixture=mixture, **vision)
+        sources=spec.source_names(),
+        seq_len=spec.seq_len,
+        dp=spec.data_groups(),
+        micro_batches=spec.micro_batches,
+        rows=spec.rows,
+        method=bal.method,
+        alpha=bal.alpha,
+        beta=bal.beta,
+        cost=bal.cost if builtin else CostKind.ATTENTION.value,
+        cost_fn=None if builtin else bal.cost,
+        long_docs=spec.long_docs,
+        mixture=mixture,
+        **vision,
+    )

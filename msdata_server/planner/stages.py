@@ -22,8 +22,15 @@ from .layout import Layout
 from .refine import CONSOLIDATE_PASSES, consolidate
 from .rows import ROUND_DIV, Rows, order_by
 
-__all__ = ["BACKBONE_WEIGHT", "KAPPA", "STAGE_PARTNERS", "encoder_load", "place_images", "place_stages",
-           "refine_stages"]
+__all__ = [
+    "BACKBONE_WEIGHT",
+    "KAPPA",
+    "STAGE_PARTNERS",
+    "encoder_load",
+    "place_images",
+    "place_stages",
+    "refine_stages",
+]
 
 KAPPA = 32.0  # sharpness of place_images' potential: a 1% higher load weighs exp(0.32) = 1.4 times more
 # place_images' weight of the backbone beside the encoder: the short text placed after these pieces evens out
@@ -36,8 +43,17 @@ FULL = 0.01  # a rank is full when less than this share of its rows is free...
 FULL_RANKS = 4  # ...and the second fill's cap is (1 + tolerance) x the full ranks' mean when dp / this are full
 
 
-def place_stages(lengths: np.ndarray, costs: np.ndarray, vision: np.ndarray, layout: Layout, *, priority: int,
-                 tolerance: float | None, kk_budget: int, iters: int) -> Rows:
+def place_stages(
+    lengths: np.ndarray,
+    costs: np.ndarray,
+    vision: np.ndarray,
+    layout: Layout,
+    *,
+    priority: int,
+    tolerance: float | None,
+    kk_budget: int,
+    iters: int,
+) -> Rows:
     """Place pieces (backbone `costs`, encoder `vision`) into the rows of `layout`; the filled Rows.
 
     Each fill: the carried text pieces by best fit, the long text (cost per token above the average of
@@ -60,8 +76,17 @@ def place_stages(lengths: np.ndarray, costs: np.ndarray, vision: np.ndarray, lay
     return st
 
 
-def _fill(lengths: np.ndarray, costs: np.ndarray, vision: np.ndarray, layout: Layout, desc: np.ndarray,
-          priority: int, tolerance: float | None, kk_budget: int, cap: float | None) -> Rows:
+def _fill(
+    lengths: np.ndarray,
+    costs: np.ndarray,
+    vision: np.ndarray,
+    layout: Layout,
+    desc: np.ndarray,
+    priority: int,
+    tolerance: float | None,
+    kk_budget: int,
+    cap: float | None,
+) -> Rows:
     st = Rows(lengths, costs, layout)
     st.set_cap(desc, tolerance)
     if cap is not None:
@@ -132,8 +157,9 @@ def place_images(st: Rows, idx: np.ndarray, vision: np.ndarray) -> None:
         db = (st.c[head] - st.L[head] * rate) * nb
         dv = vision[head] * nv
         # (loads over `top` are <= 0, so the exps are at most 1; a lump many times a mean load saturates)
-        rise = (BACKBONE_WEIGHT * np.exp(KAPPA * (pb[elig] * nb - top)) * np.expm1(min(KAPPA * db, MAX_EXP))
-                + np.exp(KAPPA * (enc[elig] * nv - top)) * np.expm1(min(KAPPA * dv, MAX_EXP)))
+        rise = BACKBONE_WEIGHT * np.exp(KAPPA * (pb[elig] * nb - top)) * np.expm1(min(KAPPA * db, MAX_EXP)) + np.exp(
+            KAPPA * (enc[elig] * nv - top)
+        ) * np.expm1(min(KAPPA * dv, MAX_EXP))
         take = queue[: min(floor, elig.size)]
         ranks = elig[np.argsort(rise, kind="stable")[: take.size]]
         bad = st.put(take, ranks, rate)  # the head always fits: its ranks were chosen for it

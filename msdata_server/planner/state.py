@@ -81,8 +81,9 @@ class Position:
         }
 
     @classmethod
-    def load(cls, state: Mapping, sources: tuple[str, ...], seq_len: int, long_docs: str, *,
-             vision: bool = False) -> Position:
+    def load(
+        cls, state: Mapping, sources: tuple[str, ...], seq_len: int, long_docs: str, *, vision: bool = False
+    ) -> Position:
         """Strictly validate a state_dict of the job with these sources, seq_len and long_docs (and, with
         `vision`, the "vlm" cost's carry columns)."""
         n = len(sources)

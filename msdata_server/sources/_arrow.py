@@ -139,9 +139,7 @@ def arrow_rows(
     cols: list[list] = []
     total = np.zeros(len(idx), dtype=np.int64)
     for arr, name in zip(arrays, names):
-        vals, sizes, _ = _records(
-            arr, idx, max_bytes=max_bytes, bad=_naming_column(once, name)
-        )
+        vals, sizes, _ = _records(arr, idx, max_bytes=max_bytes, bad=_naming_column(once, name))
         cols.append(vals)
         total += sizes
     for k in np.flatnonzero(total > max_bytes).tolist():

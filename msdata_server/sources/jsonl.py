@@ -100,8 +100,9 @@ class JsonlSource(FileSource):
         out: list = [None] * len(rows)
         ok = np.flatnonzero(sizes <= self.max_bytes)
         for k in np.flatnonzero(sizes > self.max_bytes).tolist():
-            out[k] = self.bad_sample(f, int(rows[k]), "oversize",
-                                     f"{int(sizes[k])} bytes > max_sample_bytes {self.max_bytes}")
+            out[k] = self.bad_sample(
+                f, int(rows[k]), "oversize", f"{int(sizes[k])} bytes > max_sample_bytes {self.max_bytes}"
+            )
         if len(ok) == 0:
             return out, 0
         lo, hi = int(starts[ok].min()), int(ends[ok].max())

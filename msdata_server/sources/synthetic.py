@@ -49,8 +49,9 @@ class SyntheticSource(Source):
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1 or samples >= 1 << 32:
             raise ConfigError(f"synthetic source {self.name!r}: samples = {samples!r} must be an integer in [1, 2**32)")
         if not median > 0 or not sigma >= 0:
-            raise ConfigError(f"synthetic source {self.name!r}: median = {median!r} must be > 0 "
-                              f"and sigma = {sigma!r} >= 0")
+            raise ConfigError(
+                f"synthetic source {self.name!r}: median = {median!r} must be > 0 and sigma = {sigma!r} >= 0"
+            )
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ConfigError(f"synthetic source {self.name!r}: need 1 <= min_len ({lo!r}) <= max_len ({hi!r})")
         self.median, self.sigma, self.min_len, self.max_len = float(median), float(sigma), lo, hi

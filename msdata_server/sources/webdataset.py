@@ -65,8 +65,14 @@ class ShardIndex:
     @classmethod
     def empty(cls) -> ShardIndex:
         z = np.zeros(0, np.int64)
-        return cls(offsets=z, sizes=z, exts=np.zeros(0, np.int32), starts=np.zeros(1, np.int64),
-                   flags=np.zeros(0, np.uint8), truncated="")
+        return cls(
+            offsets=z,
+            sizes=z,
+            exts=np.zeros(0, np.int32),
+            starts=np.zeros(1, np.int64),
+            flags=np.zeros(0, np.uint8),
+            truncated="",
+        )
 
 
 def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
@@ -164,8 +170,12 @@ class WebDatasetSource(FileSource):
             wanted = [(i,) for i in np.flatnonzero(2 * held > self.num_samples).tolist()]
             rare = [n for i, n in enumerate(names) if (i,) not in wanted]
             if rare:
-                log.warning("source %s: extensions %s are held by at most half of the samples and not delivered; "
-                            "set columns = [...] to choose the parts", self.name, rare)
+                log.warning(
+                    "source %s: extensions %s are held by at most half of the samples and not delivered; "
+                    "set columns = [...] to choose the parts",
+                    self.name,
+                    rare,
+                )
         self.wanted: tuple[tuple[int, ...], ...] = tuple(wanted)  # per record field: its extension ids
         self.ext_names: tuple[str, ...] = tuple(names)
         self._wanted_text = [self.columns[k] if self.columns else names[g[0]] for k, g in enumerate(wanted)]
@@ -181,8 +191,14 @@ class WebDatasetSource(FileSource):
             raise
         self.shards.append(idx)
         if idx.truncated:
-            log.error("source %s: shard %s is truncated (%s); %d samples before the cut indexed, a sample it "
-                      "touches is counted bad", self.name, path, idx.truncated, idx.num_samples)
+            log.error(
+                "source %s: shard %s is truncated (%s); %d samples before the cut indexed, a sample it "
+                "touches is counted bad",
+                self.name,
+                path,
+                idx.truncated,
+                idx.num_samples,
+            )
         return np.array([idx.num_samples], dtype=np.int64)
 
     def _index_bytes(self) -> int:

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.feather as feather
 import pyarrow.parquet as pq
+from tqdm import tqdm
 
 from .config import NodeConfig, ServerConfig
 from .metrics import tree_memory
@@ -201,6 +202,7 @@ def _run(root: str, steps: int) -> int:
     )
     done: dict[int, dict] = {}
     progress = dict.fromkeys(range(world), 0)
+    bar = tqdm(total=steps, unit="step", desc="  demo", disable=not sys.stdout.isatty())  # quiet in logs
     last = 0.0
     peak_pss = 0
     status = {}
@@ -227,16 +229,21 @@ def _run(root: str, steps: int) -> int:
             peak_pss = max(peak_pss, tree_memory(pids)["pss"])
             lo = min(progress.values())
             if not status:
-                print(f"  waiting for the ranks to start ({sum(p.is_alive() for p in procs)} processes up)", flush=True)
+                bar.set_postfix_str(f"waiting for the ranks to start ({sum(p.is_alive() for p in procs)} up)")
+                line = f"  waiting for the ranks to start ({sum(p.is_alive() for p in procs)} processes up)"
             else:
                 j = status["jobs"][0]
                 imb = j.get("imbalance")
-                print(
+                bar.update(lo - bar.n)
+                bar.set_postfix(mb_per_s=round(j["micro_batches_per_s"], 1), imbalance=imb and round(imb, 3))
+                line = (
                     f"  step {lo:4d}/{steps}  {j['micro_batches_per_s']:7.1f} micro-batches/s  "
                     f"imbalance {imb if imb is None else round(imb, 3)}  "
-                    + " ".join(f"r{r}:{s}" for r, s in sorted(progress.items())),
-                    flush=True,
+                    + " ".join(f"r{r}:{s}" for r, s in sorted(progress.items()))
                 )
+            if bar.disable:  # not a terminal: a plain line now and then, for logs
+                print(line, flush=True)
+    bar.close()
     for p in procs:
         p.join(30)
     _stop(server, loop, thread)

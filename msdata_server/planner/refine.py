@@ -15,6 +15,27 @@ CONSOLIDATE_RATIO = 8  # a traded placed piece is at least this many times the m
 CONSOLIDATE_PASSES = 4  # rounds of trading left-over pieces a placement runs (balance.place, stages.place_stages)
 
 
+class RankMembers:
+    """The pieces on each rank while refinement moves them: grouped once by rank, plus the pieces that moved
+    onto a rank since (a piece that moved away is filtered out by its current rank). ``rank`` is live."""
+
+    def __init__(self, rank: np.ndarray, dp: int):
+        self.rank = rank
+        self.order = order_by(rank + 1, dp + 1)
+        self.bounds = np.searchsorted(rank[self.order], np.arange(dp + 1))  # rank -1 comes first
+        self.moved: dict[int, list[int]] = {}
+
+    def __call__(self, r: int) -> np.ndarray:
+        own = self.order[self.bounds[r] : self.bounds[r + 1]]
+        if r in self.moved:
+            own = np.concatenate([own, np.array(self.moved[r], np.int64)])
+        return own[self.rank[own] == r]
+
+    def arrived(self, r: int, piece: int) -> None:
+        """``piece`` now lies on rank r."""
+        self.moved.setdefault(r, []).append(piece)
+
+
 def refine(st: Rows, iters: int) -> None:
     """Lower the costliest rank by moving or swapping one piece with a cheap rank, while it helps.
 
@@ -22,15 +43,7 @@ def refine(st: Rows, iters: int) -> None:
     is closest to half the gap, among those whose pieces fit the rows they go to.
     """
     L, c = st.L, st.c
-    order = order_by(st.rank + 1, st.lay.dp + 1)  # members by rank; moves are tracked in `moved`
-    bounds = np.searchsorted(st.rank[order], np.arange(st.lay.dp + 1))  # rank -1 comes first
-    moved: dict[int, list[int]] = {}
-
-    def members(r: int) -> np.ndarray:
-        own = order[bounds[r] : bounds[r + 1]]
-        if r in moved:
-            own = np.concatenate([own, np.array(moved[r], np.int64)])
-        return own[st.rank[own] == r]
+    members = RankMembers(st.rank, st.lay.dp)
 
     for _ in range(iters):
         r = int(np.argmax(st.rcost))
@@ -62,12 +75,12 @@ def refine(st: Rows, iters: int) -> None:
                 continue
             if gain_move[a] >= best_swap:
                 st.move(int(mine[a]), q)
-                moved.setdefault(q, []).append(int(mine[a]))
+                members.arrived(q, int(mine[a]))
             else:
                 ia, ib = divmod(flat, theirs.size)
                 st.swap(int(mine[ia]), int(theirs[ib]))
-                moved.setdefault(q, []).append(int(mine[ia]))
-                moved.setdefault(r, []).append(int(theirs[ib]))
+                members.arrived(q, int(mine[ia]))
+                members.arrived(r, int(theirs[ib]))
             done = True
             break
         if not done:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .layout import Layout
-from .refine import CONSOLIDATE_PASSES, consolidate
+from .refine import CONSOLIDATE_PASSES, RankMembers, consolidate
 from .rows import ROUND_DIV, Rows, order_by
 
 __all__ = [
@@ -185,15 +185,7 @@ def refine_stages(st: Rows, vision: np.ndarray, iters: int) -> None:
     enc = encoder_load(st, vision)
     wb = _inv(max(float(st.rcost.mean()), float(b[placed].max())))
     wv = _inv(max(float(enc.mean()), float(vision[placed].max())))
-    order = order_by(st.rank + 1, dp + 1)  # members by rank; moves are tracked in `moved`
-    bounds = np.searchsorted(st.rank[order], np.arange(dp + 1))
-    moved: dict[int, list[int]] = {}
-
-    def members(r: int) -> np.ndarray:
-        own = order[bounds[r] : bounds[r + 1]]
-        if r in moved:
-            own = np.concatenate([own, np.array(moved[r], np.int64)])
-        return own[st.rank[own] == r]
+    members = RankMembers(st.rank, dp)
 
     stuck = np.zeros(dp, bool)
     for _ in range(iters):
@@ -233,14 +225,14 @@ def refine_stages(st: Rows, vision: np.ndarray, iters: int) -> None:
             st.swap(a, x)
             enc[r] += vision[x] - vision[a]
             enc[q] += vision[a] - vision[x]
-            moved.setdefault(q, []).append(a)
-            moved.setdefault(r, []).append(x)
+            members.arrived(q, a)
+            members.arrived(r, x)
         elif val.flat[j] < best:
             ia, iq = divmod(j, partners.size)
             a, q = int(mine[ia]), int(partners[iq])
             st.move(a, q)
             enc[r] -= vision[a]
             enc[q] += vision[a]
-            moved.setdefault(q, []).append(a)
+            members.arrived(q, a)
         else:
             stuck[r] = True

@@ -11,7 +11,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e ".[test,bench,lint]"
+	$(BIN)/pip install -q -e ".[test,bench,lint,examples]"
 	touch $@
 
 venv: $(BIN)/.installed
@@ -28,8 +28,8 @@ lint: venv
 		$(BIN)/ruff format --check msdata_client msdata_server tests bench examples && \
 		$(BIN)/mypy
 
-bench: venv
-	$(BIN)/python bench/transport.py --quick
+bench: venv  # every benchmark in bench/ (--quick); their JSON and the plots go to bench/results/
+	$(BIN)/python bench/suite.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info

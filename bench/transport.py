@@ -57,7 +57,7 @@ def _producer(sock_path: str, nbytes: int, n: int, readers: int, slots: int, rea
 
     from msdata_client.ring import HEADER_SIZE, SlotTable, layout_fields
     from msdata_client.wire import PROTOCOL_VERSION
-    from msdata_server.control import UnixEndpoint
+    from msdata_server.endpoint import UnixEndpoint
     from msdata_server.shm import create_segment
     from msdata_server.tasks import TaskSet
 

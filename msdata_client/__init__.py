@@ -22,9 +22,11 @@ from .graph import DGraph, JobSpec, SourceSpec
 from .mesh import ClientPlaceTree
 
 if TYPE_CHECKING:
+    from .calibration import Calibration, calibrate
     from .client import DataClient
 
 __all__ = [
+    "Calibration",
     "CheckpointError",
     "ClientPlaceTree",
     "ClosedError",
@@ -38,6 +40,7 @@ __all__ = [
     "ProtocolError",
     "RemoteError",
     "SourceSpec",
+    "calibrate",
 ]
 
 
@@ -46,4 +49,8 @@ def __getattr__(name: str):
         from .client import DataClient
 
         return DataClient
+    if name in ("Calibration", "calibrate"):  # times the user's model (torch), so loaded on first use too
+        from . import calibration
+
+        return getattr(calibration, name)
     raise AttributeError(f"module 'msdata_client' has no attribute {name!r}")

@@ -102,18 +102,25 @@ class SyntheticLengths:
         if got is None:
             name = self.names[source]
             rng = np.random.Generator(np.random.PCG64(_seed(self.seed, self.workload.name, name, block)))
-            got = lengths(self.workload.sources[name], BLOCK, self.seq_len, rng)
+            got = self._draw(name, rng)
             if len(self._blocks) > 4096:
                 self._blocks.clear()
             self._blocks[(source, block)] = got
         return got
 
-    def lengths(self, source: int, start: int, count: int) -> np.ndarray:
+    def _draw(self, name: str, rng: np.random.Generator) -> np.ndarray:
+        """One block of BLOCK documents of source ``name`` (the last axis indexes the documents)."""
+        return lengths(self.workload.sources[name], BLOCK, self.seq_len, rng)
+
+    def _range(self, source: int, start: int, count: int) -> np.ndarray:
         first, last = start // BLOCK, (start + count - 1) // BLOCK if count else start // BLOCK
         parts = [self._block(source, b) for b in range(first, last + 1)]
-        flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        flat = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
         lo = start - first * BLOCK
-        return flat[lo : lo + count].copy()
+        return flat[..., lo : lo + count]
+
+    def lengths(self, source: int, start: int, count: int) -> np.ndarray:
+        return self._range(source, start, count).copy()
 
 
 # -- vlm4: vision-language (bench/vlm.py) -------------------------------------------------------------
@@ -198,31 +205,14 @@ def vlm_docs(workload: VlmWorkload, name: str, n: int, seq_len: int, rng: np.ran
     return np.stack([patches // (workload.merge**2) + text, patches])
 
 
-class SyntheticVlm:
+class SyntheticVlm(SyntheticLengths):
     """A MetadataView with `vision` over a VlmWorkload: a pure function of (seed, source, ordinal)."""
 
     def __init__(self, workload: VlmWorkload, seq_len: int, *, seed: int = 0):
-        self.workload, self.seq_len, self.seed = workload, seq_len, seed
-        self.names = tuple(workload.sources)
-        self._blocks: dict[tuple[int, int], np.ndarray] = {}
+        super().__init__(workload, seq_len, seed=seed)  # the same shape: name, sources
 
-    def _block(self, source: int, block: int) -> np.ndarray:
-        got = self._blocks.get((source, block))
-        if got is None:
-            name = self.names[source]
-            rng = np.random.Generator(np.random.PCG64(_seed(self.seed, self.workload.name, name, block)))
-            got = vlm_docs(self.workload, name, BLOCK, self.seq_len, rng)
-            if len(self._blocks) > 4096:
-                self._blocks.clear()
-            self._blocks[(source, block)] = got
-        return got
-
-    def _range(self, source: int, start: int, count: int) -> np.ndarray:
-        first, last = start // BLOCK, (start + count - 1) // BLOCK if count else start // BLOCK
-        parts = [self._block(source, b) for b in range(first, last + 1)]
-        flat = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-        lo = start - first * BLOCK
-        return flat[:, lo : lo + count]
+    def _draw(self, name: str, rng: np.random.Generator) -> np.ndarray:
+        return vlm_docs(self.workload, name, BLOCK, self.seq_len, rng)
 
     def lengths(self, source: int, start: int, count: int) -> np.ndarray:
         return self._range(source, start, count)[0].copy()

@@ -441,15 +441,20 @@ def test_a_failing_role_callback_is_fatal_not_ignored(etcd_server):
         node = Node(etcd_server.url, p, 0)
         fatal: list[BaseException] = []
         seen: list[str] = []
-        node.e.on_fatal = fatal.append
+        failed = asyncio.Event()
+
+        def on_fatal(exc: BaseException) -> None:
+            fatal.append(exc)
+            failed.set()
+
+        node.e.on_fatal = on_fatal
         node.e.on_change(lambda role, _who, _token: (_ for _ in ()).throw(RuntimeError(f"broken on {role}")))
         node.e.on_change(lambda role, _who, _token: seen.append(role))  # later callbacks still run
         await node.start()
         try:
             await node.e.wait_leader()
             async with asyncio.timeout(10 * TTL):
-                while not fatal:
-                    await asyncio.sleep(0.01)  # the election task runs the callbacks; poll its outcome
+                await failed.wait()  # the election task runs the callbacks
             assert isinstance(fatal[0], RuntimeError) and "broken on leader" in str(fatal[0])
             assert seen and seen[0] == "leader"
         finally:

@@ -430,7 +430,7 @@ class JobCoordinator:
 
     def view(self, run, loop: asyncio.AbstractEventLoop) -> ThreadView:
         """The planner's MetadataView here: lengths asked of the partition owners (from the planner thread)."""
-        view = ThreadView(lambda s, a, n: self.jobs.fetch_lengths(run, s, a, n), loop, closed="no longer leader")
+        view = ThreadView(run.shard.lengths, loop, closed="no longer leader")
         self.views.add(view)
         if self.stopped:
             view.close()

@@ -333,7 +333,3 @@ class ClusterJobs:
             self.reports.changed()
 
         self.tasks.spawn(go(), name=f"start-{job.name}")
-
-    async def fetch_lengths(self, run: Run, s: int, start: int, count: int) -> np.ndarray:
-        """Lengths of [start, start+count) of source s of a run, from the nodes that own them (the planner's)."""
-        return await run.shard.lengths(s, start, count)

@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 __all__ = ["Run", "RunHost"]
 
 
+def _positions(wire: dict) -> dict[int, tuple[int, int]]:
+    """Rank -> (step, micro) from a jstart frame (JSON keys are strings)."""
+    return {int(r): (int(p[0]), int(p[1])) for r, p in wire.items()}
+
+
 class RunHost(Protocol):
     """What a run needs of its node's job layer (``cluster.jobs.ClusterJobs``)."""
 
@@ -64,7 +69,7 @@ class Run:
         self.id = str(frame["run"])  # one run of the job: plans, acks and payload requests name it
         self.inst: str | None = None  # the local registration (Job.inst) this run feeds, once started here
         self.start_step = int(frame["start_step"])
-        self.positions = {int(r): (int(p[0]), int(p[1])) for r, p in frame["positions"].items()}
+        self.positions = _positions(frame["positions"])
         self.group_nodes: dict[int, tuple[str, ...]] = {}
         self.set_ranks(frame["rank_nodes"])
         self.shard = JobShard(jobs, spec, digest, int(frame["nparts"]), run=self.id)
@@ -95,7 +100,7 @@ class Run:
     def adopt(self, job: Job, positions: dict) -> None:
         """This node's registration of the job joins the run at the positions the leader gives."""
         self.inst = job.inst
-        self.positions = {int(r): (int(p[0]), int(p[1])) for r, p in positions.items()}
+        self.positions = _positions(positions)
         self.start_step = min(
             (self.positions[r] for r in job.ranks.conns if r in self.positions), default=(self.start_step, 0)
         )[0]

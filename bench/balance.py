@@ -27,6 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from progress import say, track  # noqa: E402
 from workloads import COST, TEXT4, SyntheticLengths, lengths  # noqa: E402
 
 from msdata_server.planner import Mixture, Planner, PlannerConfig, attention_cost  # noqa: E402
@@ -134,47 +135,45 @@ def main() -> None:
         f"{'plan ms':>8} {'warm ms':>8} {'ingest':>7} {'docs':>7} {'state kB':>8} | "
         f"{'base imb':>8} {'base pad':>8}"
     )
-    print(
+    say(
         f"text4, micro_batches={MICRO}, rows={ROWS}, cost {COST}, balance_tolerance={tolerance}, "
         f"{steps} measured steps after 1 warm-up; medians; gain = throughput / baseline's"
     )
-    print(head)
-    print("-" * len(head))
+    say(head)
+    say("-" * len(head))
     results: dict[str, float] = {}
-    for seq_len in seq_lens:
-        for dp in dps:
-            base_steps = steps if dp <= 512 else 2  # the per-rank baseline is slow to simulate at 4096
-            base = baseline(seq_len, dp, base_steps + 1, args.seed)[1:]
-            for method in methods:
-                if dp > 512 and method == "none":
-                    continue
-                rows = msdata(seq_len, dp, steps + 1, args.seed, method, tolerance)
-                warm, rows = rows[0], rows[1:]
-                gain = throughput(rows) / throughput(base)
-                print(
-                    f"{seq_len:>7} {dp:>5} {method:>14} | {med(rows, 'imbalance'):6.4f} {med(rows, 'gap'):6.4f} "
-                    f"{med(rows, 'micro_gap'):6.3f} "
-                    f"{med(rows, 'padding'):6.4f} {gain:5.2f} {med(rows, 'plan_ms'):8.1f} {warm['plan_ms']:8.1f} "
-                    f"{med(rows, 'ingest_ms'):7.1f} {int(med(rows, 'docs')):>7} "
-                    f"{max(r['state_bytes'] for r in rows) / 1e3:8.1f} | "
-                    f"{med(base, 'imbalance'):8.4f} {med(base, 'padding'):8.4f}",
-                    flush=True,
-                )
-                if method == "karmarkar_karp":
-                    tag = f"{seq_len // 1024}k_dp{dp}"
-                    results[f"imbalance_{tag}"] = round(statistics.mean(r["imbalance"] for r in rows), 4)
-                    results[f"gap_to_bound_{tag}"] = round(statistics.mean(r["gap"] for r in rows), 4)
-                    results[f"padding_{tag}"] = round(statistics.mean(r["padding"] for r in rows), 4)
-                    results[f"gain_{tag}"] = round(gain, 3)
-                    results[f"plan_ms_{tag}"] = round(med(rows, "plan_ms"), 1)
-                    results[f"baseline_imbalance_{tag}"] = round(statistics.mean(r["imbalance"] for r in base), 4)
-                    results[f"baseline_padding_{tag}"] = round(statistics.mean(r["padding"] for r in base), 4)
+    for seq_len, dp in track([(s, d) for s in seq_lens for d in dps], "balance configs", unit="config"):
+        base_steps = steps if dp <= 512 else 2  # the per-rank baseline is slow to simulate at 4096
+        base = baseline(seq_len, dp, base_steps + 1, args.seed)[1:]
+        for method in methods:
+            if dp > 512 and method == "none":
+                continue
+            rows = msdata(seq_len, dp, steps + 1, args.seed, method, tolerance)
+            warm, rows = rows[0], rows[1:]
+            gain = throughput(rows) / throughput(base)
+            say(
+                f"{seq_len:>7} {dp:>5} {method:>14} | {med(rows, 'imbalance'):6.4f} {med(rows, 'gap'):6.4f} "
+                f"{med(rows, 'micro_gap'):6.3f} "
+                f"{med(rows, 'padding'):6.4f} {gain:5.2f} {med(rows, 'plan_ms'):8.1f} {warm['plan_ms']:8.1f} "
+                f"{med(rows, 'ingest_ms'):7.1f} {int(med(rows, 'docs')):>7} "
+                f"{max(r['state_bytes'] for r in rows) / 1e3:8.1f} | "
+                f"{med(base, 'imbalance'):8.4f} {med(base, 'padding'):8.4f}"
+            )
+            if method == "karmarkar_karp":
+                tag = f"{seq_len // 1024}k_dp{dp}"
+                results[f"imbalance_{tag}"] = round(statistics.mean(r["imbalance"] for r in rows), 4)
+                results[f"gap_to_bound_{tag}"] = round(statistics.mean(r["gap"] for r in rows), 4)
+                results[f"padding_{tag}"] = round(statistics.mean(r["padding"] for r in rows), 4)
+                results[f"gain_{tag}"] = round(gain, 3)
+                results[f"plan_ms_{tag}"] = round(med(rows, "plan_ms"), 1)
+                results[f"baseline_imbalance_{tag}"] = round(statistics.mean(r["imbalance"] for r in base), 4)
+                results[f"baseline_padding_{tag}"] = round(statistics.mean(r["padding"] for r in base), 4)
     largest = max(seq_lens)
     for dp in dps:
         key = f"plan_ms_{largest // 1024}k_dp{dp}"
         if key in results:
             results[f"plan_ms_dp{dp}"] = results[key]
-    print(json.dumps(results, sort_keys=True))
+    say(json.dumps(results, sort_keys=True))
 
 
 if __name__ == "__main__":

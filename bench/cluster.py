@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from progress import bar, say  # noqa: E402
 from workloads import COST, TEXT4, SyntheticLengths  # noqa: E402
 
 from msdata_client.wire import request  # noqa: E402
@@ -372,41 +373,47 @@ def main() -> None:
     steps = 3 if args.quick else 8
     rounds = 2 if args.quick else 4
 
-    print(
+    say(
         f"planner load: text4, seq_len {SEQ}, {MICRO} micro-batches per rank, metadata only; "
         f"median of {steps} steps after 1 warm-up"
     )
-    print(f"{'dp':>5} {'plan ms':>9} {'plans/s':>8} {'docs/step':>10} {'state B':>8}")
+    say(f"{'dp':>5} {'plan ms':>9} {'plans/s':>8} {'docs/step':>10} {'state B':>8}")
+    prog = bar(6, "cluster", "phase")  # plan x2, state write, failover x2, data path
     res = {}
     for dp in (512, 4096):
         r = plan_load(dp, steps)
+        prog.update(1)
         res[dp] = r
-        print(f"{dp:>5} {r['plan_ms']:>9.1f} {r['plans_per_s']:>8.2f} {r['docs']:>10} {r['state_bytes']:>8}")
+        say(f"{dp:>5} {r['plan_ms']:>9.1f} {r['plans_per_s']:>8.2f} {r['docs']:>10} {r['state_bytes']:>8}")
     w = asyncio.run(state_write(res[4096]["state"], 20))
-    print(f"fenced etcd write of the dp-4096 planner state ({res[4096]['state_bytes']} B): {w:.2f} ms median")
+    prog.update(1)
+    say(f"fenced etcd write of the dp-4096 planner state ({res[4096]['state_bytes']} B): {w:.2f} ms median")
     fo = failover(args.ttl, rounds)
-    print(
+    prog.update(1)
+    say(
         f"failover (3 nodes, lease {args.ttl:g} s, leader SIGKILLed -> new leader agreed): "
         + ", ".join(f"{x:.2f}s" for x in fo)
     )
     fd = failover_data(args.ttl)
+    prog.update(1)
     fd["planned_s"] = -1.0 if fd["planned_s"] is None else fd["planned_s"]  # -1: the resume was not seen
-    print(
+    say(
         f"failover with a job running (lease {args.ttl:g} s, leader SIGKILLed -> new leader plans): "
         f"{fd['planned_s']:.2f}s; -> surviving ranks get their next batch: {fd['delivered_s']:.2f}s"
     )
     dpath = data_path(10 if args.quick else 30)
+    prog.close()
     for k, label in (("one", "one node, 3 ranks"), ("three", "three nodes, 1 rank each")):
-        print(
+        say(
             f"data path ({label}; dp 3, 16 KiB-token steps): {dpath[k]['steps_per_s']:.1f} steps/s, "
             f"{dpath[k]['bytes_per_s'] / 2**20:.1f} MiB/s to ranks"
         )
-    print(
+    say(
         f"  across nodes: {dpath['three']['peer_bytes_per_s'] / 2**20:.1f} MiB/s over the peer links "
         f"({dpath['three']['peer_bytes_per_batch_byte']:.2f} B per batch byte; ratio three/one nodes "
         f"{dpath['three']['steps_per_s'] / dpath['one']['steps_per_s']:.2f})"
     )
-    print(
+    say(
         json.dumps(
             {
                 "failover_s": round(statistics.median(fo), 3),

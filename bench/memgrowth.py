@@ -29,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from progress import bar, say  # noqa: E402
 
 from msdata_client.wire import request  # noqa: E402
 
@@ -158,6 +160,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="msmg-", dir="/tmp"))
     worktree = None
     arms: list[Arm] = []
+    prog = bar(args.minutes * 60 if args.minutes else steps, "memgrowth", "s" if args.minutes else "step")
     try:
         trees = [("current", ROOT)]
         if args.baseline:
@@ -174,30 +177,32 @@ def main() -> None:
             for a in arms:
                 if a.running():
                     a.sample(t0)
-            if sys.stdout.isatty() or time.monotonic() - last_print > 60:
+            done = [a.samples[-1][1] for a in arms if a.samples]
+            prog.update((time.monotonic() - t0 if args.minutes else min(done, default=0)) - prog.n)
+            if not sys.stdout.isatty() and time.monotonic() - last_print > 60:  # a log line a minute
                 last_print = time.monotonic()
-                print(
+                say(
                     "  ".join(
                         f"{a.name}: step {a.samples[-1][1]} USS {a.samples[-1][2] / 2**20:.1f} MiB"
                         for a in arms
                         if a.samples
-                    ),
-                    flush=True,
+                    )
                 )
     finally:
+        prog.close()
         for a in arms:
             a.close()
         if worktree is not None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False)
         shutil.rmtree(base, ignore_errors=True)
     reports = [a.report() for a in arms]
-    print(
+    say(
         f"{'arm':<24} {'warm step':>9} {'USS MiB':>8} {'end step':>9} {'USS MiB':>8} {'KiB/10k steps':>13} "
         f"{'%/hour':>7}"
     )
     for r in reports:
         if "end_step" in r:
-            print(
+            say(
                 f"{r['arm']:<24} {r['warm_step']:>9} {r['uss_warm_mib']:>8} {r['end_step']:>9} "
                 f"{r['uss_end_mib']:>8} {r['growth_kib_per_10k_steps']:>13} {r['growth_pct_per_hour']:>7}"
             )
@@ -211,7 +216,7 @@ def main() -> None:
         )
     if len(reports) == 2 and "growth_kib_per_10k_steps" in reports[0]:
         out["baseline_growth_kib_per_10k_steps"] = reports[0]["growth_kib_per_10k_steps"]
-    print(json.dumps(out))
+    say(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
+from progress import bar, say  # noqa: E402
+
 from msdata_server.metrics import proc_memory  # noqa: E402  (stdlib only)
 
 MIB = 2**20
@@ -681,14 +683,13 @@ def main(argv: list[str] | None = None) -> int:
         R = args.ranks or M["ranks"]
         W = args.workers_per_rank or M["workers_per_rank"]
         seq_len = M["seq_len"]
-        print(
+        say(
             f"memory benchmark: manysources, {M['files_per_source']} files x {M['row_groups_per_file']} row groups x "
             f"{M['rows_per_row_group']} rows per source, text lognormal(median {M['text_median_bytes']} B, sigma "
             f"{M['text_sigma']}), seq_len {seq_len}; torch: R={R} ranks x W={W} DataLoader workers; msdata: one "
-            f"server, {args.server_workers} pool workers",
-            flush=True,
+            f"server, {args.server_workers} pool workers"
         )
-        print(f"data: {g['files_written']} parquet files written in {g['seconds']:.1f}s under {data}", flush=True)
+        say(f"data: {g['files_written']} parquet files written in {g['seconds']:.1f}s under {data}")
 
         # msdata phases run before baseline phases on the same trainers: a trainer that ran the baseline has
         # pyarrow mapped, which would make the server's pyarrow pages look free
@@ -704,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
             for S, r in configs
         }
         trainers: Trainers | None = None
+        prog = bar(len(configs) * len(kinds), "memory", "phase")
         try:
             for r in dict.fromkeys(r for _, r in configs):
                 for kind in kinds:
@@ -714,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
                         if trainers is None:
                             trainers = Trainers(r, work)
                             if args.verbose:
-                                print(f"  [R={r}] trainers imported torch in {trainers.seconds_start:.1f}s", flush=True)
+                                say(f"  [R={r}] trainers imported torch in {trainers.seconds_start:.1f}s")
                         row = rows[(S, r)]
                         row[kind] = run_phase(
                             kind,
@@ -726,23 +728,25 @@ def main(argv: list[str] | None = None) -> int:
                             server_workers=args.server_workers,
                             verbose=args.verbose,
                         )
+                        prog.update(1)
         finally:
+            prog.close()
             if trainers is not None:
                 trainers.close()
         results = list(rows.values())
         for i, row in enumerate(results):
             _print_row(row, header=i == 0)
 
-        print("\nmsdata per-process PSS (server tree and trainer side):")
+        say("\nmsdata per-process PSS (server tree and trainer side):")
         for row in results:
             if "msdata" in row:
-                print(_fmt_breakdown(row["msdata"]))
-        print("\nbaseline per-process PSS:")
+                say(_fmt_breakdown(row["msdata"]))
+        say("\nbaseline per-process PSS:")
         for row in results:
             if "baseline" in row:
                 m = row["baseline"]
                 procs = m["trainer_processes"]
-                print(
+                say(
                     f"    S={m['S']:<3d} R={m['R']} W={m['W']}: {procs} processes, loader "
                     f"{m['loader_pss'] / MIB:.0f} MiB = {m['loader_pss'] / MIB / max(procs - m['R'], 1):.0f} MiB "
                     f"per DataLoader worker (rank and worker growth together)"
@@ -750,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_scaling(results, R)
         summary = _summary(results, R, W)
         summary["seconds"] = round(time.perf_counter() - t_start, 1)
-        print(json.dumps(summary))
+        say(json.dumps(summary))
         return 0
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -763,8 +767,8 @@ def _ratio(row: dict, key: str = "loader_pss") -> float | None:
 
 def _print_row(row: dict, header: bool) -> None:
     if header:
-        print(f"\n{'':>20} {'PSS (smaps_rollup)':^33}   {'PSS within the measured set':^33}")
-        print(
+        say(f"\n{'':>20} {'PSS (smaps_rollup)':^33}   {'PSS within the measured set':^33}")
+        say(
             f"{'S':>4} {'R':>3} {'W':>3} {'batches':>8} {'baseline MiB':>13} {'msdata MiB':>11} {'ratio':>7}"
             f"   {'baseline MiB':>13} {'msdata MiB':>11} {'ratio':>7}"
         )
@@ -778,10 +782,9 @@ def _print_row(row: dict, header: bool) -> None:
             "-" if m is None else f"{m / MIB:.0f}",
             "-" if r is None else f"{r:.1f}x",
         ]
-    print(
+    say(
         f"{row['S']:>4} {row['R']:>3} {row['W']:>3} {row['batches']:>8} {cells[0]:>13} {cells[1]:>11} {cells[2]:>7}"
-        f"   {cells[3]:>13} {cells[4]:>11} {cells[5]:>7}",
-        flush=True,
+        f"   {cells[3]:>13} {cells[4]:>11} {cells[5]:>7}"
     )
 
 
@@ -789,13 +792,13 @@ def _print_scaling(results: list[dict], R: int) -> None:
     at64 = sorted((row for row in results if row["S"] == 64), key=lambda x: x["R"])
     if len(at64) < 2:
         return
-    print("\nscaling with R*W at S=64:")
+    say("\nscaling with R*W at S=64:")
     for row in at64:
         parts = [f"R={row['R']} (R*W={row['R'] * row['W']})"]
         for kind in ("baseline", "msdata"):
             if kind in row:
                 parts.append(f"{kind} {row[kind]['loader_pss'] / MIB:.0f} MiB")
-        print("    " + ", ".join(parts))
+        say("    " + ", ".join(parts))
 
 
 def _summary(results: list[dict], R: int, W: int) -> dict:

@@ -27,6 +27,8 @@ import pyarrow.parquet as pq
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from progress import bar, say  # noqa: E402
 
 import msdata_client as msd  # noqa: E402
 
@@ -123,10 +125,12 @@ def main() -> None:
     dp, seq_len, micro = 8, 8192, 4
     steps = 3 if args.quick else 10
     root = tempfile.mkdtemp(prefix="msdata-resume-")
+    prog = bar(3, "resume", "phase")  # data, run A, cold resume
     try:
         t = time.perf_counter()
         dirs = make_data(os.path.join(root, "data"), args.sources, 2, 512 if args.quick else 2048)
-        print(f"data: {args.sources} parquet sources in {time.perf_counter() - t:.1f}s", flush=True)
+        say(f"data: {args.sources} parquet sources in {time.perf_counter() - t:.1f}s")
+        prog.update(1)
         spec = job(dirs, dp, seq_len, micro)
         run_a = os.path.join(root, "a")
         os.makedirs(run_a)
@@ -137,6 +141,7 @@ def main() -> None:
         ref, _, _ = run_ranks(spec, sock, micro, state=state)  # what the next step is, from the same server
         pa_.terminate()
         pa_.wait()
+        prog.update(1)
         run_b = os.path.join(root, "b")
         os.makedirs(run_b)
         t0 = time.perf_counter()
@@ -147,14 +152,15 @@ def main() -> None:
         resume_s = (t_ranks - t0) + max(first.values())  # process launch -> the last rank's first batch
         pb.terminate()
         pb.wait()
+        prog.close()
         same = got == ref
         state_bytes = len(json.dumps(state).encode())
-        print(f"cold start of run A (first batch, fresh job):   {max(first_a.values()):.2f}s")
-        print(f"cold resume (server launch -> every rank's first batch): {resume_s:.2f}s  (whole step {total:.2f}s)")
-        print(f"state size: {state_bytes} bytes; resumed batches identical to the uninterrupted run: {same}")
+        say(f"cold start of run A (first batch, fresh job):   {max(first_a.values()):.2f}s")
+        say(f"cold resume (server launch -> every rank's first batch): {resume_s:.2f}s  (whole step {total:.2f}s)")
+        say(f"state size: {state_bytes} bytes; resumed batches identical to the uninterrupted run: {same}")
         if not same:
             raise SystemExit("resumed batches differ from the uninterrupted run")
-        print(
+        say(
             json.dumps(
                 {
                     "resume_first_batch_s": round(resume_s, 3),

@@ -30,6 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from progress import bar, say  # noqa: E402
 
 from msdata_client.wire import request  # noqa: E402
 
@@ -204,12 +207,7 @@ def main() -> None:
     t0 = time.monotonic()
     last_restart = t0
     total = minutes * 60
-    try:
-        from tqdm import tqdm
-
-        bar = tqdm(total=int(total), unit="s", disable=not sys.stdout.isatty(), desc="soak")
-    except ImportError:  # progress is a nicety
-        bar = None
+    prog = bar(int(total), "soak", "s")
     try:
         while (now := time.monotonic()) - t0 < total:
             time.sleep(args.every)  # the sampling period
@@ -223,18 +221,15 @@ def main() -> None:
                 restarts += 1
                 last_restart = time.monotonic()
             rows.append({"t": time.monotonic() - t0, **sample(server, prefix, sock)})
-            if bar is not None:
-                bar.update(int(args.every))
-            elif len(rows) % 6 == 0:
+            prog.update(int(args.every))
+            if not sys.stdout.isatty() and len(rows) % 6 == 0:  # a log line a minute
                 r = rows[-1]
-                print(
+                say(
                     f"{r['t'] / 60:5.1f} min  PSS {r['pss'] / 2**20:6.1f} MiB  fds {r['fds']}  "
-                    f"shm {r['shm'] / 2**20:.1f} MiB",
-                    flush=True,
+                    f"shm {r['shm'] / 2**20:.1f} MiB"
                 )
     finally:
-        if bar is not None:
-            bar.close()
+        prog.close()
         for p in ranks:
             if p.poll() is None:
                 p.kill()

@@ -40,6 +40,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from progress import bar, say  # noqa: E402
 from workloads import TEXT4, SyntheticLengths  # noqa: E402
 
 from msdata_client.calibration import Calibration, calibrate, packed_batch  # noqa: E402
@@ -408,7 +409,7 @@ def main() -> None:
         d_model=args.d_model, heads=args.heads, head_dim=args.head_dim, layers=args.layers, max_len=max(seq_lens)
     )
     t_start = time.perf_counter()
-    print(
+    say(
         f"text4, micro_batches={MICRO}, rows={ROWS}; model: {args.layers} layers, d_model {args.d_model}, "
         f"{args.heads} heads x {args.head_dim}, {sum(p.numel() for p in model.parameters())} parameters, "
         f"{args.threads} thread(s); {args.steps} measured step(s) per config; ranks timed above dp {args.full_dp}: "
@@ -419,8 +420,8 @@ def main() -> None:
         f"{'msd tok/s':>9} {'base tok/s':>10} | {'pred':>5} {'rows':>5} {'e2e':>5} {'wall':>5} {'e2e/pred':>8} | "
         f"{'R2':>6} {'R2cal':>6} {'err':>5} {'s':>4}"
     )
-    print(head)
-    print("-" * len(head))
+    say(head)
+    say("-" * len(head))
     res: dict[str, float | str] = {
         "padding": args.padding,
         "model": f"{args.layers}x(d{args.d_model}, {args.heads}x{args.head_dim} attention)",
@@ -430,6 +431,7 @@ def main() -> None:
     }
     every: list[dict] = []
     step = make_step(model)
+    prog = bar(len(seq_lens) * len(dps), "train_e2e", "config")
     for seq_len in seq_lens:
         k = f"{seq_len // 1024}k"
         lengths = [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384) if n <= seq_len]
@@ -462,20 +464,21 @@ def main() -> None:
                     f"baseline_measured_imbalance_{tag}": round(base["imbalance"], 3),
                 }
             )
-            print(
+            say(
                 f"{seq_len:>7} {dp:>4} | {cal.alpha:8.2e} {cal.beta:8.2e} {cal.r2:6.3f} | "
                 f"{msd['timed'] + base['timed']:5.0f} {msd['top_hit'] + base['top_hit']:>3} | "
                 f"{msd['tok_s']:9.0f} {base['tok_s']:10.0f} | {pred:5.2f} {rows:5.2f} {gain:5.2f} {wall:5.2f} "
                 f"{gain / pred:8.3f} | {r_squared(out['micro'], 'cpu'):6.3f} "
                 f"{r_squared(out['micro'], 'cpu', calibrated=True):6.3f} "
                 f"{mean_abs_error(out['micro'], 'cpu'):5.3f} "
-                f"{time.perf_counter() - t0:4.0f}",
-                flush=True,
+                f"{time.perf_counter() - t0:4.0f}"
             )
+            prog.update(1)
         res[f"cost_model_r2_{k}"] = round(r_squared(by_len, "cpu"), 4)
         res[f"cost_model_r2_calibrated_{k}"] = round(r_squared(by_len, "cpu", calibrated=True), 4)
         res[f"cost_model_error_{k}"] = round(mean_abs_error(by_len, "cpu"), 4)
         every += by_len
+    prog.close()
     if args.dump:
         with open(args.dump, "w") as f:
             json.dump(every, f)
@@ -485,7 +488,7 @@ def main() -> None:
     res["cost_model_error"] = round(mean_abs_error(every, "cpu"), 4)
     res["micro_batches_timed"] = len(every)
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
-    print(
+    say(
         f"tok/s: useful tokens of the whole step (all dp ranks) per second of its slowest rank, CPU clock. Gains "
         f"over the baseline: pred = the cost model (padding free), rows = the cost model with padding charged beta "
         f"per token, e2e = measured (CPU clock), wall = measured (wall clock). timed: ranks timed per step (both "
@@ -494,7 +497,7 @@ def main() -> None:
         f"|measured - predicted| / sum predicted): against the calibrated seconds themselves; {len(every)} "
         f"micro-batches in all; s: seconds this row took"
     )
-    print(json.dumps(res, sort_keys=True))
+    say(json.dumps(res, sort_keys=True))
 
 
 if __name__ == "__main__":

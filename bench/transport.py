@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 import torch
+from progress import bar, say  # bench/ is the script's directory, first on sys.path
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 SIZES = {"64k": 64 << 10, "1m": 1 << 20, "16m": 16 << 20}
@@ -260,13 +261,15 @@ def main() -> None:
     budget = 256 << 20 if args.quick else 2 << 30  # bytes per arm and size
     memcpy = {k: memcpy_gbps(SIZES[k], 20) for k in ("1m", "16m")}
     memcpy["64m"] = memcpy_gbps(64 << 20, 5)
-    print(
+    say(
         f"single-thread memcpy: 1 MiB {memcpy['1m']:.1f} GB/s, 16 MiB {memcpy['16m']:.1f} GB/s, "
         f"64 MiB {memcpy['64m']:.1f} GB/s"
     )
     rows = []
     results = {}
-    for size in args.sizes.split(","):
+    sizes, readers_list, arms = args.sizes.split(","), args.readers.split(","), args.loader.split(",")
+    prog = bar(len(sizes) * len(readers_list) * len(arms), "transport", "arm")
+    for size in sizes:
         nb = SIZES[size]
         n = int(min(4000 if args.quick else 20000, max(40, budget // nb)))
         for readers in map(int, args.readers.split(",")):
@@ -274,13 +277,14 @@ def main() -> None:
                 r = run_msdata(nb, n, readers) if arm == "msdata" else run_torch(nb, n, readers)
                 results[(arm, size, readers)] = r
                 rows.append((arm, size, readers, n, r))
-                print(
+                say(
                     f"  {arm:6s} {size:>4s} readers={readers} batches={n:5d}  {r['gbps']:7.2f} GB/s per reader  "
-                    f"next() p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us",
-                    flush=True,
+                    f"next() p50 {r['p50_us']:8.1f} us  p99 {r['p99_us']:8.1f} us"
                 )
-    print()
-    print(
+                prog.update(1)
+    prog.close()
+    say()
+    say(
         f"{'size':>5} {'readers':>7} {'msdata GB/s':>12} {'torch GB/s':>11} {'ratio':>7} "
         f"{'msdata p50 us':>14} {'torch p50 us':>13}"
     )
@@ -288,7 +292,7 @@ def main() -> None:
         for readers in map(int, args.readers.split(",")):
             m, t = results.get(("msdata", size, readers)), results.get(("torch", size, readers))
             if m and t:
-                print(
+                say(
                     f"{size:>5} {readers:>7} {m['gbps']:12.2f} {t['gbps']:11.2f} {m['gbps'] / t['gbps']:7.1f} "
                     f"{m['p50_us']:14.1f} {t['p50_us']:13.1f}"
                 )
@@ -310,7 +314,7 @@ def main() -> None:
         "msdata_gbps_16mib": round(m16["gbps"], 2) if m16 else None,
         "memcpy_gbps_64mib": round(memcpy["64m"], 2),
     }
-    print(json.dumps(out))
+    say(json.dumps(out))
 
 
 if __name__ == "__main__":

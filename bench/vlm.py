@@ -34,6 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from progress import say, track  # noqa: E402
 from workloads import VLM4, ImageDist, SyntheticVlm, image_sizes, vlm_docs  # noqa: E402
 
 from msdata_server.planner import Mixture, Planner, PlannerConfig  # noqa: E402
@@ -208,7 +209,7 @@ def main() -> None:
     seq_lens = [int(x) for x in (args.seq_lens or ",".join(map(str, VLM4.seq_lens))).split(",")]
     tolerance = None if args.tolerance == "none" else float(args.tolerance)
 
-    print(
+    say(
         f"vlm4, micro_batches={MICRO}, rows={ROWS}, cost {VLM4.cost}, balance_tolerance={tolerance}, "
         f"{steps} measured steps after 1 warm-up; means (plan ms: median); gain = throughput / baseline's, "
         f"a step = slowest encoder + slowest backbone"
@@ -217,38 +218,36 @@ def main() -> None:
         f"{'seq_len':>7} {'dp':>5} | {'enc imb':>7} {'bb imb':>7} {'pad':>6} {'gain':>5} {'plan ms':>8} "
         f"{'warm ms':>8} {'docs':>7} {'state kB':>8} | {'base enc':>8} {'base bb':>8} {'base pad':>8}"
     )
-    print(head)
-    print("-" * len(head))
+    say(head)
+    say("-" * len(head))
     results: dict[str, float] = {}
-    for seq_len in seq_lens:
-        for dp in dps:
-            base = baseline(seq_len, dp, steps + 1, args.seed)[1:]
-            rows = msdata(seq_len, dp, steps + 1, args.seed, tolerance)
-            warm, rows = rows[0], rows[1:]
-            gain = throughput(rows) / throughput(base)
-            plan_ms = statistics.median(r["plan_ms"] for r in rows)
-            print(
-                f"{seq_len:>7} {dp:>5} | {mean(rows, 'encoder_imbalance'):7.4f} "
-                f"{mean(rows, 'backbone_imbalance'):7.4f} {mean(rows, 'padding'):6.4f} {gain:5.2f} {plan_ms:8.1f} "
-                f"{warm['plan_ms']:8.1f} {int(mean(rows, 'docs')):>7} "
-                f"{max(r['state_bytes'] for r in rows) / 1e3:8.1f} | {mean(base, 'encoder_imbalance'):8.4f} "
-                f"{mean(base, 'backbone_imbalance'):8.4f} {mean(base, 'padding'):8.4f}",
-                flush=True,
-            )
-            tag = f"{seq_len // 1024}k_dp{dp}"
-            results[f"gain_vlm_{tag}"] = round(gain, 3)
-            results[f"encoder_imbalance_{tag}"] = round(mean(rows, "encoder_imbalance"), 4)
-            results[f"backbone_imbalance_{tag}"] = round(mean(rows, "backbone_imbalance"), 4)
-            results[f"worst_stage_imbalance_{tag}"] = round(
-                max(max(r["encoder_imbalance"], r["backbone_imbalance"]) for r in rows), 4
-            )
-            results[f"padding_{tag}"] = round(mean(rows, "padding"), 4)
-            results[f"plan_ms_{tag}"] = round(plan_ms, 1)
-            results[f"baseline_encoder_imbalance_{tag}"] = round(mean(base, "encoder_imbalance"), 4)
-            results[f"baseline_backbone_imbalance_{tag}"] = round(mean(base, "backbone_imbalance"), 4)
-            results[f"baseline_padding_{tag}"] = round(mean(base, "padding"), 4)
+    for seq_len, dp in track([(s, d) for s in seq_lens for d in dps], "vlm configs", unit="config"):
+        base = baseline(seq_len, dp, steps + 1, args.seed)[1:]
+        rows = msdata(seq_len, dp, steps + 1, args.seed, tolerance)
+        warm, rows = rows[0], rows[1:]
+        gain = throughput(rows) / throughput(base)
+        plan_ms = statistics.median(r["plan_ms"] for r in rows)
+        say(
+            f"{seq_len:>7} {dp:>5} | {mean(rows, 'encoder_imbalance'):7.4f} "
+            f"{mean(rows, 'backbone_imbalance'):7.4f} {mean(rows, 'padding'):6.4f} {gain:5.2f} {plan_ms:8.1f} "
+            f"{warm['plan_ms']:8.1f} {int(mean(rows, 'docs')):>7} "
+            f"{max(r['state_bytes'] for r in rows) / 1e3:8.1f} | {mean(base, 'encoder_imbalance'):8.4f} "
+            f"{mean(base, 'backbone_imbalance'):8.4f} {mean(base, 'padding'):8.4f}"
+        )
+        tag = f"{seq_len // 1024}k_dp{dp}"
+        results[f"gain_vlm_{tag}"] = round(gain, 3)
+        results[f"encoder_imbalance_{tag}"] = round(mean(rows, "encoder_imbalance"), 4)
+        results[f"backbone_imbalance_{tag}"] = round(mean(rows, "backbone_imbalance"), 4)
+        results[f"worst_stage_imbalance_{tag}"] = round(
+            max(max(r["encoder_imbalance"], r["backbone_imbalance"]) for r in rows), 4
+        )
+        results[f"padding_{tag}"] = round(mean(rows, "padding"), 4)
+        results[f"plan_ms_{tag}"] = round(plan_ms, 1)
+        results[f"baseline_encoder_imbalance_{tag}"] = round(mean(base, "encoder_imbalance"), 4)
+        results[f"baseline_backbone_imbalance_{tag}"] = round(mean(base, "backbone_imbalance"), 4)
+        results[f"baseline_padding_{tag}"] = round(mean(base, "padding"), 4)
     rate = preprocessing_rate(images, args.seed)
-    print(
+    say(
         f"\nvlm transform, one process: {rate['images']} generated JPEGs (mean {rate['jpeg_kb_mean']:.0f} kB, "
         f"{rate['patches_mean']:.0f} patches; generated in {rate['generate_s']:.1f} s): warm-up "
         f"{rate['warmup_images_per_s']:.1f} images/s, steady {rate['images_per_s_per_worker']:.1f} images/s "
@@ -257,7 +256,7 @@ def main() -> None:
     results["images_per_s_per_worker"] = round(rate["images_per_s_per_worker"], 1)
     results["images_per_s_warmup"] = round(rate["warmup_images_per_s"], 1)
     results["megapixels_per_s_per_worker"] = round(rate["megapixels_per_s_per_worker"], 2)
-    print(json.dumps(results, sort_keys=True))
+    say(json.dumps(results, sort_keys=True))
 
 
 if __name__ == "__main__":

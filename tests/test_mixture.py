@@ -128,3 +128,20 @@ def test_weights_are_a_distribution_between_the_points(points, mode, step):
     norm = [m.weights_at(s, SOURCES) for s, _ in points]
     lo, hi = np.min(norm, axis=0), np.max(norm, axis=0)
     assert (w >= lo - 1e-12).all() and (w <= hi + 1e-12).all()  # never outside the points' range
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    overrides=st.lists(st.tuples(st.integers(0, 40), st.sampled_from(SOURCES)), max_size=8),
+    since=st.integers(0, 50),
+    step=st.integers(0, 60),
+)
+def test_since_keeps_the_weights_of_every_later_step(overrides, since, step):
+    m = Mixture.schedule([(0, {"web": 1}), (20, {"books": 1, "code": 1})], interpolate="linear")
+    for s, name in overrides:
+        m = m.with_override(s, {name: 1})
+    cut = m.since(since)
+    assert len([s for s, _ in cut.overrides if s <= since]) <= 1
+    if step >= since:
+        assert cut.weights_at(step, SOURCES).tolist() == m.weights_at(step, SOURCES).tolist()
+    assert Mixture.from_dict(json.loads(json.dumps(cut.to_dict()))) == cut

@@ -311,6 +311,26 @@ def test_schedule_and_set_mixture_move_the_targets():
 # --- state ---------------------------------------------------------------------------------------------
 
 
+def test_state_size_does_not_grow_with_every_set_mixture():
+    """A long run calls set_mixture again and again; a state holds only the overrides its steps still use
+    (before: every state of the server's window held the whole history, a soak's memory grew per call)."""
+    cfg = config(seq_len=2048)
+    view = View(MEDIANS)
+    planner = Planner(cfg)
+    sizes = []
+    for i in range(40):
+        planner.set_mixture(planner.step, {"chat": 1 + i % 2, "code": 1})
+        planner.set_mixture(planner.step + 3, {"web": 1})  # one still ahead
+        planner.plan_step(view)
+        state = planner.state_dict()
+        assert [s for s, _ in state["mixture"]["overrides"]] == [planner.step - 1, planner.step + 2]
+        sizes.append(len(json.dumps(state)))
+    assert max(sizes[10:]) <= sizes[9] + 64  # flat, not growing per call
+    again = Planner(cfg, json.loads(json.dumps(state)))
+    for _ in range(5):
+        assert plan_arrays(again.plan_step(view)) == plan_arrays(planner.plan_step(view))
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     stop=st.integers(0, 5),

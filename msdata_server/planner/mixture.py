@@ -108,6 +108,17 @@ class Mixture:
             overrides=kept + ((step, _normalise(weights, f"mixture override at step {step}")),),
         )
 
+    def since(self, step: int) -> Mixture:
+        """The same weights at ``step`` and after, without the overrides that only earlier steps used.
+
+        A planner state at ``step`` holds this, so its size does not grow with every ``set_mixture`` of a long
+        run (the server keeps a window of recent states; each held the whole override history before).
+        """
+        past = [i for i, (s, _) in enumerate(self.overrides) if s <= step]
+        if len(past) <= 1:
+            return self
+        return Mixture(points=self.points, interpolate=self.interpolate, overrides=self.overrides[past[-1] :])
+
     def weights_at(self, step: int, sources: tuple[str, ...]) -> np.ndarray:
         """Normalised float64 weights of `sources` (in that order) at `step`; unnamed sources get 0."""
         step = _check_step(step, "weights_at")

@@ -77,7 +77,7 @@ class Position:
             K_TARGET: [float(x) for x in self.target],
             K_PLACED: [int(x) for x in self.placed],
             K_CARRY: {k: [int(x) for x in self.carry[k]] for k in CARRY_KEYS + VISION_KEYS if k in self.carry},
-            K_MIXTURE: self.mixture.to_dict(),
+            K_MIXTURE: self.mixture.since(self.step).to_dict(),  # only what steps from here on use
         }
 
     @classmethod

@@ -25,6 +25,7 @@ RESULTS = HERE / "results"
 # in the order they run: the quick ones first, the long soak-like ones last
 BENCHES = (
     "balance",
+    "statebytes",
     "vlm",
     "transport",
     "resume",

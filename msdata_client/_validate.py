@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from msdata_client.choices import DEFAULT_TRANSFORM, is_import_path
+from msdata_client.choices import DEFAULT_TRANSFORM, is_import_path, is_transform_name
 from msdata_client.errors import ConfigError
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "check_keys",
     "check_name",
     "check_str_tuple",
+    "check_transform",
     "check_weights",
     "resolve_path",
 ]
@@ -90,6 +91,15 @@ def check_name(where: str, value: Any) -> str:
 def check_import_path(where: str, value: Any) -> str:
     if not is_import_path(value):
         raise ConfigError(f"{where}={value!r} must have the form 'module:function' (e.g. {DEFAULT_TRANSFORM!r})")
+    return value
+
+
+def check_transform(where: str, value: Any) -> str:
+    if not is_transform_name(value):
+        raise ConfigError(
+            f"{where}={value!r} must have the form 'module:function' or 'module:factory(arguments)' "
+            f"(e.g. {DEFAULT_TRANSFORM!r} or 'msdata_server.transforms:vlm(patch=14, merge=2)')"
+        )
     return value
 
 

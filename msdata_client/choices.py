@@ -23,10 +23,14 @@ __all__ = [
     "LongDocs",
     "Method",
     "SourceFormat",
+    "TRANSFORM_NAME",
     "is_import_path",
+    "is_transform_name",
 ]
 
 _IMPORT_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
+# a transform: "module:function", or "module:factory(args)" that builds one (groups: module, name, arguments)
+TRANSFORM_NAME = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*:\s*([A-Za-z_]\w*)\s*(?:\((.*)\))?\s*$", re.S)
 
 
 class Choice(str, Enum):  # noqa: UP042 (StrEnum would change str() and format() of every member)
@@ -57,6 +61,7 @@ class SourceFormat(Choice):
     PARQUET = "parquet"
     ARROW = "arrow"
     JSONL = "jsonl"
+    WEBDATASET = "webdataset"  # tar shards; files sharing a key are one sample (a dict by extension)
     SYNTHETIC = "synthetic"  # generated token ids: reads no files
 
 
@@ -114,3 +119,8 @@ DEFAULT_TRANSFORM = "msdata_server.transforms:byte_tokens"
 def is_import_path(value: Any) -> bool:
     """Whether `value` names a function as 'package.module:function' (transforms, cost functions)."""
     return isinstance(value, str) and _IMPORT_RE.fullmatch(value) is not None
+
+
+def is_transform_name(value: Any) -> bool:
+    """Whether `value` names a transform: 'module:function' or 'module:factory(arguments)'."""
+    return isinstance(value, str) and TRANSFORM_NAME.match(value) is not None

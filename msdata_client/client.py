@@ -18,6 +18,7 @@ from collections import deque
 
 import torch
 
+from . import lineage as _lineage
 from ._paths import ENDPOINT_ENV, default_endpoint
 from .errors import (
     CheckpointError,
@@ -45,6 +46,16 @@ _ERRORS: dict[str, type[MsdataError]] = {
     "ProtocolError": ProtocolError,
     "PeerLostError": PeerLostError,
 }
+
+
+class _Ticket:
+    """A yielded batch's slot as the server knows it: the connection generation whose releases count for it
+    (a reconnect carries it over when the server says it kept the slot for us)."""
+
+    __slots__ = ("gen", "released", "ring", "slot")
+
+    def __init__(self, ring: int, slot: int, gen: int):
+        self.ring, self.slot, self.gen, self.released = ring, slot, gen, False
 
 
 class Batch(dict):
@@ -75,10 +86,13 @@ class DataClient:
         world_size: int | None = None,
         *,
         connect_timeout: float = 60.0,
+        replay: tuple[int, int] | None = None,
     ):
         """Check the arguments (job, rank and world from torch.distributed's environment when not given) and
         set up the connection state; nothing connects before the first ``next()``. Long only because every
-        piece of a rank's state is initialised here, in one place."""
+        piece of a rank's state is initialised here, in one place. ``replay=(A, B)``: a read-only client that
+        yields this rank's micro-batches of steps A..B (B excluded) as the rank saw them, then stops, without
+        joining or disturbing the running job (``msdata_client.lineage.ReplayWindow``)."""
         if isinstance(job, DGraph):
             spec = job.spec
         elif isinstance(job, JobSpec):
@@ -121,6 +135,10 @@ class DataClient:
         self._reader = FrameReader()
         self._rings: dict[int, RingMap] = {}  # ring id -> this rank's private mapping of it
         self._gen = 0  # connection generation: releases from an older connection are void
+        self._token = os.urandom(8).hex()  # this client across its reconnects (the server tells it from others)
+        self._live: set[_Ticket] = set()  # slots of yielded batches not yet released
+        self._carry: list[_Ticket] = []  # of those, the ones the last connection held: offered at the reconnect
+        self._ticket_lock = threading.RLock()  # finalizers may run in any thread
         self._releases: deque[tuple[int, int, int]] = deque()
         self._waits: list[float] = []  # seconds each next() blocked, not yet reported (sent with releases)
         self._send_lock = threading.Lock()
@@ -134,6 +152,7 @@ class DataClient:
         # before this rank waits for the server, so no slot stays taken while anyone waits for it.
         self._release_batch = 1
         self.node: str | None = None
+        self._window = None if replay is None else _lineage.ReplayWindow(self.endpoint, spec.name, rank, replay)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def __enter__(self) -> DataClient:
@@ -144,6 +163,11 @@ class DataClient:
 
     def __del__(self):
         if not getattr(self, "_closed", True):
+            try:
+                if self._sock is not None:  # a client dropped without close(): still say bye (never block)
+                    self._sock.send(encode({"t": "bye"}), socket.MSG_DONTWAIT)
+            except Exception:
+                pass
             try:
                 self._drop_connection()
             except Exception:
@@ -163,7 +187,10 @@ class DataClient:
         self._drop_connection()
 
     def _drop_connection(self) -> None:
-        self._gen += 1
+        with self._ticket_lock:
+            offered = set(self._carry)  # offered at a reconnect whose welcome never came: offer them again
+            self._carry = [t for t in self._live.copy() if not t.released and (t.gen == self._gen or t in offered)]
+            self._gen += 1
         self._releases.clear()
         self._pending.clear()  # their slots went with the connection; the server re-sends from our position
         if self._sock is not None:
@@ -202,6 +229,8 @@ class DataClient:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved state (any layout: a different mesh is a reshard); call before iterating."""
+        if self._window is not None:
+            raise ConfigError("a replay=(A, B) client is read-only: it takes no state; use a DataClient without it")
         if self._iterating:
             raise CheckpointError("load_state_dict after iteration started; call it before the first next()")
         if not isinstance(state, dict):
@@ -243,6 +272,8 @@ class DataClient:
 
         Recorded by the server (and in the state) before this returns, so a resume reproduces it.
         """
+        if self._window is not None:
+            raise ConfigError("a replay=(A, B) client is read-only: set_mixture from a rank of the running job")
         names = set(self.spec.source_names())
         if not isinstance(weights, dict) or not weights:
             raise ConfigError(f"weights must be a non-empty dict of source -> weight, got {weights!r}")
@@ -257,6 +288,29 @@ class DataClient:
             self._connect()
         return int(self._request({"t": "mixture", "weights": dict(weights)}, "mixture")["step"])
 
+    def lineage(self, step: int):
+        """The document pieces of this rank's micro-batches of ``step`` (replayed by the server, nothing stored):
+        a pyarrow Table with the columns of ``msdata_client.lineage`` (a list of dicts without pyarrow)."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigError(f"lineage(step={step!r}): step must be an int >= 0")
+        cols = _lineage.fetch(self.endpoint, self.spec.name, step, step + 1, rank=self.rank)
+        return _lineage.table_or_rows(cols)
+
+    def skip(self, steps: int, defer: bool = False) -> None:
+        """Advance the whole job's plan ``steps`` steps from the loaded state without delivering them (after a
+        loss spike: reload the checkpoint of step s, skip s..s+k). Call after ``load_state_dict`` and before
+        iterating, with the same arguments on every rank (the start refuses ranks that disagree). The skipped
+        steps' pieces are dropped from this epoch, or with ``defer`` delivered after the rest of their source's
+        epoch; ``lineage`` shows the skipped steps as skipped."""
+        skip = _lineage.check_skip(steps, defer)
+        if self._iterating:
+            raise CheckpointError("skip() after iteration started; call it after load_state_dict, before next()")
+        if self._loaded is None:
+            raise CheckpointError("skip() counts from a loaded position: call load_state_dict(state) before skip()")
+        if "skip" in self._loaded:
+            raise CheckpointError("skip() was already called on this state; call it once with the total steps")
+        self._loaded = {**self._loaded, "skip": skip}
+
     def _request(self, frame: dict, reply: str) -> dict:
         """Send a request and wait for its reply; batch notices that arrive meanwhile wait for next()."""
         if self._closed:
@@ -266,7 +320,10 @@ class DataClient:
         rid = self._req_id
         frame = dict(frame, id=rid)
         with self._send_lock:
-            sock.sendall(encode(frame))
+            try:
+                sock.sendall(encode(frame))
+            except OSError:
+                pass  # the socket broke: the receive below reconnects and sends the request again
         while True:
             f = self._recv_frame(on_reconnect=lambda: self._connection().sendall(encode(frame)))
             t = f["t"]
@@ -286,6 +343,8 @@ class DataClient:
     def __next__(self) -> Batch:
         if self._closed:
             raise ClosedError("DataClient is closed; create a new one to read more")
+        if self._window is not None:  # a read-only replay client: rebuilt batches, no ring, no registration
+            return Batch({k: torch.from_numpy(v) for k, v in self._window.next()[2].items()})
         self._iterating = True
         t0 = time.perf_counter()
         if self._sock is None:
@@ -328,9 +387,10 @@ class DataClient:
         if "step" not in batch:  # the server writes them into the slot; a producer that does not, gets them here
             batch["step"] = torch.tensor(step, dtype=torch.int64)
             batch["micro"] = torch.tensor(micro, dtype=torch.int64)
-        batch._finalizer = weakref.finalize(
-            owner, _release_cb, weakref.ref(self), rm, ring, slot, start, end, self._gen
-        )
+        ticket = _Ticket(ring, slot, self._gen)
+        with self._ticket_lock:
+            self._live.add(ticket)
+        batch._finalizer = weakref.finalize(owner, _release_cb, weakref.ref(self), rm, start, end, ticket)
         del owner, arrays
         micro += 1
         if micro >= self.spec.micro_batches:
@@ -340,10 +400,13 @@ class DataClient:
         self._loaded = None
         return batch
 
-    def _queue_release(self, ring: int, slot: int, gen: int) -> None:
-        if gen != self._gen or self._closed:
-            return  # that connection is gone: the server already took the slot back
-        self._releases.append((ring, slot, gen))
+    def _queue_release(self, ticket: _Ticket) -> None:
+        with self._ticket_lock:
+            self._live.discard(ticket)
+            ticket.released = True
+            if ticket.gen != self._gen or self._closed:
+                return  # that connection is gone: the server took the slot back (or keeps it for the carry)
+            self._releases.append((ticket.ring, ticket.slot, ticket.gen))
         if len(self._releases) >= self._release_batch:
             self._flush_releases()
 
@@ -372,6 +435,7 @@ class DataClient:
         if t == "welcome":
             self._add_rings(frame["rings"], frame.get("fds", 0))
             self.node = frame.get("node")
+            self._carry_over(frame.get("kept") or [])
         elif t == "ring":
             self._add_rings([frame["ring"]], frame.get("fds", 0))
         elif t == "unring":
@@ -387,6 +451,19 @@ class DataClient:
             pass
         else:
             raise ProtocolError(f"unexpected frame {t!r} from the server")
+
+    def _carry_over(self, kept: list) -> None:
+        """The server kept these slots of batches we yielded before a reconnect: their releases count again."""
+        keep = {(int(r), int(s)) for r, s in kept}
+        with self._ticket_lock:
+            for t in self._carry:
+                if (t.ring, t.slot) not in keep:
+                    continue
+                if t.released:  # released while we reconnected: that release was void, send it now
+                    self._releases.append((t.ring, t.slot, self._gen))
+                else:
+                    t.gen = self._gen
+            self._carry = []
 
     def _add_rings(self, rings: list, nfds: int) -> None:
         fds = self._reader.take_fds(nfds)
@@ -458,15 +535,17 @@ class DataClient:
             "pid": os.getpid(),
             "position": {"step": self._step, "micro": self._micro},
             "state": self._loaded,
-            "resume": self._received,
+            "resume": self._received or self._gen > 0,  # a reconnect continues this client's run
+            "client": self._token,
+            "held": [[t.ring, t.slot] for t in self._carry],
         }
         with self._send_lock:
             s.sendall(encode(hello))
         return s
 
 
-def _release_cb(client_ref, rm: RingMap, ring: int, slot: int, start: int, end: int, gen: int) -> None:
+def _release_cb(client_ref, rm: RingMap, start: int, end: int, ticket: _Ticket) -> None:
     rm.scrub(start, end)  # pages this rank wrote must not hide the next batch in this slot
     client = client_ref()
     if client is not None:
-        client._queue_release(ring, slot, gen)
+        client._queue_release(ticket)

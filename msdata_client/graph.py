@@ -19,7 +19,7 @@ from msdata_client.errors import ConfigError
 from msdata_client.mesh import AXES, ClientPlaceTree
 from msdata_client.mix import schedule_points
 from msdata_client.source import SYNTHETIC_DEFAULTS, synthetic_only
-from msdata_client.spec import BalanceSpec, JobSpec, MixSpec, SourceSpec
+from msdata_client.spec import IMAGE_TOKEN_ID, VISION_ALPHA, VISION_BETA, BalanceSpec, JobSpec, MixSpec, SourceSpec
 
 __all__ = ["BalanceSpec", "DGraph", "JobSpec", "MixSpec", "SourceFormat", "SourceSpec"]
 
@@ -47,11 +47,13 @@ class DGraph:
         paths: str | Sequence[str] = (),
         *,
         column: str = "text",
+        columns: Sequence[str] | None = None,
         transform: Any = ...,
         max_sample_bytes: int = 64 << 20,
         **synthetic_opts: Any,
     ) -> DGraph:
-        """Add a source; `transform` defaults to byte tokens for files and None for synthetic data."""
+        """Add a source; `transform` defaults to byte tokens for files and None for synthetic data. `columns`
+        selects several columns (a WebDataset sample's extensions): the transform gets a dict by name."""
         unknown = sorted(set(synthetic_opts) - set(SYNTHETIC_DEFAULTS))
         if unknown:
             raise ConfigError(
@@ -69,6 +71,7 @@ class DGraph:
             format=format,
             paths=(paths,) if isinstance(paths, str) else tuple(paths),
             column=column,
+            columns=None if columns is None else (columns,) if isinstance(columns, str) else tuple(columns),
             transform=transform,
             max_sample_bytes=max_sample_bytes,
             **synthetic_opts,
@@ -94,9 +97,18 @@ class DGraph:
         self._job["distribute"] = axis
         return self
 
-    def cost(self, fn: str = ATTENTION_COST, *, alpha: float = 1.0, beta: float = 4096.0) -> DGraph:
-        """Per-document cost: "attention" (alpha*len**2 + beta*len) or a 'module:function' path."""
-        self._balance = replace(self._balance, cost=fn, alpha=alpha, beta=beta)
+    def cost(
+        self,
+        fn: str = ATTENTION_COST,
+        *,
+        alpha: float = 1.0,
+        beta: float = 4096.0,
+        alpha_v: float = VISION_ALPHA,
+        beta_v: float = VISION_BETA,
+    ) -> DGraph:
+        """Per-document cost: "attention" (alpha*len**2 + beta*len), "vlm" (that for the backbone, and the vision
+        encoder's alpha_v*p**2 + beta_v*p per image of p patches, both stages balanced) or a 'module:function'."""
+        self._balance = replace(self._balance, cost=fn, alpha=alpha, beta=beta, alpha_v=alpha_v, beta_v=beta_v)
         return self
 
     def balance(self, method: str = Method.KARMARKAR_KARP.value) -> DGraph:
@@ -105,10 +117,25 @@ class DGraph:
         return self
 
     def pack(
-        self, seq_len: int, *, rows: int = 1, micro_batches: int = 1, pad_id: int = 257, long_docs: str = "split"
+        self,
+        seq_len: int,
+        *,
+        rows: int = 1,
+        micro_batches: int = 1,
+        pad_id: int = 257,
+        long_docs: str = "split",
+        image_token_id: int = IMAGE_TOKEN_ID,
     ) -> DGraph:
-        """Pack documents into `rows` rows of `seq_len` tokens per micro-batch."""
-        self._job.update(seq_len=seq_len, rows=rows, micro_batches=micro_batches, pad_id=pad_id, long_docs=long_docs)
+        """Pack documents into `rows` rows of `seq_len` tokens per micro-batch (`image_token_id`: the id of a
+        picture document's image placeholders)."""
+        self._job.update(
+            seq_len=seq_len,
+            rows=rows,
+            micro_batches=micro_batches,
+            pad_id=pad_id,
+            long_docs=long_docs,
+            image_token_id=image_token_id,
+        )
         return self
 
     def broadcast_at(self, *axes: str) -> DGraph:
@@ -167,6 +194,7 @@ class DGraph:
             broadcast_at=spec.broadcast_at,
             prefetch_steps=spec.prefetch_steps,
             pp_fields=spec.pp_fields,
+            image_token_id=spec.image_token_id,
         )
         g._sources = list(spec.sources)
         g._mix = spec.mix

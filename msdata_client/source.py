@@ -8,11 +8,11 @@ from typing import Any
 
 from msdata_client._validate import (
     check_float,
-    check_import_path,
     check_int,
     check_keys,
     check_name,
     check_str_tuple,
+    check_transform,
     resolve_path,
 )
 from msdata_client.choices import DEFAULT_TRANSFORM, SourceFormat
@@ -39,6 +39,9 @@ class SourceSpec:
 
     Relative `paths` become absolute (against the TOML's directory, or the working directory). A synthetic
     source reads no files and its records are already token ids, so its transform defaults to None.
+    `columns` selects several columns (fields; a WebDataset sample's extensions, "jpg;png" for either) and
+    the transform gets a dict keyed by their names; without it a record is the value of `column` (a
+    WebDataset sample without `columns` is a dict of the extensions most of its samples have).
     """
 
     name: str
@@ -47,6 +50,7 @@ class SourceSpec:
     column: str = "text"
     transform: str | None = DEFAULT_TRANSFORM
     max_sample_bytes: int = 64 << 20
+    columns: tuple[str, ...] | None = None
     samples: int = 10000
     median: float = 512.0
     sigma: float = 1.0
@@ -70,11 +74,12 @@ class SourceSpec:
             raise ConfigError(f"{where} column={self.column!r} must be a non-empty column or field name")
         if synthetic and self.column != "text":
             raise ConfigError(f"{where} is synthetic and has no columns, but column={self.column!r}; remove column")
+        columns = self._check_columns(where, synthetic)
         transform = self.transform
         if transform == "" or (synthetic and transform == DEFAULT_TRANSFORM):
             transform = None
         if transform is not None:
-            check_import_path(f"{where} transform", transform)
+            check_transform(f"{where} transform", transform)
         fix = "give a size in bytes such as 67108864"
         check_int(f"{where} max_sample_bytes", self.max_sample_bytes, low=1, fix=fix)
         if synthetic:
@@ -90,7 +95,24 @@ class SourceSpec:
             if extra:
                 raise synthetic_only(where, fmt, extra, use="format = 'synthetic'")
         object.__setattr__(self, "paths", paths)
+        object.__setattr__(self, "columns", columns)
         object.__setattr__(self, "transform", transform)
+
+    def _check_columns(self, where: str, synthetic: bool) -> tuple[str, ...] | None:
+        if self.columns is None:
+            return None
+        fix = 'list distinct column names, e.g. columns = ["image", "caption"]'
+        cols = check_str_tuple(f"{where} columns", self.columns, fix=fix)
+        if not cols or len(set(cols)) != len(cols):
+            raise ConfigError(f"{where} columns={list(cols)!r} must be a non-empty list of distinct names; {fix}")
+        if synthetic:
+            raise ConfigError(f"{where} is synthetic and has no columns, but columns={list(cols)!r}; remove columns")
+        if self.column != "text":
+            raise ConfigError(
+                f"{where} sets both column={self.column!r} and columns={list(cols)!r}; keep column for one "
+                f"column (the transform gets its value) or columns for several (it gets a dict by name)"
+            )
+        return cols
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict in the shape of a TOML `[[source]]` table (a file source's transform None is written as "")."""
@@ -101,12 +123,10 @@ class SourceSpec:
             d["max_sample_bytes"] = self.max_sample_bytes
             d.update({k: getattr(self, k) for k in SYNTHETIC_DEFAULTS})
             return d
-        d.update(
-            paths=list(self.paths),
-            column=self.column,
-            transform=self.transform or "",
-            max_sample_bytes=self.max_sample_bytes,
-        )
+        d.update(paths=list(self.paths), column=self.column)
+        if self.columns is not None:  # written only when set: the digests of one-column jobs stay as they were
+            d["columns"] = list(self.columns)
+        d.update(transform=self.transform or "", max_sample_bytes=self.max_sample_bytes)
         return d
 
     @classmethod
@@ -125,4 +145,6 @@ class SourceSpec:
         if "paths" in kwargs:
             paths = check_str_tuple(f"source {d['name']!r} paths", kwargs["paths"], fix=_PATHS_FIX)
             kwargs["paths"] = tuple(resolve_path(p, base_dir) for p in paths)
+        if isinstance(kwargs.get("columns"), list):
+            kwargs["columns"] = tuple(kwargs["columns"])
         return cls(**kwargs)

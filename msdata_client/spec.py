@@ -19,7 +19,10 @@ from msdata_client.mesh import PP_STAGES, ClientPlaceTree
 from msdata_client.mix import MixSpec
 from msdata_client.source import SourceSpec
 
-__all__ = ["BalanceSpec", "JobSpec", "MixSpec", "SourceSpec"]
+__all__ = ["BalanceSpec", "IMAGE_TOKEN_ID", "JobSpec", "MixSpec", "SourceSpec", "VISION_ALPHA", "VISION_BETA"]
+
+IMAGE_TOKEN_ID = 258  # [job] image_token_id by default (byte tokens are 0..255, EOS 256, padding 257)
+VISION_ALPHA, VISION_BETA = 1.0, 2048.0  # [balance] alpha_v, beta_v by default
 
 _JOB_TABLE_KEYS = (
     "name",
@@ -33,6 +36,7 @@ _JOB_TABLE_KEYS = (
     "broadcast_at",
     "prefetch_steps",
     "pp_fields",
+    "image_token_id",
 )
 _TOP_KEYS = ("job", "mesh", "source", "mix", "balance")
 
@@ -45,22 +49,45 @@ class BalanceSpec:
     alpha: float = 1.0
     beta: float = 4096.0
     method: str = Method.KARMARKAR_KARP.value
+    # cost = "vlm" only: the vision encoder's alpha_v * p**2 + beta_v * p per image of p patches
+    alpha_v: float = VISION_ALPHA
+    beta_v: float = VISION_BETA
 
     def __post_init__(self) -> None:
         if self.cost not in CostKind.values() and not is_import_path(self.cost):
             raise ConfigError(
-                f"balance cost={self.cost!r} must be {ATTENTION_COST!r} (alpha*len**2 + beta*len) "
-                f"or a function path 'module:function'"
+                f"balance cost={self.cost!r} must be {ATTENTION_COST!r} (alpha*len**2 + beta*len), "
+                f"{CostKind.VLM.value!r} (that for the backbone and alpha_v*p**2 + beta_v*p per image of p patches "
+                f"for the vision encoder) or a function path 'module:function'"
             )
         alpha = check_float("balance alpha", self.alpha, fix="use alpha >= 0 (1.0 by default)")
         beta = check_float("balance beta", self.beta, fix="use beta >= 0 (4096.0 by default)")
+        alpha_v = check_float("balance alpha_v", self.alpha_v, fix=f"use alpha_v >= 0 ({VISION_ALPHA} by default)")
+        beta_v = check_float("balance beta_v", self.beta_v, fix=f"use beta_v >= 0 ({VISION_BETA} by default)")
+        if self.cost != CostKind.VLM and (alpha_v, beta_v) != (VISION_ALPHA, VISION_BETA):
+            raise ConfigError(
+                f"balance alpha_v={alpha_v!r} / beta_v={beta_v!r} price the vision encoder and apply only to "
+                f'cost = "vlm", but cost={self.cost!r}; set cost = "vlm" or remove alpha_v and beta_v'
+            )
         object.__setattr__(self, "alpha", alpha)
         object.__setattr__(self, "beta", beta)
+        object.__setattr__(self, "alpha_v", alpha_v)
+        object.__setattr__(self, "beta_v", beta_v)
         Method.parse(self.method, "balance method")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict in the shape of the TOML `[balance]` table."""
-        return {"cost": self.cost, "alpha": self.alpha, "beta": self.beta, "method": self.method}
+        """Plain dict in the shape of the TOML `[balance]` table (alpha_v and beta_v with cost = "vlm" only)."""
+        d: dict[str, Any] = {"cost": self.cost, "alpha": self.alpha, "beta": self.beta, "method": self.method}
+        if self.cost == CostKind.VLM:
+            d.update(alpha_v=self.alpha_v, beta_v=self.beta_v)
+        return d
+
+    def identity(self) -> dict[str, Any]:
+        """The cost in a job's data identity: the constants that decide plans (not the method)."""
+        d = {"cost": self.cost, "alpha": self.alpha, "beta": self.beta}
+        if self.cost == CostKind.VLM:
+            d.update(alpha_v=self.alpha_v, beta_v=self.beta_v)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> BalanceSpec:
@@ -83,6 +110,8 @@ class JobSpec:
     broadcast_at: tuple[str, ...] = ("tp",)
     prefetch_steps: int = 2
     pp_fields: Mapping[str, tuple[str, ...]] | None = None
+    # the id of image placeholder tokens (a picture document's tokens: one per merge x merge patches, then its text)
+    image_token_id: int = IMAGE_TOKEN_ID
     sources: tuple[SourceSpec, ...]
     mix: MixSpec
     balance: BalanceSpec = field(default_factory=BalanceSpec)
@@ -95,6 +124,10 @@ class JobSpec:
         check_int("job micro_batches", self.micro_batches, low=1, fix="set the micro-batches per DP rank per step")
         check_int("job rows", self.rows, low=1, fix="set the packed rows per micro-batch")
         check_int("job pad_id", self.pad_id, low=0, fix="use a non-negative token id (257 by default)")
+        fix = f"use a non-negative token id ({IMAGE_TOKEN_ID} by default) that is not pad_id={self.pad_id}"
+        check_int("job image_token_id", self.image_token_id, low=0, fix=fix)
+        if self.image_token_id == self.pad_id:
+            raise ConfigError(f"job image_token_id={self.image_token_id} equals pad_id; {fix}")
         LongDocs.parse(self.long_docs, "job long_docs")
         Distribute.parse(self.distribute, "job distribute")
         check_int("job prefetch_steps", self.prefetch_steps, low=1, fix="plan at least 1 step ahead (2 by default)")
@@ -204,6 +237,8 @@ class JobSpec:
         }
         if self.pp_fields is not None:
             job["pp_fields"] = {k: list(v) for k, v in self.pp_fields.items()}
+        if self.image_token_id != IMAGE_TOKEN_ID:  # written only when set: text jobs' digests stay as they were
+            job["image_token_id"] = self.image_token_id
         return {
             "job": job,
             "mesh": self.mesh.to_dict(),
@@ -258,8 +293,10 @@ class JobSpec:
             "seed": self.seed,
             "sources": [s.to_dict() for s in self.sources],
             "mix": self.mix.to_dict(),
-            "cost": {"cost": self.balance.cost, "alpha": self.balance.alpha, "beta": self.balance.beta},
+            "cost": self.balance.identity(),
         }
+        if self.image_token_id != IMAGE_TOKEN_ID:
+            identity["image_token_id"] = self.image_token_id
         return _sha256(identity)
 
 

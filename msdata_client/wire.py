@@ -78,6 +78,10 @@ class FrameReader:
         del self._buf[: 4 + n]
         return decode(body)
 
+    def buffered(self) -> int:
+        """Bytes received that do not make a whole frame yet (at EOF: the stream ended inside a frame)."""
+        return len(self._buf)
+
     def take_fds(self, n: int) -> list[int]:
         if len(self.fds) < n:
             raise ProtocolError(f"frame announced {n} file descriptors but {len(self.fds)} arrived")

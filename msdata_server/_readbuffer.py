@@ -38,13 +38,28 @@ def _compact(a):
 class ReadBatch:
     """One batch of ``batch`` consecutive ordinals: filled once by its task, then released sample by sample."""
 
-    __slots__ = ("index", "start", "event", "lengths", "payloads", "released", "held", "nbytes", "error")
+    __slots__ = (
+        "index",
+        "start",
+        "event",
+        "lengths",
+        "images",
+        "patches",
+        "payloads",
+        "released",
+        "held",
+        "nbytes",
+        "error",
+    )
 
     def __init__(self, index: int, start: int, size: int):
         self.index = index
         self.start = start
         self.event = asyncio.Event()
         self.lengths: np.ndarray | None = None
+        # the vision figures, kept like the lengths: images per sample, and the patches (t*h*w) of every image
+        self.images: np.ndarray | None = None
+        self.patches: np.ndarray | None = None
         self.payloads: list | None = None
         self.released = np.zeros(size, dtype=bool)
         self.held = 0  # payloads present and not released
@@ -81,6 +96,8 @@ class ReadBuffer:
     def fill(self, bs: ReadBatch, results: list) -> None:
         """Store a batch's transformed samples: lengths of all, payloads of those not released yet."""
         lengths = np.zeros(len(results), dtype=np.int64)
+        images = np.zeros(len(results), dtype=np.int64)
+        patches: list[np.ndarray] = []
         payloads: list = [None] * len(results)
         held = mem = 0
         for i, r in enumerate(results):
@@ -89,11 +106,16 @@ class ReadBuffer:
                 bs.released[i] = True
                 continue
             lengths[i] = len(r)
+            if isinstance(r, VlmSample) and len(r.image_grid_thw):
+                images[i] = len(r.image_grid_thw)
+                patches.append(np.asarray(r.image_grid_thw, dtype=np.int64).reshape(-1, 3).prod(axis=1))
             if not bs.released[i]:
                 payloads[i] = r = _compact(r)
                 held += 1
                 mem += r.nbytes
         bs.lengths, bs.payloads, bs.held, bs.nbytes = lengths, payloads, held, mem
+        bs.images = images
+        bs.patches = np.concatenate(patches) if patches else np.zeros(0, dtype=np.int64)
         if self.batches.get(bs.index) is bs:
             self.ready += held
             self.memory += mem

@@ -27,10 +27,11 @@ class ReadCounts:
         self.errors = 0  # batches whose read failed
         self.done = 0  # samples read
         self.bytes = 0
+        self.tokens = 0  # tokens of the samples read (their lengths), for the source's profile
         self._rate: deque[tuple[float, int]] = deque(maxlen=_RATE_WINDOW)
 
-    def batch_read(self, ords: np.ndarray, records: list, results: list, nbytes: int) -> None:
-        """A batch was read and transformed: ``results`` of ``records`` of ordinals ``ords``."""
+    def batch_read(self, ords: np.ndarray, records: list, results: list, nbytes: int, tokens: int = 0) -> None:
+        """A batch was read and transformed: ``results`` of ``records`` of ordinals ``ords``, ``tokens`` long."""
         for i, r in enumerate(results):
             if isinstance(r, BadSample):
                 self.bad[r.reason] += 1
@@ -39,6 +40,7 @@ class ReadCounts:
                     self._badlog.record(BadSample(r.reason, loc, r.detail))
         self.done += len(results)
         self.bytes += nbytes
+        self.tokens += int(tokens)
         self._rate.append((time.monotonic(), len(results)))
 
     def batch_failed(self) -> None:

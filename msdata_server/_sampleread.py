@@ -7,6 +7,7 @@ Reads run one at a time, in a thread (they block on files); transforms in the po
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,6 +36,7 @@ class SampleReader:
             parse_transform_name(transform)
         self._tseed = stable_seed(seed, source.name, "transform")
         self._lock: asyncio.Lock | None = None
+        self.read_s = 0.0  # seconds spent reading records (in the reading thread), for the source's profile
 
     async def read(self, ords: np.ndarray) -> tuple[list, list, int]:
         """(records, transformed samples, bytes read) of ordinals."""
@@ -43,7 +45,9 @@ class SampleReader:
                 return await asyncio.to_thread(self._read_transform, ords)
         async with self._read_lock():
             records, nbytes, ids = await asyncio.to_thread(self._read, ords)
-        results = await self.pool.transform(self.transform, records, seed=self._tseed, sample_ids=ids)
+        results = await self.pool.transform(
+            self.transform, records, seed=self._tseed, sample_ids=ids, source=self.source.name
+        )
         return records, results, nbytes
 
     async def transform_once(self, ords: np.ndarray) -> list:
@@ -56,8 +60,11 @@ class SampleReader:
         return self._lock
 
     def _read(self, ords: np.ndarray) -> tuple[list, int, np.ndarray]:
+        t0 = time.perf_counter()
         rr = self.source.read_batch(ords)
-        return rr.records, rr.nbytes, self.source.sample_ids(ords)
+        ids = self.source.sample_ids(ords)
+        self.read_s += time.perf_counter() - t0
+        return rr.records, rr.nbytes, ids
 
     def _read_transform(self, ords: np.ndarray) -> tuple[list, list, int]:
         records, nbytes, ids = self._read(ords)

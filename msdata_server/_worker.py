@@ -6,7 +6,8 @@ re-imported (a trainer's or benchmark's main module may import torch).
 
 Protocol on a worker's private socket (multiprocessing Connection frames, pickle: our own child only):
 parent -> worker: ``(task_id, transform, seed, sample_ids, records)`` per task, or ``None`` to stop.
-worker -> parent: ``("ready", pid)``, then ``(task_id, items)`` per task, where an item is
+worker -> parent: ``("ready", pid)``, then ``(task_id, items, cpu_s, wall_s)`` per task (the process CPU time
+and the wall time the task took in the worker, for the source's profile), where an item is
 ``("s", offset, dtype, shape)`` (the array lies in the output segment at offset), ``("a", array)`` (small,
 inline), ``("b", reason, location, detail)`` (a bad sample) or ``("v", [(key, item), ...])`` (a picture
 document, ``transforms.VlmSample``: each of its arrays as an "s" or "a" item, so pixels never get pickled).
@@ -22,6 +23,7 @@ import pickle
 import signal
 import socket
 import sys
+import time
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -86,12 +88,14 @@ def worker_main(conn, seg_fd: int, seg_size: int, data_start: int) -> None:
         try:
             fn = load_transform(name)
         except Exception as e:  # the parent validated the name; report rather than die
-            conn.send_bytes(pickle.dumps((tid, ("error", f"{type(e).__name__}: {e}"))))
+            conn.send_bytes(pickle.dumps((tid, ("error", f"{type(e).__name__}: {e}"), 0.0, 0.0)))
             continue
+        cpu0, wall0 = time.process_time(), time.perf_counter()  # the samples' cost (not the first import)
         results = run_transform(fn, records, seed=seed, sample_ids=ids)
         items = pack_results(results, mm, data_start)
         del results
-        conn.send_bytes(pickle.dumps((tid, items), protocol=pickle.HIGHEST_PROTOCOL))
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+        conn.send_bytes(pickle.dumps((tid, items, cpu, wall), protocol=pickle.HIGHEST_PROTOCOL))
     if mm is not None:
         mm.close()
     conn.close()

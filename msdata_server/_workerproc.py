@@ -28,11 +28,20 @@ _HDR_BIG = struct.Struct("!Q")
 
 
 class Task:
-    """Records to transform in one worker; ``deaths`` counts the workers that died running it."""
+    """Records of one source to transform in one worker; ``deaths`` counts the workers that died running it."""
 
-    __slots__ = ("id", "transform", "seed", "ids", "records", "future", "deaths")
+    __slots__ = ("id", "transform", "seed", "ids", "records", "future", "deaths", "source")
 
-    def __init__(self, tid: int, transform: str, seed: int, ids: np.ndarray, records: list, future: asyncio.Future):
+    def __init__(
+        self,
+        tid: int,
+        transform: str,
+        seed: int,
+        ids: np.ndarray,
+        records: list,
+        future: asyncio.Future,
+        source: str = "",
+    ):
         self.id = tid
         self.transform = transform
         self.seed = seed
@@ -40,6 +49,7 @@ class Task:
         self.records = records
         self.future = future
         self.deaths = 0
+        self.source = source  # whose quota and profile the task counts against (fair queueing)
 
 
 class Worker:
@@ -97,7 +107,7 @@ class Worker:
         self.writer.write(_frame(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)))
 
     async def receive(self):
-        """Its next message: ``("ready", pid)`` or ``(task_id, items)``."""
+        """Its next message: ``("ready", pid)`` or ``(task_id, items, cpu_s, wall_s)``."""
         return pickle.loads(await _read_frame(self.reader))
 
     def stop(self) -> None:

@@ -1,5 +1,6 @@
 """Data constructors' batch-level work, as pure numpy: pack document pieces into rows, then derive labels,
-loss mask, position ids and cu_seqlens, and slice rows for context parallelism (zig-zag).
+loss mask, position ids and cu_seqlens, and slice rows for context parallelism (zig-zag). A job with pictures
+adds the image keys: every image of the micro-batch's pieces, in order of appearance (IMAGE_FIELDS).
 
 ``build_micro_batch`` writes straight into the arrays it is given (views of a ring slot), so a micro-batch
 is built once, in place, and never copied again on its way to the ranks.
@@ -13,11 +14,14 @@ import numpy as np
 
 __all__ = [
     "BATCH_FIELDS",
+    "IMAGE_FIELDS",
+    "ImageShape",
     "MicroBatchPieces",
     "ROW_FIELDS",
     "build_micro_batch",
     "count_segments",
     "field_specs",
+    "image_shape",
     "zigzag_index",
 ]
 
@@ -32,7 +36,16 @@ BATCH_FIELDS = (
     "source_ids",
     "step",
     "micro",
+    "pixel_values",
+    "image_grid_thw",
+    "image_cu_seqlens",
+    "image_sample_ids",
 )
+# The image keys of a job with pictures: pixel_values uint8 [n_patches, 3*patch*patch] (all images in order of
+# appearance), image_grid_thw int64 [n_images, 3] (t, h, w in patches), image_cu_seqlens int32 [n_images + 1]
+# (patch boundaries per image, from 0), image_sample_ids int64 [n_images] (the sample of each image).
+# Not row fields: every CP rank reads them whole; under PP only the first stage (mesh.default_stage_fields).
+IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "image_cu_seqlens", "image_sample_ids")
 # Fields shaped [rows, seq_len] (or the CP slice [rows, seq_len/cp]); the others are per document.
 ROW_FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
 _DTYPES = {
@@ -43,7 +56,20 @@ _DTYPES = {
     "cu_seqlens": np.int32,
     "sample_ids": np.int64,
     "source_ids": np.int64,
+    "pixel_values": np.uint8,
+    "image_grid_thw": np.int64,
+    "image_cu_seqlens": np.int32,
+    "image_sample_ids": np.int64,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class ImageShape:
+    """How much a micro-batch's image keys hold: patches, images, and bytes per patch row."""
+
+    patches: int
+    images: int
+    row: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +80,22 @@ class MicroBatchPieces:
     tokens: list  # n int arrays: the piece's tokens (already sliced from its document)
     sample_ids: np.ndarray  # int64 [n]
     source_ids: np.ndarray  # int64 [n]
+    # per piece (a job with pictures): its images' pixel_values uint8 [p, row] and image_grid_thw int64 [k, 3],
+    # or None for a piece without images
+    images: list | None = None
+
+
+def image_shape(pieces: MicroBatchPieces, row: int) -> ImageShape:
+    """The image keys' sizes for these pieces (row: bytes per patch row of the job's images)."""
+    patches = images = 0
+    for im in pieces.images or ():
+        if im is not None:
+            pv, grid = im
+            if pv.ndim != 2 or pv.shape[1] != row:
+                raise ValueError(f"a piece's pixel_values {pv.shape} do not have rows of {row} bytes (the job's patch)")
+            patches += pv.shape[0]
+            images += grid.shape[0]
+    return ImageShape(patches, images, row)
 
 
 def zigzag_index(seq_len: int, cp: int) -> np.ndarray:
@@ -70,9 +112,9 @@ def zigzag_index(seq_len: int, cp: int) -> np.ndarray:
 
 
 def field_specs(
-    *, rows: int, seq_len: int, n_pieces: int, n_segments: int, cp: int = 1
+    *, rows: int, seq_len: int, n_pieces: int, n_segments: int, cp: int = 1, images: ImageShape | None = None
 ) -> list[tuple[str, str, tuple]]:
-    """(name, dtype, shape) of every array a micro-batch needs in its slot.
+    """(name, dtype, shape) of every array a micro-batch needs in its slot (the image keys with ``images``).
 
     With cp > 1 each row field is stored once per CP rank, as ``{name}@{i}`` of shape [rows, seq_len/cp],
     so every CP rank maps one contiguous array and nothing is copied on the reader's side.
@@ -89,6 +131,14 @@ def field_specs(
     specs.append(("source_ids", np.dtype(np.int64).str, (n_pieces,)))
     specs.append(("step", np.dtype(np.int64).str, ()))
     specs.append(("micro", np.dtype(np.int64).str, ()))
+    if images is not None:
+        shapes = {
+            "pixel_values": (images.patches, images.row),
+            "image_grid_thw": (images.images, 3),
+            "image_cu_seqlens": (images.images + 1,),
+            "image_sample_ids": (images.images,),
+        }
+        specs += [(name, np.dtype(_DTYPES[name]).str, shapes[name]) for name in IMAGE_FIELDS]
     return specs
 
 
@@ -157,11 +207,34 @@ def build_micro_batch(
     out["source_ids"][:] = pieces.source_ids
     out["step"][...] = step
     out["micro"][...] = micro
+    if "pixel_values" in out:
+        _fill_images(out, pieces)
     if cp > 1:
         idx = zigzag_index(seq_len, cp)
         for name, full in (("tokens", tok), ("labels", lab), ("loss_mask", msk), ("position_ids", pos)):
             for i in range(cp):
                 np.take(full, idx[i], axis=1, out=out[f"{name}@{i}"])
+
+
+def _fill_images(out: dict[str, np.ndarray], pieces: MicroBatchPieces) -> None:
+    """The image keys: each piece's images in order, their grids, patch boundaries and sample ids."""
+    pv, grid, cus, ids = out["pixel_values"], out["image_grid_thw"], out["image_cu_seqlens"], out["image_sample_ids"]
+    p = k = 0
+    cus[0] = 0
+    for im, sid in zip(pieces.images or (), pieces.sample_ids.tolist()):
+        if im is None:
+            continue
+        values, thw = im
+        n, m = values.shape[0], thw.shape[0]
+        pv[p : p + n] = values
+        grid[k : k + m] = thw
+        cus[k + 1 : k + m + 1] = p + np.cumsum(thw.prod(axis=1))
+        ids[k : k + m] = sid
+        p, k = p + n, k + m
+    if p != pv.shape[0] or k != grid.shape[0]:
+        raise ValueError(f"images fill {p} of {pv.shape[0]} patch rows and {k} of {grid.shape[0]} images (layout)")
+    if k and int(cus[k]) != p:
+        raise ValueError(f"image_grid_thw covers {int(cus[k])} patches but pixel_values has {p} (a bad picture)")
 
 
 def _scratch(scratch: dict, name: str, shape, dtype) -> np.ndarray:

@@ -1,90 +1,31 @@
-"""Planner checkpoints on the node's disk: the small state at each step boundary, so a server killed with
-SIGKILL continues a job where its ranks were (large buffers are rebuilt by deterministic replay, never
-snapshotted). One file per step, written atomically (tmp + rename), the last ``keep`` kept."""
+"""Where a job starts: the one start rule from the states ranks bring and the stored ones (both modes).
+
+The node's stored planner states (``state_dir``) live in ``statedir.StateStore``, re-exported here."""
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import orjson
+from msdata_client.lineage import check_skip
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
+from .statedir import StateStore
 
-__all__ = ["RankStart", "StartPoint", "StateStore", "start_from_states", "start_point"]
+__all__ = ["RankStart", "StartPoint", "StateStore", "skip_of", "start_from_states", "start_point"]
 
 log = logging.getLogger(__name__)
 
-_STEP_FILE = re.compile(r"^step-(\d{12})\.json$")
 
-
-class StateStore:
-    """Per-job directory ``{state_dir}/{job}/{digest16}`` of ``step-NNNNNNNNNNNN.json`` planner states."""
-
-    def __init__(self, state_dir: str, job: str, digest: str, keep: int = 64):
-        self.dir = os.path.join(state_dir, job, digest[:16])
-        self.keep = keep
-        self._steps: list[int] | None = None
-
-    def _list(self) -> list[int]:
-        if self._steps is None:
-            try:
-                names = os.listdir(self.dir)
-            except FileNotFoundError:
-                names = []
-            self._steps = sorted(int(m.group(1)) for n in names if (m := _STEP_FILE.match(n)))
-        return self._steps
-
-    def _path(self, step: int) -> str:
-        return os.path.join(self.dir, f"step-{step:012d}.json")
-
-    def save(self, step: int, state: dict) -> None:
-        """Write the state at the start of ``step``; drop the oldest beyond ``keep``."""
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        tmp = self._path(step) + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(orjson.dumps(state))
-        os.replace(tmp, self._path(step))
-        steps = self._list()
-        if step not in steps:
-            steps.append(step)
-            steps.sort()
-        while len(steps) > self.keep:
-            old = steps.pop(0)
-            try:
-                os.unlink(self._path(old))
-            except FileNotFoundError:
-                pass
-
-    def load_at_or_before(self, step: int) -> tuple[int, dict] | None:
-        """The newest readable state at a step <= ``step`` (a torn or corrupt file is skipped)."""
-        for s in reversed([s for s in self._list() if s <= step]):
-            try:
-                with open(self._path(s), "rb") as f:
-                    return s, orjson.loads(f.read())
-            except (OSError, orjson.JSONDecodeError) as e:
-                log.warning("skipping unreadable planner checkpoint %s: %s", self._path(s), e)
-        return None
-
-    def clear(self) -> None:
-        """Forget every checkpoint of this job (a new run that brought no state starts from the beginning)."""
-        for s in self._list():
-            try:
-                os.unlink(self._path(s))
-            except FileNotFoundError:
-                pass
-        self._steps = []
-
-
-def start_from_states(states: dict, layout: dict) -> tuple[dict, dict[int, tuple[int, int]]]:
+def start_from_states(states: dict, layout: dict) -> tuple[dict, dict[int, tuple[int, int]], tuple[int, bool]]:
     """Where a job starts when ranks brought states (``states``: rank -> state or None, at least one given).
 
     Every given state must hold the same planner position (else CheckpointError for every rank); ranks that
     brought none adopt it. Returns the planner state and each rank's (step, micro): a rank keeps its micro-batch
-    only when its state was saved under this same layout (another layout restarts the step).
+    only when its state was saved under this same layout (another layout restarts the step). The third value:
+    the steps to skip before delivering and whether to defer their pieces (``loader.skip``; every given state
+    must ask for the same skip, which ranks start after).
     """
     given = {r: st for r, st in states.items() if st is not None}
     first = next(iter(given.values()))
@@ -95,12 +36,34 @@ def start_from_states(states: dict, layout: dict) -> tuple[dict, dict[int, tuple
                 f"{st['planner'].get('step')}, others at {first['planner'].get('step')}); "
                 "load the same checkpoint on every rank"
             )
-    step = int(first["planner"]["step"])
+    skip, defer = skip_of(first)
+    for r, st in given.items():
+        if st.get("skip") != first.get("skip"):
+            raise CheckpointError(
+                f"ranks disagree on the skip: rank {r} asked for {st.get('skip')!r}, another for "
+                f"{first.get('skip')!r}; call loader.skip(...) with the same arguments on every rank (or on none)"
+            )
+    step = int(first["planner"]["step"]) + skip
     positions = {}
     for r, st in states.items():
         same = st is not None and st.get("layout") == layout
         positions[r] = (step, int(st["position"]["micro"]) if same else 0)
-    return first["planner"], positions
+    return first["planner"], positions, (skip, defer)
+
+
+def skip_of(state: Mapping) -> tuple[int, bool]:
+    """The steps a rank's state asks to skip (``loader.skip``) before delivering, and whether their pieces are
+    deferred to the end of their source's epoch; CheckpointError if malformed."""
+    raw = state.get("skip")
+    if raw is None:
+        return 0, False
+    try:
+        if not isinstance(raw, Mapping) or set(raw) != {"steps", "defer"}:
+            raise ConfigError(f"a state's skip must be {{'steps': k, 'defer': bool}}, got {raw!r}")
+        check_skip(raw["steps"], raw["defer"])
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    return int(raw["steps"]), bool(raw["defer"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +85,8 @@ class StartPoint:
     planner: dict | None = None
     load_at: int | None = None
     clear: bool = False
+    skip: int = 0  # plan this many steps from ``planner`` without delivering them first (``loader.skip``)
+    defer: bool = False  # ...and deliver their pieces after the rest of each source's epoch
 
 
 def start_point(ranks: Mapping[int, RankStart], layout: dict) -> StartPoint:
@@ -133,8 +98,8 @@ def start_point(ranks: Mapping[int, RankStart], layout: dict) -> StartPoint:
     3. otherwise a new run from the beginning, whatever is stored.
     """
     if any(r.state is not None for r in ranks.values()):
-        planner, positions = start_from_states({k: r.state for k, r in ranks.items()}, layout)
-        return StartPoint(positions=positions, planner=planner, clear=True)
+        planner, positions, (skip, defer) = start_from_states({k: r.state for k, r in ranks.items()}, layout)
+        return StartPoint(positions=positions, planner=planner, clear=True, skip=skip, defer=defer)
     resumed = [r.position for r in ranks.values() if r.resume]
     if resumed:
         low = min(resumed)

@@ -112,6 +112,13 @@ def _cmd_status(args) -> int:
     return 0
 
 
+def _cmd_lineage(args) -> int:
+    from .lineage.command import run
+
+    args.endpoint_path = _endpoint(args)
+    return run(args)
+
+
 def _cmd_health(args) -> int:
     """Liveness/readiness for probes: 0 when the server answers a status request with a known role, else 1
     with one line on stderr saying why."""
@@ -146,12 +153,21 @@ def _cmd_health(args) -> int:
     return 0
 
 
+def _stage_figures(j: dict) -> str:
+    """The two-stage cost's imbalances of a status job ("" for a one-stage job)."""
+    enc, bb = j.get("encoder_imbalance"), j.get("backbone_imbalance")
+    return "" if enc is None or bb is None else f" (encoder {enc:.3f}, backbone {bb:.3f})"
+
+
 def _format_status(st: dict) -> str:
+    from .autoscale.table import autoscale_table
+
     mem = st.get("memory", {})
     lines = [
         f"node {st.get('node')}  role {st.get('role')}  pid {st.get('pid')}  up {st.get('uptime_s', 0):.0f}s  "
         f"workers {st.get('workers')}  memory PSS {mem.get('total_pss', 0) / 2**20:.1f} MiB",
         f"socket {st.get('socket')}",
+        *autoscale_table(st.get("autoscale")),
     ]
     jobs = st.get("jobs", [])
     if not jobs:
@@ -162,7 +178,7 @@ def _format_status(st: dict) -> str:
             f"job {j['name']} [{j['state']}] ranks {len(j['ranks'])}/{j['world_size']}  "
             f"steps {j['steps_planned']}  "
             f"{j['micro_batches_per_s']:.1f} micro-batches/s  {j['bytes_per_s'] / 1e9:.2f} GB/s  "
-            f"imbalance {imb if imb is None else f'{imb:.3f}'}"
+            f"imbalance {imb if imb is None else f'{imb:.3f}'}" + _stage_figures(j)
         )
         for r in j.get("rings", []):
             lines.append(
@@ -214,10 +230,14 @@ def _cmd_cleanup(args) -> int:
 
 def _cmd_demo(args) -> int:
     _lean_arrow()
+    configure_logging(args.log_level or "WARNING", "text")
+    if args.vlm:  # a small image-text job (generated images; needs Pillow)
+        from .demo_vlm import run_vlm_demo
+
+        return run_vlm_demo(steps=args.steps if args.steps is not None else 30)
     from .demo import run_demo
 
-    configure_logging(args.log_level or "WARNING", "text")
-    return run_demo(steps=args.steps, ranks=args.ranks)
+    return run_demo(steps=args.steps if args.steps is not None else 200, ranks=args.ranks)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", choices=LOG_FORMATS, help="override [node] log_format")
     s.set_defaults(fn=_cmd_serve)
     d = sub.add_parser("demo", help="run the embedded default job end to end and print a summary")
-    d.add_argument("--steps", type=int, default=200, help="training steps to run")
+    d.add_argument("--steps", type=int, default=None, help="training steps to run (default 200; 30 with --vlm)")
+    d.add_argument("--vlm", action="store_true", help="an image-text job instead (generated images; needs Pillow)")
     d.add_argument("--ranks", type=int, default=4, help="simulated trainer ranks")
     d.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, help="log level (default WARNING)")
     d.set_defaults(fn=_cmd_demo)
@@ -247,6 +268,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--config", help="node.toml")
     v.add_argument("--job", help="job.toml to check too (sources are opened)")
     v.set_defaults(fn=_cmd_validate)
+    ln = sub.add_parser("lineage", help="which document pieces made steps A..B (replayed, from a server or offline)")
+    ln.add_argument("--job", required=True, help="a running job's name, or its job.toml to replay offline")
+    ln.add_argument("--steps", required=True, help="A:B, the steps from A up to B (excluded)")
+    ln.add_argument("--state", help="offline: a trainer's saved loader.state_dict() JSON to replay from")
+    ln.add_argument("--rank", type=int, help="only the micro-batches of this trainer rank's data-parallel group")
+    ln.add_argument("--sample", type=int, help="only the rows of this sample id (where one document went)")
+    ln.add_argument("--out", help="write Parquet here instead of printing a table")
+    ln.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
+    ln.add_argument("--timeout", type=_positive, default=600.0, help="seconds to wait for the server (default 600)")
+    ln.set_defaults(fn=_cmd_lineage)
     c = sub.add_parser("cleanup", help="remove shared-memory segments whose server is gone")
     c.set_defaults(fn=_cmd_cleanup)
     return p

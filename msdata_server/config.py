@@ -13,7 +13,16 @@ from msdata_client._paths import default_endpoint
 from .errors import ConfigError
 from .ops.logs import LOG_FORMATS, LOG_LEVELS
 
-__all__ = ["ClusterConfig", "NodeConfig", "ROLES", "ServerConfig", "load_config", "parse_config", "parse_host_port"]
+__all__ = [
+    "AutoscaleConfig",
+    "ClusterConfig",
+    "NodeConfig",
+    "ROLES",
+    "ServerConfig",
+    "load_config",
+    "parse_config",
+    "parse_host_port",
+]
 
 ROLES = ("leader", "follower", "single")  # what `status` reports as "role"; "single": no [cluster]
 
@@ -65,6 +74,7 @@ class NodeConfig:
     ring_slots: int = 8  # slots per ring; 8-16 lets notices overlap with work (ARCHITECTURE §9)
     max_slot_mib: int = 1024  # a batch larger than this is refused with a clear error
     drain_timeout: float = 10.0  # graceful-shutdown budget before tasks are cancelled
+    reconnect_grace: float = 60.0  # seconds a rank that lost its socket keeps its slots and place
     log_level: str = "INFO"
     log_format: str = "text"  # "text" or "json" (one object per line)
     metrics: str = ""  # "HOST:PORT" serves Prometheus text at /metrics; "" = off
@@ -89,6 +99,8 @@ class NodeConfig:
         _int("node", "max_slot_mib", self.max_slot_mib, 1)
         if not isinstance(self.drain_timeout, (int, float)) or self.drain_timeout < 0:
             raise ConfigError(f"[node] drain_timeout = {self.drain_timeout!r} must be a number >= 0 (seconds)")
+        if not isinstance(self.reconnect_grace, (int, float)) or self.reconnect_grace < 0:
+            raise ConfigError(f"[node] reconnect_grace = {self.reconnect_grace!r} must be a number >= 0 (seconds)")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"[node] log_level = {self.log_level!r} must be one of {', '.join(LOG_LEVELS)}")
         if self.log_format not in LOG_FORMATS:
@@ -128,9 +140,48 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class AutoscaleConfig:
+    """[autoscale]: size the transform workers, and each source's share of them, from measured cost and the
+    mixture (msdata_server.autoscale). ``enabled = false``: ``[node] workers`` is a fixed pool shared FIFO."""
+
+    enabled: bool = True
+    min_workers: int = 1
+    max_workers: int = 0  # 0: the number of CPUs
+    interval: float = 2.0  # seconds between decisions (a mixture change decides at once)
+    headroom: float = 0.25  # provision demand x (1 + headroom)
+    cooldown: float = 0.0  # seconds a lower demand must last before workers are given back; 0: 3 x interval
+
+    def __post_init__(self):
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"[autoscale] enabled = {self.enabled!r} must be true or false")
+        _int("autoscale", "min_workers", self.min_workers, 1, 1024)  # [node] workers = 0: transforms in the server
+        _int("autoscale", "max_workers", self.max_workers, 0, 1024)
+        if self.max_workers and self.max_workers < self.min_workers:
+            raise ConfigError(
+                f"[autoscale] max_workers = {self.max_workers} is below min_workers = {self.min_workers}; "
+                "raise max_workers (0 means the number of CPUs) or lower min_workers"
+            )
+        for key, lo, hi in (("interval", 0.01, 3600.0), ("headroom", 0.0, 10.0), ("cooldown", 0.0, 86400.0)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                raise ConfigError(f"[autoscale] {key} = {v!r} must be a number in [{lo:g}, {hi:g}]")
+
+    @property
+    def max_size(self) -> int:
+        """max_workers, or the number of CPUs this process may use when it is 0 (never below min_workers)."""
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(self.max_workers or cpus, self.min_workers)
+
+    @property
+    def cooldown_s(self) -> float:
+        return self.cooldown or 3.0 * self.interval
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServerConfig:
     node: NodeConfig
     cluster: ClusterConfig | None = None
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
     @property
     def role(self) -> str:
@@ -176,7 +227,11 @@ def parse_config(doc: dict, *, base_dir: str | None = None) -> ServerConfig:
         if isinstance(tf, str) and tf and base_dir and not os.path.isabs(tf):
             ct["token_file"] = os.path.join(base_dir, tf)
         cluster = ClusterConfig(**ct)
-    return ServerConfig(node=node, cluster=cluster)
+    auto_t = doc.get("autoscale", {})
+    if not isinstance(auto_t, dict):
+        raise ConfigError("[autoscale] must be a table")
+    _check_keys(auto_t, AutoscaleConfig, "autoscale")
+    return ServerConfig(node=node, cluster=cluster, autoscale=AutoscaleConfig(**auto_t))
 
 
 def load_config(path: str | None) -> ServerConfig:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from .config import NodeConfig, ServerConfig
 from .metrics import tree_memory
 
-__all__ = ["make_dataset", "run_demo"]
+__all__ = ["make_dataset", "run_demo", "serve_in_thread", "server_status", "stop_server"]
 
 # text4 shapes (bench/workloads.py keeps the canonical copy): median bytes, sigma, docs, files, format
 DEMO_SOURCES = {
@@ -122,7 +122,7 @@ def _rank_main(job_dict: dict, endpoint: str, rank: int, world: int, steps: int,
     )
 
 
-def _serve_in_thread(cfg: ServerConfig):
+def serve_in_thread(cfg: ServerConfig):
     """Run a NodeServer on a uvloop in a thread; returns (server, loop, thread) once it is ready."""
     import uvloop
 
@@ -180,7 +180,7 @@ def _run(root: str, steps: int) -> int:
             id="demo", socket=os.path.join(root, "msdata.sock"), workers=2, shm_prefix="msddemo", log_level="WARNING"
         )
     )
-    server, loop, thread = _serve_in_thread(cfg)
+    server, loop, thread = serve_in_thread(cfg)
     print(
         f"  dataset ready in {time.perf_counter() - t0:.1f}s; server on {cfg.node.socket} with {cfg.node.workers} "
         f"transform workers",
@@ -217,12 +217,12 @@ def _run(root: str, steps: int) -> int:
             done[rank] = val
         if any(p.exitcode not in (None, 0) for p in procs):
             print("a trainer rank failed; see the error above", file=sys.stderr)
-            _stop(server, loop, thread)
+            stop_server(server, loop, thread)
             return 1
         now = time.perf_counter()
         if now - last > 2.0 or len(done) == world:
             last = now
-            st = asyncio.run_coroutine_threadsafe(_status(server), loop).result()
+            st = asyncio.run_coroutine_threadsafe(server_status(server), loop).result()
             if st.get("jobs"):
                 status = st
             pids = [os.getpid()] + (server.pool.pids() + server.pool.helper_pids() if server.pool is not None else [])
@@ -246,17 +246,17 @@ def _run(root: str, steps: int) -> int:
     bar.close()
     for p in procs:
         p.join(30)
-    _stop(server, loop, thread)
+    stop_server(server, loop, thread)
     _summary(spec, steps, done, status, peak_pss, data)
     print(f"demo finished in {time.perf_counter() - t0:.1f}s", flush=True)
     return 0
 
 
-async def _status(server) -> dict:
+async def server_status(server) -> dict:
     return server.status()
 
 
-def _stop(server, loop, thread) -> None:
+def stop_server(server, loop, thread) -> None:
     loop.call_soon_threadsafe(server.request_stop)
     thread.join(30)
 

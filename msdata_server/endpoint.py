@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import errno
 import logging
 import os
 import socket
@@ -18,6 +19,8 @@ from collections.abc import Awaitable, Callable
 
 from msdata_client.wire import FrameReader, encode
 
+from ._clientframes import check_frame
+from ._peerprocess import PeerProcess
 from .errors import ClosedError, ConfigError
 
 __all__ = ["ClientConn", "UnixEndpoint"]
@@ -25,10 +28,15 @@ __all__ = ["ClientConn", "UnixEndpoint"]
 log = logging.getLogger(__name__)
 
 MAX_OUTBOX = 64 << 20  # bytes queued for one client before it is considered stuck and dropped
+_ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED)
 
 
 class ClientConn:
-    """One connected local client: frame reader, ordered outbox, and whatever the job attaches."""
+    """One connected local client: frame reader, ordered outbox, and whatever the job attaches.
+
+    ``close()`` shuts the socket down (the reading task sees EOF and ends); the endpoint disposes of the
+    socket once that task has finished, so no descriptor is closed under a pending read.
+    """
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, cid: int):
         self.sock = sock
@@ -41,14 +49,18 @@ class ClientConn:
         self.closed = False
         self.job = None  # set by the node when the client registers
         self.rank: int | None = None
+        self.ended = False  # closed on purpose: the client said bye or was refused (not merely a lost socket)
+        self.eof = False  # nothing more will be read from it (the handler may still be finishing)
+        self.write_failed = False  # a send failed: the client has closed its end
         self.pid = _peer_pid(sock)
+        self.peer = PeerProcess(self.pid, loop)
 
     def __repr__(self) -> str:
         return f"<client {self.id} pid={self.pid} rank={self.rank}>"
 
     def send(self, obj: dict, fds: tuple[int, ...] | list[int] = ()) -> None:
         """Queue one frame (and descriptors) and write as much as the socket takes now."""
-        if self.closed:
+        if self.closed or self.write_failed:
             return
         data = encode(obj)
         self._out.append([memoryview(data), list(fds)])
@@ -59,6 +71,11 @@ class ClientConn:
             return
         if not self._writing:
             self._flush()
+
+    def refuse(self, kind: str, message: str) -> None:
+        """Tell the client why it is refused; the connection then ends on purpose (its rank is not awaited)."""
+        self.ended = self.eof = True
+        self.send({"t": "error", "kind": kind, "message": message})
 
     def _flush(self) -> None:
         try:
@@ -79,9 +96,10 @@ class ClientConn:
                 self._writing = True
                 self.loop.add_writer(self.sock.fileno(), self._on_writable)
             return
-        except OSError:
-            self.close()
-            return
+        except OSError:  # the client stopped reading (it closed): write no more, but still read what it sent
+            self.write_failed = True  # (its last frames may say bye)
+            self._out.clear()
+            self._out_bytes = 0
         if self._writing:
             self._writing = False
             self.loop.remove_writer(self.sock.fileno())
@@ -91,7 +109,7 @@ class ClientConn:
 
     def gone(self) -> bool:
         """True when the client has hung up or said bye, even if the loop has not read it yet."""
-        if self.closed:
+        if self.closed or self.eof:
             return True
         try:
             data = self.sock.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
@@ -126,19 +144,39 @@ class ClientConn:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def dispose(self) -> None:
+        """Close for good once nobody reads the socket any more (the endpoint calls it after the handler)."""
+        self.close()
         self.sock.close()
+        if not self.peer.watching:  # a job that waits for this rank to come back owns the watch
+            self.peer.close()
 
     async def frames(self):
-        """Yield incoming frames until EOF; ProtocolError for a malformed stream."""
+        """Yield incoming frames, checked (``_clientframes``), until EOF; ProtocolError for a malformed stream."""
+        try:
+            async for frame in self._frames():
+                yield frame
+        finally:
+            self.eof = True
+
+    async def _frames(self):
         while not self.closed:
             try:
                 data = await self.loop.sock_recv(self.sock, 1 << 16)
             except (ConnectionError, OSError):
                 return
             if not data:
+                if self.reader.buffered():  # not refused (a rank whose socket broke mid-write may come back)
+                    log.warning(
+                        "%r closed its socket inside a frame (%d bytes of it arrived)", self, self.reader.buffered()
+                    )
                 return
             self.reader.feed(data)
-            while (frame := self.reader.next_frame()) is not None:
+            while not self.closed and (frame := self.reader.next_frame()) is not None:
+                check_frame(frame)
+                if frame["t"] == "bye":
+                    self.ended = True
                 yield frame
 
 
@@ -197,7 +235,15 @@ class UnixEndpoint:
         while True:
             if self.sock is None:
                 raise ClosedError("the endpoint has no socket: call bind() before serve(), and not after close()")
-            conn_sock, _ = await loop.sock_accept(self.sock)
+            try:
+                conn_sock, _ = await loop.sock_accept(self.sock)
+            except OSError as e:
+                if e.errno not in _ACCEPT_ERRORS:
+                    raise
+                # out of descriptors or memory: keep serving the clients we have, try again shortly
+                log.error("cannot accept a client on %s: %s; retrying in 0.5 s", self.path, e)
+                await asyncio.sleep(0.5)
+                continue
             conn_sock.setblocking(False)
             self._next_id += 1
             conn = ClientConn(conn_sock, loop, self._next_id)
@@ -208,7 +254,7 @@ class UnixEndpoint:
         try:
             await self.handler(conn)
         finally:
-            conn.close()
+            conn.dispose()
             self.conns.discard(conn)
 
     def close(self) -> None:

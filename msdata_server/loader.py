@@ -4,9 +4,10 @@ Partition (k, n) owns the ordinals whose batch index ``ordinal // batch`` is con
 loaders (on one node or several) split a source's work by whole batches without changing its order.
 
 Bound: the loader schedules a batch only when its last ordinal is at most ``readahead`` of this partition's
-samples beyond the highest ordinal asked for so far (by ``lengths``/``tokens``; ``seek`` resets it), with a
-few batches in flight; payloads stay until ``release``d. Batches asked for explicitly are always read, and a
-released batch asked for again is read again (reads are deterministic).
+samples beyond the highest ordinal asked for so far (by ``lengths``/``tokens``; ``seek`` resets it), and, past
+that ordinal, only while the payloads held weigh less than ``readahead_bytes`` (decoded pictures are large),
+with a few batches in flight; payloads stay until ``release``d. Batches asked for explicitly are always read,
+and a released batch asked for again is read again (reads are deterministic).
 
 This module schedules; ``_readbuffer`` accounts for what is held, ``_readcounts`` for what was read,
 ``_sampleread`` reads and transforms, ``_ordinals`` maps ordinals to this partition's batches.
@@ -36,6 +37,8 @@ __all__ = ["LoaderStats", "SourceLoader"]
 
 log = logging.getLogger(__name__)
 
+READAHEAD_BYTES = 256 << 20  # payloads held past the highest ordinal asked for (decoded pictures are large)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoaderStats:
@@ -49,12 +52,20 @@ class LoaderStats:
     ready: int
     buffer_fill: float  # ready / readahead
     memory_bytes: int  # payloads held
+    read_s: float  # seconds spent reading records (cumulative)
+    tokens_read: int  # tokens of the samples read (cumulative)
     bad_samples: Mapping[str, int]
     errors: int
     inflight: int
     cursor: int  # the next ordinal the read-ahead will schedule
     held_ahead: int  # of ``ready``: payloads beyond the highest ordinal asked for; at most ``readahead``
     readahead: int  # the read-ahead bound, in samples of this partition
+    readahead_bytes: int  # ...and in bytes of payloads held (past the highest ordinal asked for)
+
+
+def _int_at_least(what: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"loader {what}={value!r} must be an integer >= {low}")
 
 
 class SourceLoader:
@@ -71,11 +82,11 @@ class SourceLoader:
         readahead: int = 64,
         batch: int = 64,
         partition: tuple[int, int] = (0, 1),
+        readahead_bytes: int = READAHEAD_BYTES,
     ):
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ConfigError(f"loader {batch=} must be an integer >= 1")
-        if isinstance(readahead, bool) or not isinstance(readahead, int) or readahead < 0:
-            raise ConfigError(f"loader {readahead=} must be an integer >= 0")
+        _int_at_least("batch", batch, 1)
+        _int_at_least("readahead", readahead, 0)
+        _int_at_least("readahead_bytes", readahead_bytes, 0)
         k, n = partition
         if not (isinstance(k, int) and isinstance(n, int) and n >= 1 and 0 <= k < n):
             raise ConfigError(f"loader {partition=} must be (k, n) with 0 <= k < n")
@@ -85,17 +96,18 @@ class SourceLoader:
         self.name = source.name
         self.seed = int(seed)
         self.readahead = readahead
+        self.readahead_bytes = readahead_bytes
         self.batch = batch
         self.partition = (k, n)
         self._part = Partition(k, n, batch)
         self._reader = SampleReader(source, pool, transform, self.seed)
         self._buf = ReadBuffer(self._part)
         self._cursor = 0  # local batch index the read-ahead schedules next
+        self._end: int | None = None  # global batch the read-ahead stops before (a new partitioning reads on)
         self._high = -1  # highest local sample index asked for
         self._inflight = 0
         self._tasks: set[asyncio.Task] = set()
-        self._started = False
-        self._closed = False
+        self._started = self._closed = False
         self._counts = ReadCounts(source)
         self._idle = asyncio.Event()  # no batch in flight (set until the first is scheduled)
         self._idle.set()
@@ -147,6 +159,10 @@ class SourceLoader:
             j = self._cursor
             if (j + 1) * self.batch - 1 > self._high + self.readahead:
                 return
+            if self._end is not None and self._part.global_batch(j) >= self._end:
+                return
+            if j * self.batch > self._high and self._buf.memory >= self.readahead_bytes:
+                return  # the bytes bound: resumed by release()
             self._cursor += 1
             b = self._part.global_batch(j)
             if b not in self._buf:
@@ -191,8 +207,10 @@ class SourceLoader:
         ords = np.arange(bs.start, bs.start + self.batch, dtype=np.int64)
         try:
             records, results, nbytes = await self._reader.read(ords)
-            self._counts.batch_read(ords, records, results, nbytes)
             self._buf.fill(bs, results)
+            self._counts.batch_read(
+                ords, records, results, nbytes, int(bs.lengths.sum()) if bs.lengths is not None else 0
+            )
         except asyncio.CancelledError:
             bs.error = ClosedError(f"loader of source {self.name!r} closed")
             raise
@@ -210,22 +228,44 @@ class SourceLoader:
                 self.source.trim()  # read-ahead full: decode caches would only sit there until the next burst
 
     # ---- the API the node server uses ----
-    async def lengths(self, start: int, count: int) -> np.ndarray:
-        """int64 lengths of ordinals [start, start+count), waiting until they are ready; 0 for bad samples."""
-        if count <= 0:
-            return np.zeros(0, dtype=np.int64)
+    async def _filled(self, start: int, count: int) -> list[tuple[ReadBatch, int, int]]:
+        """The read batches over ordinals [start, start+count) (count > 0), in order, each with the span
+        [lo, hi) of those ordinals it holds; waits until they are read."""
         await self.start()
         ords = np.arange(start, start + count, dtype=np.int64)
         blist = self._part.check(ords)
         self._asked(start + count - 1)
-        out = np.empty(count, dtype=np.int64)
         end = start + count
+        out = []
         for b in range(int(blist[0]), int(blist[-1]) + 1):  # ordinals are consecutive: so are batches
             bs = await self._wait(self._ensure(b))
-            lo, hi = max(start, bs.start), min(end, bs.start + self.batch)
+            out.append((bs, max(start, bs.start), min(end, bs.start + self.batch)))
+        return out
+
+    async def lengths(self, start: int, count: int) -> np.ndarray:
+        """int64 lengths of ordinals [start, start+count), waiting until they are ready; 0 for bad samples."""
+        out = np.zeros(max(count, 0), dtype=np.int64)
+        if count <= 0:
+            return out
+        for bs, lo, hi in await self._filled(start, count):
             assert bs.lengths is not None  # _wait checked it
             out[lo - start : hi - start] = bs.lengths[lo - bs.start : hi - bs.start]
         return out
+
+    async def vision(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(images, patches) of ordinals [start, start+count) (planner.lengths.VisionView): int64 images per
+        sample (0 for text and bad samples) and int64 patches (t*h*w) of each of their images, in order."""
+        images = np.zeros(max(count, 0), dtype=np.int64)
+        if count <= 0:
+            return images, np.zeros(0, dtype=np.int64)
+        patches = []
+        for bs, lo, hi in await self._filled(start, count):
+            assert bs.images is not None and bs.patches is not None  # _wait checked the batch was filled
+            a, b = lo - bs.start, hi - bs.start
+            at = np.concatenate([[0], np.cumsum(bs.images)])
+            images[lo - start : hi - start] = bs.images[a:b]
+            patches.append(bs.patches[at[a] : at[b]])
+        return images, np.concatenate(patches)
 
     async def tokens(self, ordinal: int) -> np.ndarray:
         """The transformed sample of an ordinal (waits if needed); BadSampleError for a bad sample."""
@@ -264,6 +304,7 @@ class SourceLoader:
         ords = np.asarray(ordinals, dtype=np.int64).reshape(-1)
         if len(ords):
             self._buf.release(ords)
+            self._pump()  # the bytes bound may let the read-ahead go on
 
     def seek(self, ordinal: int) -> None:
         """Continue reading at this ordinal (resume): drop batches before it, restart the read-ahead there."""
@@ -286,12 +327,15 @@ class SourceLoader:
             ready=ready,
             buffer_fill=ready / self.readahead if self.readahead else float(ready > 0),
             memory_bytes=self._buf.memory,
+            read_s=self._reader.read_s,
+            tokens_read=self._counts.tokens,
             bad_samples=counts.bad_counts(),
             errors=counts.errors,
             inflight=self._inflight,
             cursor=self._part.global_batch(self._cursor) * self.batch,
             held_ahead=self._buf.held_ahead(self._high),
             readahead=self.readahead,
+            readahead_bytes=self.readahead_bytes,
         )
 
     def asked_from(self, ordinal: int) -> int:
@@ -302,6 +346,15 @@ class SourceLoader:
     def owns(self, ordinal: int) -> bool:
         """Whether this partition reads ``ordinal``."""
         return self._part.owns(ordinal)
+
+    def frontier(self) -> int:
+        """The first global batch beyond every batch this loader scheduled or holds."""
+        return max(self._part.global_batch(self._cursor), max(self._buf.batches, default=-1) + 1)
+
+    def stop_at(self, batch: int) -> None:
+        """Read ahead no batch at or past global ``batch`` (another partitioning of the source reads those);
+        batches asked for explicitly are still read."""
+        self._end = int(batch) if self._end is None else min(self._end, int(batch))
 
     def __repr__(self) -> str:
         return f"SourceLoader({self.name!r}, partition={self.partition}, cursor={self._cursor})"

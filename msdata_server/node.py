@@ -8,17 +8,19 @@ import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from msdata_client.graph import JobSpec
 from msdata_client.wire import PROTOCOL_VERSION
 
+from . import faults, shm
 from .config import ServerConfig
 from .endpoint import ClientConn, UnixEndpoint
-from .errors import ConfigError, MsdataError, ProtocolError
+from .errors import ClosedError, ConfigError, MsdataError, ProtocolError
 from .job import Job, RankPosition
 from .job.local import LocalStarter
 from .job.rings import RingConfig
+from .job.table import JobStarter, JobTable
 from .metrics import proc_memory, tree_memory
 from .ops.prometheus import start_metrics_server
 from .ops.sdnotify import Notifier
@@ -26,6 +28,7 @@ from .shm import cleanup
 from .tasks import TaskSet
 
 if TYPE_CHECKING:
+    from .autoscale import Autoscaler
     from .cluster.jobs import ClusterJobs
     from .cluster.runtime import ClusterNode
     from .pool import WorkerPool
@@ -35,24 +38,18 @@ __all__ = ["NodeServer"]
 log = logging.getLogger(__name__)
 
 
-class JobStarter(Protocol):
-    """Who starts jobs: a ``LocalStarter`` on one node, the cluster job layer (``ClusterJobs``) in a cluster."""
-
-    async def ranks_changed(self, job: Job) -> None:
-        """A rank of this job came or went, or the job closed: start it (or report it) when its time comes."""
-        ...
-
-
 class NodeServer:
     """Hosts source loaders, constructors and (single node: always) the planner for several jobs at once."""
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.jobs: dict[str, Job] = {}
-        self.pending: dict[str, Job] = {}  # a new run of a job whose previous run is still winding down
         self.tasks = TaskSet("node")
+        self.table = JobTable(self._new_job, lambda: self.starter, self.tasks.spawn)
+        self.jobs = self.table.jobs  # by name; the same dicts as the table's
+        self.pending = self.table.pending  # a new run of a job whose previous run is still winding down
         self.endpoint = UnixEndpoint(config.node.socket, self._handle)
         self.pool: WorkerPool | None = None
+        self.autoscaler: Autoscaler | None = None  # with a pool: sizes it and shares it out ([autoscale])
         self.cluster: ClusterNode | None = None  # when node.toml has [cluster]
         self.cluster_jobs: ClusterJobs | None = None  # its job layer
         self._starter: JobStarter | None = None  # set by start()
@@ -79,21 +76,28 @@ class NodeServer:
     async def start(self) -> None:
         """Clean up after a previous instance, bind the socket, start the pool and the accept loop."""
         cfg = self.config.node
+        faults.arm_shm(shm)  # tests only: a no-op unless their fault switch is on (faults.py)
         removed, _ = cleanup(prefix=cfg.shm_prefix)
         if removed:
             log.warning("removed %d stale shared-memory segment(s) of a previous server: %s", len(removed), removed)
         self.endpoint.bind()
         if cfg.workers > 0:
+            from .autoscale import Autoscaler
+            from .autoscale.controller import initial_size
             from .pool import WorkerPool
 
-            self.pool = WorkerPool(cfg.workers, shm_prefix=cfg.shm_prefix)
+            acts = self.config.cluster is None  # a cluster: the autoscaler profiles only (see autoscale.controller)
+            size = initial_size(self.config.autoscale, cfg.workers) if acts else cfg.workers
+            self.pool = WorkerPool(size, shm_prefix=cfg.shm_prefix)
             await self.pool.start()
+            self.autoscaler = Autoscaler(self.pool, self.config.autoscale, lambda: list(self.jobs.values()), act=acts)
+            self.tasks.spawn(self.autoscaler.run(), name="autoscale")
         if self.config.cluster is not None:
             from .cluster.jobs import ClusterJobs
             from .cluster.runtime import ClusterNode
 
             self.cluster = ClusterNode(self.config, on_fatal=self.fatal)
-            await self.cluster.start()
+            await self._unless_stopped(self.cluster.start())  # waits while etcd is unreachable
             self.cluster_jobs = self._starter = ClusterJobs(self)
             await self.cluster_jobs.start()
         else:
@@ -105,6 +109,20 @@ class NodeServer:
         self.notifier.ready(f"serving on {cfg.socket} (role {self.role})")
         self.ready.set()
         log.info("node %s serving on %s (role %s, %d workers)", cfg.id, cfg.socket, self.role, cfg.workers)
+
+    async def _unless_stopped(self, coro) -> None:
+        """Await ``coro``, unless a stop is requested first (SIGTERM while etcd is unreachable): ClosedError."""
+        task = asyncio.ensure_future(coro)
+        stop = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClosedError("stopped before the server could join the cluster (etcd did not answer)")
+        task.result()
 
     async def serve_forever(self) -> None:
         await self._stopping.wait()
@@ -126,26 +144,16 @@ class NodeServer:
                 await self._dispatch(conn, frame)
         except ProtocolError as e:
             log.warning("%r sent a malformed frame: %s", conn, e)
-            conn.send({"t": "error", "kind": "ProtocolError", "message": str(e)})
+            conn.refuse("ProtocolError", str(e))
         except MsdataError as e:
-            conn.send({"t": "error", "kind": type(e).__name__, "message": str(e)})
+            log.warning("%r refused: %s", conn, e)
+            conn.refuse(type(e).__name__, str(e))
         finally:
             job = conn.job
             if job is not None:
                 job.detach(conn)
                 await self.starter.ranks_changed(job)
-                if job.ranks.connected == 0 and self.jobs.get(job.name) is job:
-                    log.info("job %s: every rank left; closing it", job.name)
-                    self.forget(job)
-                    nxt = self.pending.pop(job.name, None)
-                    if nxt is not None:
-                        self.jobs[job.name] = nxt
-                    await job.aclose()
-                    if nxt is not None:
-                        nxt.may_start.set()
-                elif job.ranks.connected == 0 and self.pending.get(job.name) is job:
-                    del self.pending[job.name]
-                    await job.aclose()
+                await self.table.left(job)
 
     async def _dispatch(self, conn: ClientConn, frame: dict) -> None:
         t = frame["t"]
@@ -166,6 +174,10 @@ class NodeServer:
             job.tasks.spawn(self._request(conn, job, frame), name=f"{t}-request")
         elif t == "status":
             conn.send({"t": "status", "status": self.status()})
+        elif t in ("lineage", "replay"):  # msdata-server lineage, loader.lineage(), DataClient(replay=): replays
+            from .lineage.window import serve
+
+            self.tasks.spawn(serve(conn, frame, self.jobs, self.pool), name=f"{t}-request")
         elif t == "ping":
             conn.send({"t": "pong"})
         elif t == "bye":
@@ -190,7 +202,8 @@ class NodeServer:
             position = RankPosition(int(pos.get("step", 0)), int(pos.get("micro", 0)))
             state = frame.get("state")
             resume = bool(frame.get("resume", False))
-        except (KeyError, TypeError, ValueError) as e:
+            client, held = frame.get("client"), frame.get("held", [])  # one DataClient across its reconnects
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, ConfigError):
                 raise
             raise ProtocolError(f"malformed hello: {e!r}") from None
@@ -200,52 +213,29 @@ class NodeServer:
                 f"job digest mismatch: client {frame.get('digest')!r}, server {digest!r} "
                 "(client and server msdata versions differ?)"
             )
-        job = self.jobs.get(spec.name)
-        if job is not None and job.digest != digest:
-            live = job.ranks.live_ranks()
-            if live:
-                raise ConfigError(
-                    f"job {spec.name!r} is running here with another definition "
-                    f"(digest {job.digest[:12]}, yours {digest[:12]}) and {len(live)} rank(s) connected; "
-                    "every rank must register the same job: stop the old run or give the new job "
-                    "another name"
-                )
-            self.forget(job)
-            await job.aclose()
-            job = None
-        if job is not None and job.state == "running" and not resume:
-            # a new run of this job (it brings a state or none): never join the old run's stream
-            live = job.ranks.live_ranks()
-            if rank in live:
-                job.ranks.check_rank(rank, world)  # the same rank of the old run is still there: refuse clearly
-            if not live:
-                self.forget(job)
-                await job.aclose()
-                job = None
-            else:
-                nxt = self.pending.get(spec.name)
-                if nxt is None or nxt.digest != digest:
-                    nxt = self.pending[spec.name] = self._new_job(spec, digest, hold=True)
-                    log.warning(
-                        "job %s: a new run registers while %d rank(s) of the previous run are still "
-                        "connected; it starts when they leave",
-                        spec.name,
-                        len(job.ranks.live_ranks()),
-                    )
-                job = nxt
-        if job is None:
-            job = self.jobs[spec.name] = self._new_job(spec, digest)
-            log.info("job %s registered (digest %s, %d ranks)", spec.name, digest[:12], spec.mesh.world_size)
-        job.ranks.check_rank(rank, world)
+        job = await self.table.join(spec, digest, rank, world, resume=resume)
+        job.ranks.check_rank(rank, world, client)
         job.ranks.check_state(state)
-        await job.attach(conn, rank, position, state=state, resume=resume)
+        await job.attach(conn, rank, position, state=state, resume=resume, client=client, held=held)
         if job.state == "waiting":
             await self.starter.ranks_changed(job)
 
     def _new_job(self, spec: JobSpec, digest: str, hold: bool = False) -> Job:
         cfg = self.config.node
         rings = RingConfig(prefix=cfg.shm_prefix, slots=cfg.ring_slots, max_slot_mib=cfg.max_slot_mib)
-        return Job(spec, digest, node_id=cfg.id, rings=rings, forget=self.forget, hold=hold)
+        job = Job(
+            spec,
+            digest,
+            node_id=cfg.id,
+            rings=rings,
+            forget=self.table.forget,
+            hold=hold,
+            reconnect_grace=cfg.reconnect_grace,
+            on_idle=lambda j: self.tasks.spawn(self.table.left(j), name=f"left-{j.name}"),
+        )
+        if self.autoscaler is not None:
+            job.mixture_listeners.append(self.autoscaler.mixture_changed)
+        return job
 
     async def _request(self, conn: ClientConn, job: Job, frame: dict) -> None:
         """Answer a rank's state or mixture request; a refusal goes back to that rank only."""
@@ -270,12 +260,6 @@ class NodeServer:
         except (MsdataError, KeyError, TypeError, ValueError) as e:
             conn.send({"t": "refused", "id": rid, "kind": type(e).__name__, "message": str(e)})
 
-    def forget(self, job: Job) -> None:
-        """A job closes: it no longer takes ranks (the starter hears of it: a cluster reports it)."""
-        if self.jobs.get(job.name) is job:
-            del self.jobs[job.name]
-        self.tasks.spawn(self.starter.ranks_changed(job), name=f"forget-{job.name}")
-
     # ---- status ----------------------------------------------------------------------------------------
     def status(self) -> dict:
         cfg = self.config.node
@@ -288,6 +272,7 @@ class NodeServer:
             "socket": cfg.socket,
             "uptime_s": round(time.monotonic() - self.started, 3),
             "workers": self.pool.size if self.pool is not None else 0,
+            "autoscale": self.autoscaler.status() if self.autoscaler is not None else {"enabled": False, "sources": {}},
             "memory": {"server_pss": proc_memory()["pss"], "total_pss": mem["pss"], "total_uss": mem["uss"]},
             "jobs": [j.status() for j in self.jobs.values()],
             **(

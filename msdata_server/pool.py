@@ -6,6 +6,11 @@ worker as a descriptor and unlinked at once, so /dev/shm holds nothing even if a
 Invariants: a worker runs one task at a time; the parent copies a task's arrays out of the worker's segment
 before it sends that worker another task. A worker that dies is replaced and its task re-run elsewhere.
 
+Sources share one pool (one warm forkserver, one set of segments) under per-source quotas with fair queueing
+(``set_quotas``; ``_dispatch``), rather than a pool per source: a worker that one source gives back serves
+another at once, with no fork and no import, and a source that bursts may borrow idle workers while every
+source keeps the workers its quota guarantees. ``resize`` sets how many there are (the autoscaler's job).
+
 This module keeps the workers (start, replace, resize, stop); ``_dispatch`` keeps the tasks (queue, answers,
 re-runs), ``_workerproc`` one worker's socket and segment, ``_launch`` how processes start.
 """
@@ -15,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from ._dispatch import Dispatcher
+from ._dispatch import Dispatcher, SourceUsage
 from ._launch import LAUNCHERS, STOP_TIMEOUT, kill
 from ._workerproc import Worker
 from .errors import ClosedError, ConfigError, MsdataError
@@ -48,6 +55,22 @@ class PoolStats:
     shm_bytes: int  # output segments mapped
     bytes_via_shm: int
     bytes_inline: int
+    worker_s: float  # integral of live workers over time since the pool started (worker-seconds provisioned)
+
+
+class _Provisioned:
+    """The integral of live workers over time: worker-seconds provisioned (what a bigger pool costs)."""
+
+    def __init__(self) -> None:
+        self.total, self.live, self.at = 0.0, 0, time.monotonic()
+
+    def set(self, live: int) -> None:
+        now = time.monotonic()
+        self.total += self.live * (now - self.at)
+        self.live, self.at = live, now
+
+    def value(self) -> float:
+        return self.total + self.live * (time.monotonic() - self.at)
 
 
 class WorkerPool:
@@ -78,10 +101,9 @@ class WorkerPool:
         self._tasks: set[asyncio.Task] = set()
         self._jobs = Dispatcher(self._own)
         self._respawns: set[asyncio.Task] = set()
-        self._started = False
-        self._closed = False
-        self._start_failures = 0
-        self._restarts = 0
+        self._started = self._closed = False
+        self._start_failures = self._restarts = 0
+        self._provisioned = _Provisioned()
 
     # ---- lifecycle ----
     @property
@@ -176,6 +198,7 @@ class WorkerPool:
             self._discard(w, e)
             raise
         self._start_failures = 0
+        self._tick()
         self._free(w)
         return w
 
@@ -185,12 +208,18 @@ class WorkerPool:
             return
         self._jobs.forget(w)
         w.stop()
+        self._tick()
 
     def _discard(self, w: Worker, err: BaseException | None = None) -> None:
         """Forget a worker that has exited: fail its task (given err), unmap its segment."""
         self._workers.discard(w)
         self._jobs.forget(w)
         w.close(err)
+        self._tick()
+
+    def _tick(self) -> None:
+        """Account worker-seconds up to now (call after every change of the live workers)."""
+        self._provisioned.set(sum(1 for w in self._workers if w.alive))
 
     def _free(self, w: Worker) -> None:
         """A worker became free: retire it, or let the dispatcher give it the next task or park it."""
@@ -264,9 +293,9 @@ class WorkerPool:
         return sum(1 for w in self._workers if not w.stopping and not w.retiring)
 
     # ---- the API ----
-    async def transform(self, transform: str | None, records: list, *, seed: int, sample_ids) -> list:
+    async def transform(self, transform: str | None, records: list, *, seed: int, sample_ids, source: str = "") -> list:
         """Transform records in the workers; order preserved; a BadSample stays one, and a sample on which
-        the transform raises becomes one."""
+        the transform raises becomes one. ``source`` names whose quota and profile the work counts against."""
         if self._closed:
             raise ClosedError("worker pool is closed")
         ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
@@ -280,7 +309,15 @@ class WorkerPool:
         if self._target == 0:  # no workers: transform in a thread of this process
             return await asyncio.to_thread(run_transform, load_transform(transform), records, seed=seed, sample_ids=ids)
         await self.start()
-        return await self._jobs.run(transform, records, todo, seed=seed, ids=ids, max_task=self.max_task)
+        return await self._jobs.run(transform, records, todo, seed=seed, ids=ids, max_task=self.max_task, source=source)
+
+    def set_quotas(self, quotas: Mapping[str, float] | None) -> None:
+        """Workers guaranteed to each source (fair queueing; None: one FIFO queue for all, as a fixed pool)."""
+        self._jobs.set_quotas(quotas)
+
+    def usage(self) -> dict[str, SourceUsage]:
+        """Per source: the cumulative CPU and worker seconds and samples of its tasks, its busy and queued tasks."""
+        return self._jobs.usage()
 
     async def resize(self, size: int) -> None:
         """Grow or shrink to ``size`` workers while tasks are in flight: nothing is lost or repeated (a
@@ -309,7 +346,7 @@ class WorkerPool:
             size=self._target,
             alive=sum(1 for w in self._workers if w.alive),
             busy=sum(1 for w in self._workers if w.task is not None),
-            queued=len(jobs.queue),
+            queued=jobs.queued,
             tasks_done=jobs.done,
             samples_done=jobs.samples,
             bad_samples=jobs.bad,
@@ -317,11 +354,20 @@ class WorkerPool:
             shm_bytes=sum(w.seg.size for w in self._workers if w.seg is not None),
             bytes_via_shm=jobs.via_shm,
             bytes_inline=jobs.inline,
+            worker_s=self.worker_seconds(),
         )
+
+    def worker_seconds(self) -> float:
+        """Integral of live workers over time since the pool started."""
+        return self._provisioned.value()
 
     def pids(self) -> list[int]:
         """Process ids of the live workers (for tests and status)."""
         return sorted(w.pid for w in self._workers if w.pid is not None and not w.stopping)
+
+    def retiring_pids(self) -> list[int]:
+        """Process ids of workers that finish their task and then exit (a shrink under way)."""
+        return sorted(w.pid for w in self._workers if w.pid is not None and w.retiring and not w.stopping)
 
     def helper_pids(self) -> list[int]:
         """Process ids of the pool's other processes (the forkserver), for memory accounting."""

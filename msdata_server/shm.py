@@ -18,6 +18,7 @@ import secrets
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +44,13 @@ SEGMENT_KINDS = ("ring", "pool")
 SHM_DIR = "/dev/shm"
 _MADV_POPULATE_WRITE = 23
 _counter = itertools.count()
+
+
+def _fallocate(fd: int, size: int) -> None:
+    os.posix_fallocate(fd, 0, size)
+
+
+reserve: Callable[[int, int], None] = _fallocate  # how a segment's pages are reserved (tests' faults wrap it)
 
 
 def process_start_time(pid: int) -> int | None:
@@ -130,7 +138,7 @@ def create_segment(prefix: str, kind: str, size: int, *, info: dict | None = Non
     seg = None
     try:
         try:
-            os.posix_fallocate(fd, 0, total)  # reserve now: ENOSPC here instead of SIGBUS later
+            reserve(fd, total)  # reserve now: ENOSPC here instead of SIGBUS later
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EFBIG):
                 free = _shm_free_bytes()

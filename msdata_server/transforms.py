@@ -14,12 +14,14 @@ import ast
 import functools
 import io
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
+
+from msdata_client.choices import TRANSFORM_NAME
+from msdata_client.spec import IMAGE_TOKEN_ID
 
 from ._imports import import_callable
 from .errors import BadSampleError, ConfigError
@@ -31,6 +33,7 @@ __all__ = [
     "IMAGE_TOKEN",
     "VlmSample",
     "byte_tokens",
+    "cut_piece",
     "hf_tokenizer",
     "identity",
     "image_patches",
@@ -38,12 +41,13 @@ __all__ = [
     "parse_transform_name",
     "run_transform",
     "smart_resize",
+    "transform_call",
     "vlm",
 ]
 
 EOS = 256
-IMAGE_TOKEN = 258  # the default image placeholder id ([job] image_token_id)
-_NAME = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*:\s*([A-Za-z_]\w*)\s*(?:\((.*)\))?\s*$", re.S)
+IMAGE_TOKEN = IMAGE_TOKEN_ID  # the default image placeholder id ([job] image_token_id)
+_NAME = TRANSFORM_NAME
 
 
 class _Bad(BadSampleError):
@@ -173,6 +177,22 @@ class VlmSample:
     def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> VlmSample:
         return cls(arrays["tokens"], arrays["pixel_values"], arrays["image_grid_thw"])
 
+    def piece(self, offset: int, length: int) -> VlmSample:
+        """The piece of ``length`` tokens from ``offset`` (a document longer than seq_len is split): the images
+        go with the first piece (offset 0), which holds their placeholders; later pieces carry none."""
+        if offset == 0:
+            return VlmSample(self.tokens[:length], self.pixel_values, self.image_grid_thw)
+        return VlmSample(
+            self.tokens[offset : offset + length], self.pixel_values[:0], self.image_grid_thw[:0].reshape(0, 3)
+        )
+
+
+def cut_piece(doc: np.ndarray | VlmSample, offset: int, length: int) -> np.ndarray | VlmSample:
+    """The piece of a document a plan names: a token slice, or for a picture document ``VlmSample.piece``."""
+    if isinstance(doc, VlmSample):
+        return doc.piece(offset, length)
+    return doc[offset : offset + length]
+
 
 MAX_ASPECT = 200  # Qwen2-VL refuses images whose long side is more than 200 times the short one
 
@@ -252,7 +272,7 @@ def vlm(
     try:
         from PIL import Image
     except ImportError:
-        raise ConfigError("transform vlm needs Pillow: pip install pillow") from None
+        raise ConfigError("transform vlm needs Pillow: pip install 'msdata[vlm]' (or pip install pillow)") from None
     for name, v in (("patch", patch), ("merge", merge), ("min_pixels", min_pixels), ("max_pixels", max_pixels)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"vlm: {name}={v!r} must be an integer >= 1")
@@ -365,6 +385,18 @@ def _parse_args(text: str) -> tuple[list, dict]:
     return [value(a) for a in call.args], {k.arg: value(k.value) for k in call.keywords}
 
 
+def transform_call(path: str) -> tuple[str, str, list, dict]:
+    """(module, function, positional arguments, keyword arguments) of a transform name, importing nothing."""
+    module, name, args = parse_transform_name(path)
+    if args is None:
+        return module, name, [], {}
+    try:
+        pos, kw = _parse_args(args)
+    except SyntaxError as e:
+        raise ConfigError(f"transform {path!r}: cannot parse the arguments ({e.msg})") from None
+    return module, name, pos, kw
+
+
 def parse_transform_name(path: str) -> tuple[str, str, str | None]:
     """(module, function, argument text or None) of a transform name, without importing anything."""
     m = _NAME.match(path) if isinstance(path, str) else None
@@ -384,10 +416,7 @@ def load_transform(path: str | None) -> Callable:
     module, name, args = parse_transform_name(path)
     fn = import_callable("transform", path, module, name)
     if args is not None:
-        try:
-            pos, kw = _parse_args(args)
-        except SyntaxError as e:
-            raise ConfigError(f"transform {path!r}: cannot parse the arguments ({e.msg})") from None
+        _, _, pos, kw = transform_call(path)
         fn = fn(*pos, **kw)
         if not callable(fn):
             raise ConfigError(f"transform {path!r}: the factory did not return a callable")

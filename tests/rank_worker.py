@@ -1,12 +1,17 @@
 """A trainer rank as a separate process, for end-to-end tests: reads N micro-batches and writes what it saw.
 
 usage: python tests/rank_worker.py JOB_JSON ENDPOINT RANK WORLD N OUT [--hold K] [--state STATE_JSON]
-Writes OUT as JSON: one record per batch (step, micro, sha256 of every field, sample/source ids).
+       [--save-every K --ckpt CKPT_JSON] [--stall-after M]
+Writes OUT as JSON: one record per batch (step, micro, sha256 of every field, sample/source ids). A trainer's
+checkpoint: every K batches, CKPT_JSON gets the records so far and state_dict() (written atomically). With
+--stall-after M it stops after M batches and waits to be killed.
 """
 
 import hashlib
 import json
+import os
 import sys
+import threading
 
 import orjson
 
@@ -31,6 +36,7 @@ def main() -> None:
     job_json, endpoint, rank, world, n, out = sys.argv[1:7]
     hold = 0
     state = None
+    save_every, ckpt, stall = 0, None, None
     args = sys.argv[7:]
     while args:
         a = args.pop(0)
@@ -38,6 +44,12 @@ def main() -> None:
             hold = int(args.pop(0))
         elif a == "--state":
             state = json.loads(open(args.pop(0)).read())
+        elif a == "--save-every":
+            save_every = int(args.pop(0))
+        elif a == "--ckpt":
+            ckpt = args.pop(0)
+        elif a == "--stall-after":
+            stall = int(args.pop(0))
     spec = msd.DGraph.from_dict(orjson.loads(open(job_json, "rb").read())).spec
     recs = []
     held = []
@@ -50,7 +62,13 @@ def main() -> None:
             if hold:
                 held.append(b)  # keep batches alive: their slots must stay taken
                 held = held[-hold:]
+            if save_every and len(recs) % save_every == 0:
+                with open(ckpt + ".tmp", "w") as f:
+                    json.dump({"batches": recs, "state": dc.state_dict()}, f)
+                os.replace(ckpt + ".tmp", ckpt)
             print(len(recs), flush=True)
+            if stall is not None and len(recs) == stall:
+                threading.Event().wait()  # killed here
         final = dc.state_dict()
     with open(out, "w") as f:
         json.dump({"batches": recs, "state": final}, f)

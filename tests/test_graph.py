@@ -467,7 +467,7 @@ DICT_ERRORS = [
     (
         "unknown_format",
         _set(("source", 0, "format"), "csv"),
-        r"source 'web' format='csv' is not one of \('parquet', 'arrow', 'jsonl', 'synthetic'\)",
+        r"source 'web' format='csv' is not one of \('parquet', 'arrow', 'jsonl', 'webdataset', 'synthetic'\)",
     ),
     (
         "paths_missing",

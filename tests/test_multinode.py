@@ -430,7 +430,7 @@ def test_state_store_keeps_a_window_and_only_the_leader_writes(etcd_server):  # 
             await es[1].wait_leader()
             lead = next(e for e in es if e.role == "leader")
             other = next(e for e in es if e is not lead)
-            stores = {e: EtcdStateStore(etcd, e, prefix=prefix, job="j", digest="ab" * 32, keep=3) for e in es}
+            stores = {e: EtcdStateStore(etcd, e, prefix=prefix, job="j", digest="ab" * 32, keep=3, every=1) for e in es}
             for s in range(6):
                 assert await stores[lead].save(s, {"step": s})
             assert not await stores[other].save(6, {"step": 6})  # a follower's write is refused by etcd

@@ -9,7 +9,7 @@ import re
 import orjson
 import pytest
 
-from msdata_server.ops.logs import configure_logging
+from msdata_server.ops.logs import Once, configure_logging
 
 
 @pytest.fixture
@@ -63,3 +63,15 @@ def test_text_logs_and_levels(restore_logging):
 def test_bad_format_or_level(level, fmt, match, restore_logging):
     with pytest.raises(ValueError, match=match):
         configure_logging(level, fmt)
+
+
+def test_once_names_each_offender_once_and_stays_bounded():
+    once = Once(limit=3)
+    assert once("bad-frame", "peer-a") and not once("bad-frame", "peer-a") and not once("bad-frame", "peer-a")
+    assert once("bad-frame", "peer-b") and once("stale-token", "peer-a")  # another kind or peer is news
+    assert once.suppressed == 2
+    assert once("x", 1)  # a fourth key: the oldest ("bad-frame", "peer-a") is forgotten ...
+    assert once("bad-frame", "peer-a")  # ... and would be logged again
+    assert len(once) == 3
+    with pytest.raises(ValueError, match="limit=0"):
+        Once(limit=0)

@@ -209,3 +209,29 @@ def test_server_sigkill_mid_run_continues_from_its_checkpoint(server_factory):
         t.join(60)
     assert got == ref
     assert "continuing from the node's checkpoint" in srv.log()
+
+
+def test_rank_sigkilled_and_restarted_from_its_last_checkpoint_continues_exactly(srv, tmp_path):
+    """The launcher's way (torchrun): a rank process dies by SIGKILL mid-run, every rank is restarted from the
+    last checkpoint; the restarted run delivers exactly what the uninterrupted run did from there on."""
+    import threading
+
+    from .e2e_util import finish, start_rank_process
+
+    spec = small_job("rank-kill", dp=2, micro_batches=2)
+    ref = run_ranks(spec, srv.socket, 12)
+    ckpt = tmp_path / "ckpt0.json"
+    victim, _ = start_rank_process(
+        spec, srv.socket, 0, 12, tmp_path, "--save-every", 4, "--ckpt", ckpt, "--stall-after", 6
+    )
+    other = threading.Thread(target=run_ranks, args=(spec, srv.socket, 12), kwargs={"ranks": [1]})
+    other.start()
+    while int(victim.stdout.readline() or 0) < 6:  # it checkpointed at 4 and stalls at 6
+        assert victim.poll() is None
+    finish(victim)  # SIGKILL
+    other.join(60)
+    saved = json.loads(ckpt.read_text())
+    assert [{k: v for k, v in b.items() if k != "nonpad"} for b in saved["batches"]] == ref[0][:4]
+    assert saved["state"]["position"] == {"step": 2, "micro": 0}
+    again = run_ranks(spec, srv.socket, 8, states={0: saved["state"], 1: saved["state"]})
+    assert again == {r: ref[r][4:] for r in (0, 1)}

@@ -18,6 +18,7 @@ from msdata_client.spec import JobSpec
 from ..checkpoint import RankStart, start_point
 from ..errors import CheckpointError, ClosedError, MsdataError, PeerLostError
 from ..job.view import ThreadView
+from ..lineage.skip import skip_ahead
 from ..planner import Planner
 from ..planner.history import StateHistory
 from ..planner.spec import planner_config
@@ -87,6 +88,9 @@ class Coordinator:
             self.evaluate()
             return
         c = self.coords.get(frame.get("digest", ""))
+        if c is None and frame["t"] == "need" and self.leading:
+            self._refresh(frame)
+            return
         if c is None or frame.get("run") != c.run_id:
             return  # about a run that ended (or another leader's): nothing to do
         if frame["t"] == "ack":
@@ -94,6 +98,15 @@ class Coordinator:
         elif frame["t"] == "need":
             c.ack(str(frame["node"]), int(frame["fed"]))
             c.catchup.resend(str(frame["node"]), int(frame["step"]))
+
+    def _refresh(self, frame: dict) -> None:
+        """A node waits for plans of a run nobody plans (its start failed on an older report, whose "next" etcd
+        no longer holds): its probe says where it is now; resume from there."""
+        for j in self.reports.get(str(frame["node"]), {}).get("jobs", ()):
+            if j["digest"] == frame.get("digest") and j.get("run") == frame.get("run") and j.get("running"):
+                j["next"], j["fed"] = int(frame["step"]), int(frame["fed"])
+                self.evaluate()
+                return
 
     def link_up(self, nid: str) -> None:
         """Our link to a node is (back) up: it may have missed a start or plans meanwhile; send them again."""
@@ -263,6 +276,10 @@ class JobCoordinator:
         if sp.load_at is not None:
             found = await self.store.load_at_or_before(sp.load_at)
             state = found[1] if found else None
+        if sp.skip:  # loader.skip: plan the skipped steps here, the run starts after them
+            state, skipped = await skip_ahead(self.spec, state, sp.skip, self.jobs.node.pool, defer=sp.defer)
+            for step, st in skipped.items():
+                await self.store.save(step, st)
         return state, {r: list(p) for r, p in sp.positions.items()}
 
     def insts_frame(self) -> dict[str, list[str]]:
@@ -275,6 +292,8 @@ class JobCoordinator:
             state, positions = await self._start_state(per, resume)
         except MsdataError as e:
             log.error("job %s cannot start: %s", self.spec.name, e)
+            if self.parent.coords.get(self.digest) is self:  # the next report tries again (a stale one failed)
+                del self.parent.coords[self.digest]
             return
         cfg = planner_config(self.spec)
         planner = Planner(cfg, state=state)
@@ -430,7 +449,7 @@ class JobCoordinator:
 
     def view(self, run, loop: asyncio.AbstractEventLoop) -> ThreadView:
         """The planner's MetadataView here: lengths asked of the partition owners (from the planner thread)."""
-        view = ThreadView(run.shard.lengths, loop, closed="no longer leader")
+        view = ThreadView(run.shard.lengths, loop, closed="no longer leader", ask_vision=run.shard.vision)
         self.views.add(view)
         if self.stopped:
             view.close()

@@ -14,6 +14,7 @@ import base64
 import logging
 import math
 import ssl as _ssl
+import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -409,6 +410,32 @@ class Etcd:
         return _decode(path, status, data)
 
     # ---- kv -------------------------------------------------------------------------------------------
+    async def wait_reachable(self, *, max_delay: float = 5.0, note_every: float = 30.0) -> float:
+        """Return once an endpoint answers (the seconds it took). Meanwhile log a clear error naming the endpoints
+        and the fix (at once, then every ``note_every`` seconds) and try again with a growing pause."""
+        t0 = time.monotonic()
+        delay, noted = 0.1, -note_every
+        while True:
+            try:
+                await self.get(b"\0msdata-probe")
+            except EtcdUnavailable as e:
+                now = time.monotonic()
+                if now - noted >= note_every:
+                    noted = now
+                    log.error(
+                        "etcd is unreachable after %.0f s: %s. Start etcd (or correct [cluster] etcd in node.toml); "
+                        "this server joins the cluster as soon as one endpoint answers",
+                        now - t0,
+                        e,
+                    )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, max_delay)
+                continue
+            waited = time.monotonic() - t0
+            if noted >= 0:
+                log.info("etcd answered after %.1f s; joining the cluster", waited)
+            return waited
+
     async def get(self, key: Key, *, prefix: bool = False) -> list[KV]:
         """The key (or every key under a prefix), sorted by key."""
         return (await self.get_with_revision(key, prefix=prefix))[0]

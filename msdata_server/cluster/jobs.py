@@ -37,10 +37,11 @@ import numpy as np
 
 from msdata_client.spec import JobSpec
 
+from .. import faults
 from ..errors import MsdataError, PeerLostError, ProtocolError
 from ..job import Job
+from ..ops.logs import Once
 from ..tasks import TaskSet
-from . import faults
 from .coordinator import Coordinator
 from .mixing import MixtureRelay
 from .planwire import decode_plan
@@ -68,6 +69,7 @@ class ClusterJobs:
         self.pool = node.pool
         self.runs: dict[str, Run] = {}
         self.tasks = TaskSet("cluster-jobs")
+        self._warned = Once()  # a peer's bad frames are named once per kind, never in a loop
         self.rpc = PeerRpc(
             self.cluster, self.node_id, self.on_frame, timeout=max(5.0, 3 * node.config.cluster.lease_ttl)
         )
@@ -86,6 +88,7 @@ class ClusterJobs:
             "jstart": self._on_jstart,
             "jstop": self._on_jstop,
             "len": self._on_serve,
+            "vis": self._on_serve,
             "fetch": self._on_serve,
             "skip": self._on_skip,
             "mixhold": self._on_mixhold,
@@ -172,12 +175,14 @@ class ClusterJobs:
         t = frame.get("t")
         handler = self.handlers.get(str(t))
         if handler is None:
-            log.warning("node %s: unknown job frame %r from %s", self.node_id, t, peer)
+            if self._warned("unknown", peer, t):
+                log.warning("node %s: unknown job frame %r from %s (repeats not logged)", self.node_id, t, peer)
             return
         try:
             await handler(peer, frame, payload)
         except (KeyError, TypeError, ValueError, ProtocolError) as e:
-            log.warning("node %s: malformed %r frame from %s: %s", self.node_id, t, peer, e)
+            if self._warned("malformed", peer, t):
+                log.warning("node %s: malformed %r frame from %s: %s (repeats not logged)", self.node_id, t, peer, e)
 
     async def _on_rep(self, peer: str, frame: dict, payload) -> None:
         self.rpc.answered(frame, payload)
@@ -293,6 +298,10 @@ class ClusterJobs:
                 parts = [await run.shard.serve_lengths(s, int(a), int(n)) for a, n in frame["spans"]]
                 lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
                 await self.rpc.reply(frame, {}, lengths.astype("<i8", copy=False).tobytes())
+            elif frame["t"] == "vis":  # images per sample of the spans, then the patches of each image
+                got = [await run.shard.serve_vision(int(frame["s"]), int(a), int(n)) for a, n in frame["spans"]]
+                body = [g[0] for g in got] + [g[1] for g in got]
+                await self.rpc.reply(frame, {}, np.concatenate([np.zeros(0, "<i8"), *body]).astype("<i8").tobytes())
             else:
                 docs = await run.shard.serve_tokens(np.asarray(frame["s"], np.int64), np.asarray(frame["o"], np.int64))
                 head, buf = pack_docs(docs)

@@ -250,9 +250,12 @@ class PeerLink(asyncio.BufferedProtocol):
             if self._handler is None:
                 log.debug("%r: no handler; dropping a %r frame", self, frame.get("t"))
             else:
-                r = self._handler(self.peer_id or "?", frame, payload)
-                if inspect.isawaitable(r):
-                    await r
+                try:
+                    r = self._handler(self.peer_id or "?", frame, payload)
+                    if inspect.isawaitable(r):
+                        await r
+                except (KeyError, TypeError, ValueError, ProtocolError) as e:  # a field of the wrong type or absent
+                    log.warning("%r: dropped a malformed %r frame: %s: %s", self, frame.get("t"), type(e).__name__, e)
             self._inbox_bytes -= size
             if self._reading_paused and self._inbox_bytes <= self.high_water // 4 and not self.closed.done():
                 self._reading_paused = False

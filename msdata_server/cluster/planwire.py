@@ -6,6 +6,8 @@ The header carries the job, digest, step and the leader's fencing token (receive
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..errors import ProtocolError
@@ -28,6 +30,8 @@ _ARRAYS = (
     ("micro_cost", "<f8"),
 )
 _SCALARS = ("imbalance", "lower_bound", "padding_fraction", "docs", "carried", "plan_ms", "ingest_ms")
+# the two-stage cost's per-step figures (cost = "vlm"): in the header when the plan has them, else absent
+_STAGES = ("backbone_imbalance", "encoder_imbalance")
 
 
 def encode_plan(plan: StepPlan, *, job: str, digest: str, token: int) -> tuple[dict, bytes]:
@@ -49,8 +53,14 @@ def encode_plan(plan: StepPlan, *, job: str, digest: str, token: int) -> tuple[d
         "arrays": arrays,
         "tokens": {k: int(v) for k, v in st.tokens.items()},
         **{k: getattr(st, k) for k in _SCALARS},
+        **{k: float(v) for k in _STAGES if (v := getattr(st, k)) is not None},
     }
     return header, b"".join(parts)
+
+
+def _stages(header: dict) -> dict[str, Any]:
+    """The two-stage figures a plan header carries (none for a one-stage plan)."""
+    return {k: float(header[k]) for k in _STAGES if header.get(k) is not None}
 
 
 def decode_plan(header: dict, payload) -> StepPlan:
@@ -73,6 +83,7 @@ def decode_plan(header: dict, payload) -> StepPlan:
             micro_cost=got["micro_cost"],
             tokens={str(k): int(v) for k, v in header["tokens"].items()},
             **{k: type_(header[k]) for k, type_ in zip(_SCALARS, (float, float, float, int, int, float, float))},
+            **_stages(header),
         )
         return StepPlan(
             step=int(header["step"]),

@@ -1,13 +1,14 @@
 """Requests and replies over the peer links: one outstanding future per request id, failed at once when the
 link to that peer breaks (rather than at the timeout). Frames to this node itself go straight to ``local``.
 
-``send`` is the one path every job-layer frame leaves by; ``cluster.faults`` wraps it in tests.
+``send`` is the one path every job-layer frame leaves by; ``msdata_server.faults`` wraps it in tests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 
@@ -15,6 +16,8 @@ from .. import errors
 from ..errors import MsdataError, PeerLostError, RemoteError
 
 __all__ = ["PeerRpc", "error_reply"]
+
+log = logging.getLogger(__name__)
 
 # a refusal travels with the name of its type, and is raised again as that type when it is one of ours
 _KINDS: dict[str, type[MsdataError]] = {
@@ -74,6 +77,9 @@ class PeerRpc:
         return head, body
 
     async def reply(self, frame: dict, head: dict, payload=None) -> None:
+        if "from" not in frame or "id" not in frame:  # a malformed request: nobody to answer
+            log.warning("node %s: a %r request without 'from' or 'id' cannot be answered", self.node_id, frame.get("t"))
+            return
         await self.quiet_send(str(frame["from"]), {**head, "t": "rep", "id": frame["id"]}, payload)
 
     def answered(self, frame: dict, payload) -> None:

@@ -22,6 +22,7 @@ from msdata_client.spec import JobSpec
 
 from ..errors import CheckpointError, PeerLostError
 from ..job.seams import CutLog, Steps
+from ..lineage.replay import held_window
 from ..planner import StepPlan
 from ..tasks import TaskSet
 from .shard import JobShard
@@ -104,7 +105,11 @@ class Run:
         self.start_step = min(
             (self.positions[r] for r in job.ranks.conns if r in self.positions), default=(self.start_step, 0)
         )[0]
-        self.next_step = max(self.next_step, self.start_step)
+        # the lowest step not yet received here is where this node's ranks are: when they are behind the steps
+        # received so far (their server restarted while the run went on), the leader's replay of the steps
+        # between comes next (``catchup``) and must not be dropped as old
+        self.next_step = self.start_step
+        self._skip_held()
         self.fed_step = self.start_step - 1
         self.feed_next = self.start_step
 
@@ -116,7 +121,7 @@ class Run:
             return  # planned before a mixture change: its steps were planned again
         if cut is not None and key > self.gen_key:
             self.cut(cut, key)  # the leader's mixcut to this node was lost: the first plan after it says the cut
-        if plan.step < self.next_step or plan.step in self.early:
+        if plan.step < self.next_step or plan.step in self.early or plan.step in self.plans:
             return  # a re-sent plan (a new leader re-plans from an earlier step): identical, ignored
         if plan.step > self.next_step + KEEP_STATES:
             log.warning(
@@ -138,7 +143,13 @@ class Run:
                     del self.states[old]
             self.next_step = plan.step + 1
             self.shard.add_refs(plan, self.group_nodes)
+            self._skip_held()
         self.arrived.set()
+
+    def _skip_held(self) -> None:
+        """Past the steps already received (they arrived before the node's ranks said where they are)."""
+        while self.next_step in self.plans:
+            self.next_step += 1
 
     # ---- PlanFeed -----------------------------------------------------------------------------------------
     def bind(self, steps: Steps) -> None:
@@ -180,7 +191,9 @@ class Run:
     async def state_at(self, step: int) -> dict:
         """The planner state at the start of ``step`` (it comes with that step's plan)."""
         while step not in self.states:
-            if step < min(self.states, default=step + 1) or self.closed:
+            # a step below next_step came and its state is gone; a later one comes with its plan (a node that
+            # just restarted holds no state yet: wait, do not refuse)
+            if step < self.next_step or self.closed:
                 raise CheckpointError(
                     f"the server no longer holds the state of step {step} (recent steps "
                     f"{min(self.states, default=0)}..{self.next_step - 1}); call state_dict() "
@@ -192,6 +205,9 @@ class Run:
 
     def newest_state(self) -> dict | None:
         return self.states[max(self.states)] if self.states else None
+
+    def saved_states(self, start: int, stop: int) -> tuple[tuple[int, dict] | None, dict[int, dict]]:
+        return held_window(self.states, start, stop)
 
     def close(self) -> None:
         """The job that this run fed closed."""

@@ -15,6 +15,7 @@ from contextlib import aclosing, suppress
 import orjson
 
 from ..errors import PeerLostError, ProtocolError
+from ..ops.logs import Once
 from ..tasks import TaskSet
 from .election import Fence, LeaderElection, Membership
 from .etcd import Etcd, EtcdError
@@ -42,6 +43,7 @@ class ClusterNode:
         self.node_id = config.node.id
         self.cc = config.cluster
         self.handler = handler
+        self._warned = Once()  # frames dropped for a stale token: named once per (peer, token)
         self.on_fatal = on_fatal  # a role or lease callback failed: the node server must stop
         self.token = load_token(self.cc.token_file)
         self.etcd = Etcd(list(self.cc.etcd), timeout=max(1.0, self.cc.lease_ttl))
@@ -63,6 +65,7 @@ class ClusterNode:
     # ---- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
         """Listen for peers, join the cluster (lease + registration), campaign, follow the member list."""
+        await self.etcd.wait_reachable()  # etcd down at start: a clear error, and we join once it answers
         host, port = self.config.node.listen_addr
         bound = await self.peers.start(host, port)
         self.listen = f"{host}:{bound}"
@@ -259,14 +262,15 @@ class ClusterNode:
             return
         tok = frame.get("token")
         if tok is not None and not self.fence.admit(int(tok)):
-            log.warning(
-                "node %s: dropped %r from %s: token %s is older than %s",
-                self.node_id,
-                t,
-                peer_id,
-                tok,
-                self.fence.token,
-            )
+            if self._warned("stale-token", peer_id, tok):  # a deposed leader sends many: name it once per token
+                log.warning(
+                    "node %s: dropped %r from %s: token %s is older than %s (further frames with it: not logged)",
+                    self.node_id,
+                    t,
+                    peer_id,
+                    tok,
+                    self.fence.token,
+                )
             return
         if self.handler is None:
             log.debug("node %s: no handler for frame %r from %s", self.node_id, t, peer_id)

@@ -22,13 +22,16 @@ from ..errors import (
     ProtocolError,
     RemoteError,
 )
+from ..job.images import source_transform
 from ..job.payloads import loader_figures
 from ..job.pieces import PieceRefs, hold_figures
 from ..loader import SourceLoader
 from ..sources import Source, open_source
+from ..transforms import cut_piece
+from .docwire import pack_docs, split_docs
 from .placement import partition_costs, place_sources
 
-__all__ = ["BLOCK", "JobShard", "ShardPayloads"]
+__all__ = ["BLOCK", "JobShard", "ShardPayloads", "pack_docs", "split_docs"]
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +99,12 @@ class JobShard:
         sp = self.spec.sources[s]
         src = await asyncio.to_thread(open_source, sp, seed=self.spec.seed)
         ld = SourceLoader(
-            src, self.jobs.pool, transform=sp.transform, seed=self.spec.seed, batch=BLOCK, partition=(k, self.nparts)
+            src,
+            self.jobs.pool,
+            transform=source_transform(self.spec, sp),
+            seed=self.spec.seed,
+            batch=BLOCK,
+            partition=(k, self.nparts),
         )
         if self.cursor is not None and self.cursor[s] > 0:
             ld.seek(int(self.cursor[s]))
@@ -171,8 +179,8 @@ class JobShard:
                 ld.release(np.array([o], dtype=np.int64))
 
     # ---- fetching (the builder side) ----------------------------------------------------------------------
-    async def fetch(self, src: np.ndarray, ords: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> list[np.ndarray]:
-        """Token slices of a micro-batch's pieces: one batched request per owning node, local ones in process."""
+    async def fetch(self, src: np.ndarray, ords: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> list:
+        """Pieces (token slices, or picture pieces) of a micro-batch: one request per owning node, local ones here."""
         n = len(src)
         docs: list = [None] * n
         while True:
@@ -198,7 +206,7 @@ class JobShard:
             if lost is not None:
                 log.info("node %s: fetching payloads: %s; retrying after placement settles", self.jobs.node_id, lost)
                 await self.jobs.members_settle()
-        return [d[a : a + m] for d, a, m in zip(docs, offs.tolist(), lens.tolist())]
+        return [cut_piece(d, a, m) for d, a, m in zip(docs, offs.tolist(), lens.tolist())]
 
     async def _fetch_from(self, nid: str, idx: list[int], src: np.ndarray, ords: np.ndarray) -> list[np.ndarray]:
         s_sel, o_sel = src[idx].astype(np.int64), ords[idx].astype(np.int64)
@@ -233,8 +241,33 @@ class JobShard:
                 except PeerLostError:
                     pass  # the owner is gone: its payloads went with it
 
+    async def serve_vision(self, s: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(images per sample, patches per image) of [start, start+count), as serve_lengths asks its loaders."""
+        images, patches = [], []
+        pos, end = start, start + count
+        while pos < end:
+            hi = min(end, (pos // BLOCK + 1) * BLOCK)
+            ld = await self.loader(s, self.part(pos))
+            im, p = await ld.vision(pos, hi - pos)
+            images.append(im)
+            patches.append(p)
+            pos = hi
+        empty = np.zeros(0, np.int64)
+        return (np.concatenate(images) if images else empty), (np.concatenate(patches) if patches else empty)
+
     async def lengths(self, s: int, start: int, count: int) -> np.ndarray:
         """Lengths of [start, start+count) of source s, asked of the nodes that own the blocks (retrying)."""
+        return (await self._ask(s, start, count, vision=False))[0]
+
+    async def vision(self, s: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(images per sample, patches per image) of [start, start+count) of source s (the planner's
+        VisionView, cost = "vlm"), asked of the nodes that own the blocks (retrying)."""
+        images, patches = await self._ask(s, start, count, vision=True)
+        return images, patches
+
+    async def _ask(self, s: int, start: int, count: int, *, vision: bool) -> tuple[np.ndarray, ...]:
+        """Lengths, or images and patches with ``vision``, of [start, start+count), block by block from the
+        owners (one request per owner), in order."""
         while True:
             pl = self.placement()
             spans: dict[str, list[list[int]]] = {}
@@ -244,30 +277,36 @@ class JobShard:
                 spans.setdefault(pl[s][self.part(pos)], []).append([pos, hi - pos])
                 pos = hi
             try:
-                out = np.empty(count, dtype=np.int64)
-                res = await asyncio.gather(*(self._lengths_from(nid, s, sp) for nid, sp in spans.items()))
-                for sp, arr in zip(spans.values(), res):
-                    off = 0
-                    for a, n in sp:
-                        out[a - start : a - start + n] = arr[off : off + n]
-                        off += n
-                return out
+                res = await asyncio.gather(*(self._ask_from(nid, s, sp, vision) for nid, sp in spans.items()))
             except Exception as e:
                 if not retryable(e):
                     raise
                 log.info("node %s: asking lengths: %s; retrying after placement settles", self.jobs.node_id, e)
                 await self.jobs.members_settle()
+                continue
+            return _in_order(start, count, list(spans.values()), res, vision)
 
-    async def _lengths_from(self, nid: str, s: int, spans: list) -> np.ndarray:
+    async def _ask_from(self, nid: str, s: int, spans: list, vision: bool) -> tuple[np.ndarray, ...]:
+        """(lengths,) or (images, patches) of the spans from node nid (this node: its loaders)."""
+        asked = sum(n for _, n in spans)
         if nid == self.jobs.node_id:
-            return np.concatenate([await self.serve_lengths(s, a, n) for a, n in spans])
+            if not vision:
+                return (np.concatenate([await self.serve_lengths(s, a, n) for a, n in spans]),)
+            got = [await self.serve_vision(s, a, n) for a, n in spans]
+            return np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
+        kind = "vis" if vision else "len"
         _, body = await self.jobs.rpc.request(
-            nid, {"t": "len", "digest": self.digest, "run": self.run, "s": s, "spans": spans}
+            nid, {"t": kind, "digest": self.digest, "run": self.run, "s": s, "spans": spans}
         )
         a = np.frombuffer(body or b"", dtype="<i8")
-        if len(a) != sum(n for _, n in spans):
-            raise ProtocolError(f"lengths reply of {len(a)} values for {sum(n for _, n in spans)} asked")
-        return a
+        if not vision:
+            if len(a) != asked:
+                raise ProtocolError(f"lengths reply of {len(a)} values for {asked} asked")
+            return (a,)
+        images = a[:asked]
+        if len(images) != asked or len(a) != asked + int(images.sum()):
+            raise ProtocolError(f"vision reply of {len(a)} values does not hold {asked} image counts and their patches")
+        return images, a[asked:]
 
     def status(self, newest_state: dict | None) -> dict[str, dict]:
         """Per source: the partitions read here, their loaders' figures summed, and the held-payload bound."""
@@ -297,6 +336,30 @@ class JobShard:
         self._ids_src.clear()
 
 
+def _in_order(start: int, count: int, spans: list[list[list[int]]], res: list, vision: bool) -> tuple[np.ndarray, ...]:
+    """The owners' answers for their spans put back in ordinal order: (lengths,) or (images, patches)."""
+    if not vision:
+        out = np.empty(count, dtype=np.int64)
+        for sp, (arr,) in zip(spans, res):
+            off = 0
+            for a, n in sp:
+                out[a - start : a - start + n] = arr[off : off + n]
+                off += n
+        return (out,)
+    pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (first ordinal, images, patches) per span
+    for sp, (images, patches) in zip(spans, res):
+        off = poff = 0
+        for a, n in sp:
+            im = images[off : off + n]
+            k = int(im.sum())
+            pieces.append((a, im, patches[poff : poff + k]))
+            off, poff = off + n, poff + k
+    pieces.sort(key=lambda t: t[0])
+    return np.concatenate([p[1] for p in pieces]).astype(np.int64), np.concatenate([p[2] for p in pieces]).astype(
+        np.int64
+    )
+
+
 def retryable(e: object) -> bool:
     """Whether a failed request for payloads or lengths is worth sending again once placement settles: the
     owner is gone or not ready (it closed a loader, its run had not started), the reply was garbled, or a
@@ -318,25 +381,3 @@ class ShardPayloads:
 
     async def aclose(self) -> None:
         """Nothing to close here: ``ClusterJobs`` closes the shard when the run ends."""
-
-
-def pack_docs(docs: list[np.ndarray]) -> tuple[dict, bytes]:
-    """Documents as one int32 buffer plus their lengths (a payload frame)."""
-    lens = [int(len(d)) for d in docs]
-    buf = np.concatenate([np.asarray(d, dtype=np.int32) for d in docs]) if docs else np.zeros(0, np.int32)
-    return {"lens": lens, "dtype": "<i4"}, buf.astype("<i4", copy=False).tobytes()
-
-
-def split_docs(head: dict, payload) -> list[np.ndarray]:
-    try:
-        lens = [int(x) for x in head["lens"]]
-        a = np.frombuffer(memoryview(payload) if payload is not None else b"", dtype=np.dtype(head["dtype"]))
-        if sum(lens) != len(a) or any(n < 0 for n in lens):
-            raise ValueError(f"lengths {sum(lens)} do not match a payload of {len(a)} tokens")
-    except (KeyError, TypeError, ValueError) as e:
-        raise ProtocolError(f"malformed fetch reply: {e}") from None
-    out, off = [], 0
-    for n in lens:
-        out.append(a[off : off + n].copy())
-        off += n
-    return out

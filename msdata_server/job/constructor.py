@@ -18,9 +18,11 @@ import numpy as np
 from msdata_client.ring import FieldLayout, layout_fields
 from msdata_client.spec import JobSpec
 
-from ..batch import MicroBatchPieces, build_micro_batch, count_segments, field_specs
+from ..batch import ImageShape, MicroBatchPieces, build_micro_batch, count_segments, field_specs, image_shape
 from ..planner import StepPlan
 from ..tasks import TaskSet
+from ..transforms import VlmSample
+from .images import image_keys
 from .ranks import RankPosition, RankRegistry
 from .rings import ServerRing, round_slot
 from .seams import PayloadSource, PlanFeed
@@ -36,11 +38,18 @@ _Staged = tuple[StepPlan, list[tuple[int, slice]], list[np.ndarray]]
 
 
 def estimate_slot(spec: JobSpec, cp: int) -> int:
-    """Slot size for a typical micro-batch: row fields exactly, per-document ids for docs of >= 64 tokens."""
+    """Slot size for a typical micro-batch: row fields exactly, per-document ids for docs of >= 64 tokens; with
+    pictures, pixels for half the tokens as image placeholders (a fuller micro-batch grows the ring)."""
     tokens = spec.rows * spec.seq_len
     docs = tokens // 64 + spec.rows + 1
+    keys = image_keys(spec)
+    images = None
+    if keys is not None:
+        images = ImageShape(patches=tokens // 2 * keys.merge**2, images=docs, row=keys.row)
     _, nbytes = layout_fields(
-        field_specs(rows=spec.rows, seq_len=spec.seq_len, n_pieces=docs, n_segments=docs + spec.rows, cp=cp)
+        field_specs(
+            rows=spec.rows, seq_len=spec.seq_len, n_pieces=docs, n_segments=docs + spec.rows, cp=cp, images=images
+        )
     )
     return round_slot(nbytes)
 
@@ -68,6 +77,7 @@ class Constructor:
         self.payloads = payloads
         self.cp = cp
         self.tasks = tasks
+        self.images = image_keys(spec)  # None: a job without pictures has no image keys
 
     async def run(self) -> None:
         staged: asyncio.Queue[_Staged] = asyncio.Queue(1)
@@ -126,10 +136,13 @@ class Constructor:
         for s in np.unique(src).tolist():
             sel = src == s
             sids[sel] = self.payloads.sample_ids(s, ords[sel])
-        pieces = MicroBatchPieces(row=plan.row[sl], tokens=toks, sample_ids=sids, source_ids=src.astype(np.int64))
+        pieces = _pieces(plan.row[sl], toks, sids, src.astype(np.int64), pictures=self.images is not None)
         nseg = count_segments(pieces, spec.rows, spec.seq_len)
+        images = None if self.images is None else image_shape(pieces, self.images.row)
         layouts, nbytes = layout_fields(
-            field_specs(rows=spec.rows, seq_len=spec.seq_len, n_pieces=len(toks), n_segments=nseg, cp=self.cp)
+            field_specs(
+                rows=spec.rows, seq_len=spec.seq_len, n_pieces=len(toks), n_segments=nseg, cp=self.cp, images=images
+            )
         )
         ring, slot = await self.rings.acquire(nbytes)
         try:
@@ -166,13 +179,14 @@ class Constructor:
         readers: list[int],
         nbytes: int,
     ) -> None:
-        live = [r for r in readers if not self.ranks.conns[r].closed]
+        live = self.ranks.present(readers)  # an away rank keeps its notices until it comes back (ranks.py)
         ring.table.publish(slot, live)
         if not live:
             ring.freed.set()
         base = ring.offset(slot)
         for r in live:
-            self.ranks.conns[r].send(
+            self.ranks.deliver(
+                r,
                 {
                     "t": "batch",
                     "ring": ring.id,
@@ -181,10 +195,31 @@ class Constructor:
                     "step": pos.step,
                     "micro": pos.micro,
                     "fields": self.ranks.fields(r, layouts),
-                }
+                },
             )
         self.group.published += 1
         self.group.bytes_published += nbytes
+
+
+def _pieces(row: np.ndarray, docs: list, sids: np.ndarray, srcs: np.ndarray, *, pictures: bool) -> MicroBatchPieces:
+    """MicroBatchPieces of fetched pieces: token arrays, or picture pieces (``VlmSample``) whose images go to
+    the image keys (a job without pictures refuses them: its batches have no image keys)."""
+    tokens, images = [], []
+    for d in docs:
+        if isinstance(d, VlmSample):
+            if not pictures:
+                raise ValueError(
+                    "a transform returned a picture document in a job without pictures; use the "
+                    "msdata_server.transforms:vlm transform or cost = 'vlm'"
+                )
+            tokens.append(d.tokens)
+            images.append((d.pixel_values, d.image_grid_thw) if len(d.image_grid_thw) else None)
+        else:
+            tokens.append(d)
+            images.append(None)
+    return MicroBatchPieces(
+        row=row, tokens=tokens, sample_ids=sids, source_ids=srcs, images=images if pictures else None
+    )
 
 
 def _columns(plan: StepPlan, parts: list[tuple[int, slice]], names: tuple[str, ...]) -> list[np.ndarray]:

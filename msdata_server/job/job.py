@@ -24,10 +24,10 @@ from ..ops.waits import WaitStats
 from ..planner import StepPlan
 from ..tasks import TaskSet
 from .constructor import Constructor, estimate_slot
-from .ranks import RankPosition, RankRegistry
+from .ranks import RECONNECT_GRACE, RankPosition, RankRegistry
 from .rings import RingConfig, RingSet
 from .seams import PayloadSource, PlanFeed
-from .status import PlanLog
+from .status import PlanLog, job_status
 from .steps import Group, StepQueue
 
 __all__ = ["Job"]
@@ -49,13 +49,15 @@ class Job:
         rings: RingConfig,
         forget: Callable[[Job], None],
         hold: bool = False,
+        reconnect_grace: float = RECONNECT_GRACE,
+        on_idle: Callable[[Job], object] | None = None,
     ):
         self.spec = spec
         self.digest = digest
         self.name = spec.name
         self.mesh = spec.mesh
         self.node_id = node_id
-        self.ranks = RankRegistry(spec)
+        self.ranks = RankRegistry(spec, grace=reconnect_grace)
         self.state = "waiting"
         self.error: str | None = None
         self.tasks = TaskSet(f"job {spec.name}", on_error=self._task_failed)
@@ -63,6 +65,7 @@ class Job:
         self.feed: PlanFeed | None = None
         self.payloads: PayloadSource | None = None
         self.plans = PlanLog()
+        self.source_sizes: dict[str, int] = {}  # samples per epoch by source, where known here (status epochs)
         self.waits = WaitStats()  # how long each rank waited for data (reported by the clients)
         self.started_at: float | None = None
         self.start_step = 0
@@ -75,67 +78,121 @@ class Job:
         self._ring_cfg = rings
         self._ring_ids = itertools.count(1)
         self._forget = forget
+        self._on_idle = on_idle  # an away rank was dropped: the node closes the job if nobody is left
         self._distributing: StepPlan | None = None  # the plan being queued in the groups
         self._closing: asyncio.Task | None = None  # aclose() after a failure (it cancels self.tasks)
+        self.mixture_listeners: list[Callable[[str, int], None]] = []  # (job, cut) after a set_mixture
 
     # ---- ranks ------------------------------------------------------------------------------------------
     async def attach(
-        self, conn, rank: int, position: RankPosition, state: dict | None = None, resume: bool = False
+        self,
+        conn,
+        rank: int,
+        position: RankPosition,
+        state: dict | None = None,
+        resume: bool = False,
+        *,
+        client: str | None = None,
+        held: list | tuple = (),
     ) -> None:
-        """Register a rank (checked with ``ranks.check_rank``/``check_state``); a running job welcomes it."""
-        self.ranks.add(conn, rank, position, state, resume)
+        """Register a rank (checked with ``ranks.check_rank``/``check_state``); a running job welcomes it. A rank
+        that comes back to a running job continues at ``position``: the notices kept for it from there on are
+        sent again, the earlier slots it still ``held`` stay taken, the rest are freed (``ranks.rejoin``)."""
+        self.ranks.add(conn, rank, position, state, resume, client)
         conn.job, conn.rank = self, rank
         if self.state == "running":
-            self._welcome(rank)
+            back = self.ranks.rejoin(rank, position, held)
+            for ring, slot in back.free:
+                self._release(rank, ring, slot)
+            self._welcome(rank, back.kept)
+            for frame in back.resend:
+                self.ranks.send([rank], frame)
+            if back.resend or back.kept:
+                log.info(
+                    "job %s: rank %d is back at step %d micro %d: %d micro-batch(es) sent again, %d still held",
+                    self.name,
+                    rank,
+                    position.step,
+                    position.micro,
+                    len(back.resend),
+                    len(back.kept),
+                )
 
     def detach(self, conn) -> None:
-        """A rank's socket closed: free every slot it held so the other readers never stall."""
+        """A rank's socket closed. A rank that said bye, or whose process exited, is dropped (every slot it held
+        is freed so the other readers never stall); one that merely lost its socket is kept as a reader for
+        ``reconnect_grace`` seconds, so that when it comes back it continues exactly (``ranks.hold``)."""
         if not self.ranks.owns(conn):
             return
+        rank = conn.rank
+        if (
+            self.state == "running"
+            and self.error is None
+            and not conn.ended
+            and self.ranks.hold(rank, conn, self._drop)
+        ):
+            log.info(
+                "job %s: rank %d lost its connection; its micro-batches are kept for it for %.0f s",
+                self.name,
+                rank,
+                self.ranks.grace,
+            )
+            return
+        self._drop(rank, left=True)
+
+    def _drop(self, rank: int, left: bool = False) -> None:
+        """Free every slot the rank held and forget what was kept for it."""
+        self.ranks.forget(rank)
         for g in self.groups:
             if g.rings is not None:
-                g.rings.drop_reader(conn.rank)
-        log.info(
-            "job %s: rank %d disconnected (%d of %d still connected)",
-            self.name,
-            conn.rank,
-            self.ranks.connected,
-            self.mesh.world_size,
-        )
+                g.rings.drop_reader(rank)
+        if left:
+            log.info(
+                "job %s: rank %d disconnected (%d of %d still connected)",
+                self.name,
+                rank,
+                self.ranks.connected,
+                self.mesh.world_size,
+            )
+        else:
+            log.warning(
+                "job %s: rank %d did not come back (its process exited or %.0f s passed): its slots are freed; "
+                "if it reconnects now it is refused (restart it from its checkpoint)",
+                self.name,
+                rank,
+                self.ranks.grace,
+            )
+            if self._on_idle is not None:
+                self._on_idle(self)
 
     def release(self, conn, ring_id: int, slot: int) -> None:
+        if self.ranks.owns(conn):  # a stale connection's late releases would free another publication
+            self._release(conn.rank, ring_id, slot)
+
+    def _release(self, rank: int, ring_id: int, slot: int) -> None:
+        self.ranks.released(rank, ring_id, slot)
         for g in self.groups:
-            if g.rings is not None and g.rings.release(ring_id, slot, conn.rank):
+            if g.rings is not None and g.rings.release(ring_id, slot, rank):
                 return
 
-    def _welcome(self, rank: int) -> None:
+    def _welcome(self, rank: int, kept: list | None = None) -> None:
         grp = self.groups[self.spec.group_of(rank)]
         rings, fds = grp.rings.describe() if grp.rings is not None else ([], [])
-        self.ranks.send(
-            [rank],
-            {
-                "t": "welcome",
-                "node": self.node_id,
-                "job": self.name,
-                "rank": rank,
-                "group": grp.index,
-                "rings": rings,
-                "fds": len(fds),
-            },
-            fds,
-        )
+        frame = {"t": "welcome", "node": self.node_id, "job": self.name, "rank": rank, "group": grp.index}
+        self.ranks.send([rank], {**frame, "rings": rings, "fds": len(fds), "kept": kept or []}, fds)
 
     # ---- start ---------------------------------------------------------------------------------------------
     async def start_with(self, prepare: Prepare) -> None:
         """Start once: ``prepare()`` gives the plan feed, the payload source and the ranks' start positions. A
         second call while starting or started does nothing; an MsdataError fails the job for every rank."""
         async with self._start_lock:
-            if self.state != "waiting":
+            if self.state != "waiting" or self.error is not None:  # started, or failed (closing)
                 return
             try:
                 feed, payloads, positions = await prepare()
                 await self._start(feed, payloads, positions)
-            except MsdataError as e:  # e.g. ranks brought disagreeing states: tell every rank
+            except MsdataError as e:  # e.g. ranks brought disagreeing states, /dev/shm full: tell every rank
+                log.error("job %s cannot start: %s", self.name, e)
                 self.fail(str(e), kind=type(e).__name__)
 
     async def _start(self, feed: PlanFeed, payloads: PayloadSource, positions: dict[int, tuple[int, int]]) -> None:
@@ -220,7 +277,10 @@ class Job:
         """Use these weights from the first step not yet taken up by any constructor (returned)."""
         await self._started.wait()
         assert self.feed is not None
-        return await self.feed.set_mixture(weights)
+        cut = await self.feed.set_mixture(weights)
+        for listener in self.mixture_listeners:
+            listener(self.name, cut)
+        return cut
 
     async def state_at(self, step: int) -> dict:
         """The planner state at the start of ``step`` (for a rank's state_dict)."""
@@ -251,6 +311,7 @@ class Job:
         self.state = "closed"
         if self.feed is not None:
             self.feed.close()
+        self.ranks.close()
         await self.tasks.cancel_all(f"job {self.name} closing")
         if self.payloads is not None:
             await self.payloads.aclose()
@@ -264,26 +325,4 @@ class Job:
 
     # ---- status ---------------------------------------------------------------------------------------------
     def status(self) -> dict:
-        elapsed = (time.monotonic() - self.started_at) if self.started_at else 0.0
-        published = sum(g.published for g in self.groups)
-        nbytes = sum(g.bytes_published for g in self.groups)
-        plans = self.plans.summary()
-        return {
-            "name": self.name,
-            "digest": self.digest[:16],
-            "state": self.state,
-            "error": self.error,
-            "world_size": self.mesh.world_size,
-            "mesh": self.mesh.to_dict(),
-            "ranks": self.ranks.connected_ranks(),
-            "ranks_detail": self.waits.snapshot(),
-            "steps_planned": plans.pop("steps_planned"),
-            "micro_batches_published": published,
-            "micro_batches_per_s": published / elapsed if elapsed else 0.0,
-            "bytes_per_s": nbytes / elapsed if elapsed else 0.0,
-            **plans,
-            "rings": [r for g in self.groups if g.rings is not None for r in g.rings.status()],
-            "sources": self.payloads.status(self.feed.newest_state() if self.feed else None)
-            if self.payloads is not None
-            else {},
-        }
+        return job_status(self)

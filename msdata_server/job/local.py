@@ -14,11 +14,14 @@ from msdata_client.spec import JobSpec
 
 from ..checkpoint import StateStore, start_point
 from ..errors import CheckpointError
+from ..lineage.replay import held_window
+from ..lineage.skip import skip_ahead
 from ..loader import SourceLoader
 from ..planner import Planner, StepPlan
 from ..planner.history import StateHistory
 from ..planner.spec import planner_config
 from ..sources import open_source
+from .images import source_transform
 from .job import Job
 from .payloads import LocalPayloads
 from .seams import CutLog, Steps
@@ -50,14 +53,17 @@ class LocalPlanFeed:
     async def next(self) -> tuple[StepPlan, int]:
         if self._view is None:
             self._view = ThreadView(
-                self.payloads.lengths, asyncio.get_running_loop(), closed="job closed while planning"
+                self.payloads.lengths,
+                asyncio.get_running_loop(),
+                closed="job closed while planning",
+                ask_vision=self.payloads.vision,
             )
         async with self._lock:
             planner = self.planner
             step = planner.step
             state = planner.state_dict()
             self.history.record(step, state)
-            await asyncio.to_thread(self.store.save, step, state)  # small; a SIGKILL loses nothing
+            await self.store.persist(step, state)  # small; a SIGKILL loses nothing (waits while state_dir fails)
             plan = await asyncio.to_thread(planner.plan_step, self._view)
             self.payloads.planned(plan)
             return plan, self.cuts.epoch
@@ -83,7 +89,7 @@ class LocalPlanFeed:
                 self.payloads.unplanned(p)
             self.cuts.record(cut)
             self.planner = planner
-            await asyncio.to_thread(self.store.save, cut, planner.state_dict())  # the state rebase recorded
+            await self.store.persist(cut, planner.state_dict())  # the state rebase recorded
         log.info("job %s: mixture %s from step %d (%d planned steps re-planned)", self.name, weights, cut, len(dropped))
         return cut
 
@@ -101,6 +107,12 @@ class LocalPlanFeed:
 
     def newest_state(self) -> dict | None:
         return self.history.newest()
+
+    def saved_states(self, start: int, stop: int) -> tuple[tuple[int, dict] | None, dict[int, dict]]:
+        base, held = held_window(self.history.states, start, stop)
+        if base is None:  # older than the memory holds: the node's stored states
+            base = self.store.load_at_or_before(start)
+        return base, held
 
     def close(self) -> None:
         if self._view is not None:
@@ -144,7 +156,15 @@ class LocalStarter:
                     "job %s: no checkpoint at or before step %d; replaying from the beginning", spec.name, sp.load_at
                 )
         planner = Planner(planner_config(spec), state=state)  # a state that does not fit fails before any I/O
-        payloads = LocalPayloads(await self._open_loaders(spec, state))
+        if sp.skip:  # loader.skip: plan the skipped steps, deliver from the step after them
+            state, skipped = await skip_ahead(spec, state, sp.skip, self.pool, defer=sp.defer)
+            for step, st in skipped.items():
+                await store.persist(step, st)  # lineage replays the skipped steps from these
+            planner = Planner(planner_config(spec), state=state)
+            log.info("job %s: skipped steps %d..%d (loader.skip)", spec.name, planner.step - sp.skip, planner.step - 1)
+        loaders = await self._open_loaders(spec, state)
+        job.source_sizes = {ld.name: ld.source.num_samples for ld in loaders}  # status: epochs completed
+        payloads = LocalPayloads(loaders)
         keep = max(64, spec.prefetch_steps + self.ring_slots + 4)
         return LocalPlanFeed(planner, store, payloads, keep=keep, name=spec.name), payloads, sp.positions
 
@@ -152,7 +172,8 @@ class LocalStarter:
         # sources open in a thread: opening many files must not stall the loop
         sources = await asyncio.to_thread(lambda: [open_source(s, seed=spec.seed) for s in spec.sources])
         loaders = [
-            SourceLoader(src, self.pool, transform=s.transform, seed=spec.seed) for src, s in zip(sources, spec.sources)
+            SourceLoader(src, self.pool, transform=source_transform(spec, s), seed=spec.seed)
+            for src, s in zip(sources, spec.sources)
         ]
         cursor = (state or {}).get("cursor") or [0] * len(loaders)
         for ld, at in zip(loaders, cursor):

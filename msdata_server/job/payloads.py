@@ -1,4 +1,5 @@
-"""The single-node PayloadSource: this node's source loaders, one per source, and their piece references."""
+"""The single-node PayloadSource: this node's source loaders, its partitions per source (``parts``; one until
+the autoscaler splits a source), and their piece references."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import numpy as np
 
 from ..loader import SourceLoader
 from ..planner import StepPlan
+from ..transforms import cut_piece
+from .parts import SourceParts
 from .pieces import PieceRefs, hold_figures
 
-__all__ = ["LocalPayloads", "loader_figures"]
+__all__ = ["LocalPayloads", "loader_figures", "merged_figures"]
 
 log = logging.getLogger(__name__)
 
@@ -21,12 +24,49 @@ def loader_figures(ld: SourceLoader) -> dict:
     return {k: v for k, v in asdict(ld.statistics()).items() if isinstance(v, (int, float, str, dict, type(None)))}
 
 
+_SUMMED_NOT = frozenset({"buffer_fill", "cursor"})  # figures of a source's partitions that do not add up
+
+
+def merged_figures(loaders: list[SourceLoader], partitions: int) -> dict:
+    """The figures of one source's loaders as one: counts and rates summed, the fill averaged, the cursor the
+    furthest; ``partitions`` is how many it reads with now (older loaders may still drain)."""
+    figs = [loader_figures(ld) for ld in loaders]
+    out = dict(figs[-1])
+    for k, v in out.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _SUMMED_NOT:
+            out[k] = sum(f[k] for f in figs)
+        elif isinstance(v, dict):
+            merged: dict = {}
+            for f in figs:
+                for kk, vv in f[k].items():
+                    merged[kk] = merged.get(kk, 0) + vv
+            out[k] = merged
+    out["buffer_fill"] = sum(f["buffer_fill"] for f in figs) / len(figs)
+    out["cursor"] = max(f["cursor"] for f in figs)
+    out["partitions"] = partitions
+    return out
+
+
 class LocalPayloads:
-    """Documents from this node's loaders (``loaders[s]`` reads source s whole). Owns and closes them."""
+    """Documents from this node's loaders (``parts[s]``: source s, in one or more partitions). Owns and closes
+    them."""
 
     def __init__(self, loaders: list[SourceLoader]):
-        self.loaders = loaders
+        self.parts = [SourceParts(ld) for ld in loaders]
         self.refs = PieceRefs()  # payloads held for planned pieces not yet built
+
+    @property
+    def loaders(self) -> list[SourceLoader]:
+        """One loader per source, in source order (each reads its source's files; for per-source facts)."""
+        return [p.loaders()[-1] for p in self.parts]
+
+    async def set_partitions(self, source: str, n: int) -> tuple[int, int] | None:
+        """Read ``source`` in ``n`` partitions from here on (the autoscaler's split or merge); the batches are
+        the same at any n. Returns (boundary batch, n), or None when it already had n."""
+        for p in self.parts:
+            if p.name == source:
+                return await p.set_partitions(n)
+        raise KeyError(f"no source {source!r} in this job; its sources are {[p.name for p in self.parts]}")
 
     # counted by the plan feed as plans are made, or taken back when a mixture change cuts them
     def planned(self, plan: StepPlan) -> None:
@@ -35,13 +75,11 @@ class LocalPayloads:
     def unplanned(self, plan: StepPlan) -> None:
         self.refs.unplan(plan.source, plan.ordinal, plan.last)
 
-    async def fetch(
-        self, source: np.ndarray, ordinal: np.ndarray, offset: np.ndarray, length: np.ndarray
-    ) -> list[np.ndarray]:
+    async def fetch(self, source: np.ndarray, ordinal: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list:
         out = []
         for s, o, a, n in zip(source.tolist(), ordinal.tolist(), offset.tolist(), length.tolist()):
-            doc = await self.loaders[s].tokens(o)
-            out.append(doc[a : a + n])
+            doc = await self.parts[s].tokens(o)
+            out.append(cut_piece(doc, a, n))
         self._free(self.refs.done(source, ordinal))
         return out
 
@@ -50,26 +88,29 @@ class LocalPayloads:
 
     def _free(self, docs: list[tuple[int, int]]) -> None:
         for s, ords in self.refs.by_source(docs).items():
-            self.loaders[s].release(ords)
+            self.parts[s].release(ords)
 
     def sample_ids(self, source: int, ordinals: np.ndarray) -> np.ndarray:
-        return self.loaders[source].sample_ids(ordinals)
+        return self.parts[source].sample_ids(ordinals)
 
     def status(self, newest_state: dict | None) -> dict[str, dict]:
         return {
-            ld.name: {**loader_figures(ld), **hold_figures(s, [ld], self.refs, newest_state)}
-            for s, ld in enumerate(self.loaders)
+            p.name: {**merged_figures(lds, p.partitions), **hold_figures(s, lds, self.refs, newest_state)}
+            for s, p in enumerate(self.parts)
+            for lds in [p.loaders()]
         }
 
     async def lengths(self, source: int, start: int, count: int) -> np.ndarray:
         """For the planner's view: lengths of ordinals [start, start+count) of ``source``."""
-        return await self.loaders[source].lengths(start, count)
+        return await self.parts[source].lengths(start, count)
+
+    async def vision(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """For the planner's view ("vlm" cost): images per sample and patches per image of those ordinals."""
+        return await self.parts[source].vision(start, count)
 
     async def aclose(self) -> None:
-        for ld in self.loaders:
+        for p in self.parts:
             try:
-                await ld.aclose()
+                await p.aclose()
             except Exception:
-                log.exception("closing the loader of source %s failed", ld.name)
-            finally:
-                ld.source.close()
+                log.exception("closing the loaders of source %s failed", p.name)

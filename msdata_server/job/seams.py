@@ -75,6 +75,11 @@ class PlanFeed(Protocol):
         """The planner state at the start of the newest step planned (or received) here."""
         ...
 
+    def saved_states(self, start: int, stop: int) -> tuple[tuple[int, dict] | None, dict[int, dict]]:
+        """For lineage (``lineage.replay.held_window``): the newest planner state held here at or before
+        ``start`` (step, state), and those held at steps in (start, stop)."""
+        ...
+
     def close(self) -> None:
         """Stop: wake whatever waits on planning."""
         ...
@@ -83,10 +88,8 @@ class PlanFeed(Protocol):
 class PayloadSource(Protocol):
     """The documents plans name: fetched for building, skipped when nobody reads them; ids and figures."""
 
-    async def fetch(
-        self, source: np.ndarray, ordinal: np.ndarray, offset: np.ndarray, length: np.ndarray
-    ) -> list[np.ndarray]:
-        """The token slices of these pieces, in order (each counted done)."""
+    async def fetch(self, source: np.ndarray, ordinal: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list:
+        """The pieces, in order (each counted done): token slices, or picture pieces (``transforms.VlmSample``)."""
         ...
 
     async def skip(self, source: np.ndarray, ordinal: np.ndarray) -> None:

@@ -1,10 +1,24 @@
-"""Per-step plan statistics of a job: the recent ones (bounded) and running totals, for ``status``."""
+"""Per-step plan statistics of a job: the recent ones (bounded) and running totals, for ``status``.
+
+With the two-stage cost (``cost = "vlm"``) each stage's imbalance is averaged too: ``encoder_imbalance`` and
+``backbone_imbalance`` (max / mean over ranks; None for a one-stage job)."""
 
 from __future__ import annotations
 
-from ..planner import PlanStats
+import time
+from typing import Protocol
 
-__all__ = ["PlanLog"]
+from msdata_client.mesh import ClientPlaceTree
+from msdata_client.spec import JobSpec
+
+from ..lineage.accounting import accounting
+from ..ops.waits import WaitStats
+from ..planner import PlanStats
+from .ranks import RankRegistry
+from .seams import PayloadSource, PlanFeed
+from .steps import Group
+
+__all__ = ["JobView", "PlanLog", "job_status"]
 
 _RECENT = 64
 
@@ -16,6 +30,8 @@ class PlanLog:
         self.steps = 0
         self.recent: list[PlanStats] = []  # the newest _RECENT
         self._imbalance = self._padding = self._plan_ms = 0.0
+        self._stages = [0.0, 0.0]  # summed encoder and backbone imbalance (two-stage plans)
+        self._staged = 0  # plans that had them
         self._tokens: dict[str, int] = {}
 
     def record(self, st: PlanStats) -> None:
@@ -25,6 +41,10 @@ class PlanLog:
         self._imbalance += st.imbalance
         self._padding += st.padding_fraction
         self._plan_ms += st.plan_ms
+        if st.encoder_imbalance is not None and st.backbone_imbalance is not None:
+            self._stages[0] += st.encoder_imbalance
+            self._stages[1] += st.backbone_imbalance
+            self._staged += 1
         for name, n in st.tokens.items():
             self._tokens[name] = self._tokens.get(name, 0) + int(n)
 
@@ -36,6 +56,56 @@ class PlanLog:
             "imbalance": self._imbalance / n if n else None,
             "padding_fraction": self._padding / n if n else None,
             "plan_ms": self._plan_ms / n if n else None,
+            "encoder_imbalance": self._stages[0] / self._staged if self._staged else None,
+            "backbone_imbalance": self._stages[1] / self._staged if self._staged else None,
             "last_step": last.to_dict() if last is not None else None,
             "tokens_per_source": dict(self._tokens),
         }
+
+
+class JobView(Protocol):
+    """What ``job_status`` reads of a ``Job`` (job.py calls it; this module does not import job.py)."""
+
+    spec: JobSpec
+    name: str
+    digest: str
+    state: str
+    error: str | None
+    mesh: ClientPlaceTree
+    ranks: RankRegistry
+    waits: WaitStats
+    groups: list[Group]
+    plans: PlanLog
+    feed: PlanFeed | None
+    payloads: PayloadSource | None
+    source_sizes: dict[str, int]
+    started_at: float | None
+
+
+def job_status(job: JobView) -> dict:
+    """One job's part of ``status --json``: its state, ranks, plan statistics, rings, sources and accounting."""
+    elapsed = (time.monotonic() - job.started_at) if job.started_at else 0.0
+    published = sum(g.published for g in job.groups)
+    nbytes = sum(g.bytes_published for g in job.groups)
+    plans = job.plans.summary()
+    return {
+        "name": job.name,
+        "digest": job.digest[:16],
+        "state": job.state,
+        "error": job.error,
+        "world_size": job.mesh.world_size,
+        "mesh": job.mesh.to_dict(),
+        "ranks": job.ranks.connected_ranks(),
+        "ranks_away": sorted(job.ranks.away),
+        "ranks_detail": job.waits.snapshot(),
+        "steps_planned": plans.pop("steps_planned"),
+        "micro_batches_published": published,
+        "micro_batches_per_s": published / elapsed if elapsed else 0.0,
+        "bytes_per_s": nbytes / elapsed if elapsed else 0.0,
+        **plans,
+        "rings": [r for g in job.groups if g.rings is not None for r in g.rings.status()],
+        "sources": job.payloads.status(job.feed.newest_state() if job.feed else None)
+        if job.payloads is not None
+        else {},
+        "accounting": accounting(job.feed.newest_state() if job.feed else None, job.spec, job.source_sizes),
+    }

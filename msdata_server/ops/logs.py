@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import OrderedDict
+from collections.abc import Hashable
 from datetime import UTC, datetime
 from typing import IO, Literal, get_args
 
 import orjson
 
-__all__ = ["JsonFormatter", "LOG_FORMATS", "LOG_LEVELS", "LogFormat", "configure_logging"]
+__all__ = ["LOG_FORMATS", "LOG_LEVELS", "JsonFormatter", "LogFormat", "Once", "configure_logging"]
 
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
@@ -51,3 +53,30 @@ def configure_logging(level: str | int = "INFO", fmt: str = "text", *, stream: I
     handler = logging.StreamHandler(sys.stderr if stream is None else stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+class Once:
+    """Which warnings were already logged, so a client, peer or sample that misbehaves again and again is named
+    once and not in a loop: ``if once(kind, who): log.warning(...)``. Bounded: past ``limit`` keys the oldest is
+    forgotten (and may be logged again), so a stream of distinct offenders cannot grow memory."""
+
+    def __init__(self, limit: int = 1024):
+        if limit < 1:
+            raise ValueError(f"{limit=} must be >= 1")
+        self.limit = limit
+        self.suppressed = 0  # repeats not logged (a figure for status)
+        self._seen: OrderedDict[tuple[Hashable, ...], None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def __call__(self, *key: Hashable) -> bool:
+        """True the first time ``key`` is seen (log it), False on a repeat."""
+        if key in self._seen:
+            self._seen.move_to_end(key)
+            self.suppressed += 1
+            return False
+        self._seen[key] = None
+        if len(self._seen) > self.limit:
+            self._seen.popitem(last=False)
+        return True

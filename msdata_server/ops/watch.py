@@ -82,8 +82,9 @@ def _header(st: Mapping[str, Any]) -> list[str]:
         )
     a = st.get("autoscale")
     if isinstance(a, Mapping) and a.get("sources"):
-        parts = [f"{name} {s.get('workers')}w" for name, s in a["sources"].items()]
-        lines.append(f"autoscale {'on' if a.get('enabled') else 'off'}: " + "  ".join(parts))
+        from ..autoscale.table import autoscale_table
+
+        lines.extend(autoscale_table(a))
     return lines
 
 

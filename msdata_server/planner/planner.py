@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,6 +27,7 @@ from msdata_server.errors import ConfigError
 
 from .balance import method_of, place
 from .cost import check_cost_fn, make_cost
+from .deferred import Deferred, Insert
 from .layout import Layout
 from .lengths import LengthReader, MetadataView
 from .mixture import Mixture
@@ -263,6 +264,33 @@ class Planner:
         mixture.weights_at(step, self._cfg.sources)  # unknown names fail now, not at that step
         self._pos = replace(self._pos, mixture=mixture)
 
+    def record_skip(self, before: Mapping) -> None:
+        """Steps from the one of state ``before`` up to this planner's were planned and will never be delivered
+        (``loader.skip``): the state says so from now on (lineage shows them as skipped; the documents started
+        and tokens placed in them count as skipped). The plans of later steps do not change."""
+        old = Position.load(
+            before, self._cfg.sources, self._cfg.seq_len, self._mode.value, vision=self._vlm is not None
+        )
+        if not old.step < self._pos.step:
+            raise ConfigError(
+                f"record_skip: the state of step {old.step} is not before this planner's {self._pos.step}"
+            )
+        counts = {k: v.copy() for k, v in self._pos.count_arrays().items()}
+        counts["skipped_docs"] += counts["started"] - old.count_arrays()["started"]
+        counts["skipped_tokens"] += self._pos.placed - old.placed
+        self._pos = replace(self._pos, skips=self._pos.skips + ((old.step, self._pos.step),), counts=counts)
+
+    def defer(self, inserts: Sequence[Insert]) -> None:
+        """Read these deferred pieces at their virtual positions (``loader.skip(defer=True)``; deferred.py)."""
+        if self._vlm is not None:
+            raise ConfigError("skip(defer=True) is not supported with cost = 'vlm'; skip without defer")
+        d = self._pos.deferred or Deferred()
+        for ins in inserts:
+            if ins.at < self._pos.cursor[ins.source]:
+                raise ConfigError(f"a deferred insert at {ins.at} lies before source {ins.source}'s cursor")
+            d = d.with_insert(ins)
+        self._pos = replace(self._pos, deferred=d)
+
     def state_dict(self) -> dict:
         """Small JSON-able state at the current step boundary; Planner(cfg, state) continues from it."""
         return self._pos.state_dict(self._cfg.sources, self._cfg.seq_len, self._mode.value)
@@ -302,6 +330,8 @@ class Planner:
         cfg, pos = self._cfg, self._pos
         vision = self._vlm is not None
         t0 = time.perf_counter()
+        if pos.deferred:  # loader.skip(defer=True): read the virtual stream (deferred.py); plans in real ordinals
+            view = pos.deferred.view(view)
         ingest = [0.0]
         weights = pos.mixture.weights_at(pos.step, cfg.sources)
         carry = pos.carry
@@ -314,6 +344,11 @@ class Planner:
         taken, cursor = pos.taken.copy(), pos.cursor.copy()
 
         parts = self._draw_parts(view, weights, target, taken, cursor, ingest)
+        counts = {k: v.copy() for k, v in pos.count_arrays().items()}
+        n_src = len(cfg.sources)
+        # bad (empty) samples passed over: ordinals read less the documents drawn (one piece at offset 0 each)
+        drawn = sum((np.bincount(p[0][p[2] == 0], minlength=n_src) for p in parts), np.zeros(n_src, np.int64))
+        counts["bad"] += (cursor - pos.cursor) - drawn
 
         src, ords, off, lens = (carry[k] for k in CARRY_KEYS)
         mom = [carry[k] for k in VISION_KEYS] if vision else []  # patches, patches squared per piece
@@ -345,6 +380,7 @@ class Planner:
         micro = slot // cfg.rows
         bounds = np.searchsorted(rank * cfg.micro_batches + micro, np.arange(cfg.dp * cfg.micro_batches + 1))
         per_source = np.bincount(src[idx], weights=lens[idx], minlength=len(cfg.sources)).astype(np.int64)
+        counts["started"] += np.bincount(src[idx][off[idx] == 0], minlength=n_src)
         rank_cost, micro_cost, stages = p.rank_cost, p.micro_cost, dict[str, Any]()
         if enc is not None:
             rank_cost, micro_cost, stages = _two_stages(p.rank_cost, p.micro_cost, enc[idx], rank, micro)
@@ -396,8 +432,11 @@ class Planner:
                 **{k: m[left] for k, m in zip(VISION_KEYS, mom)},
             },
             mixture=self._pos.mixture,  # plan_step never changes the mixture
+            skips=pos.skips,
+            counts=counts,
+            deferred=pos.deferred,
         )
-        return plan
+        return pos.deferred.translate(plan) if pos.deferred else plan
 
 
 def _two_stages(

@@ -22,8 +22,6 @@ def planner_config(spec: JobSpec) -> PlannerConfig:
         raise ConfigError(f"[mix] needs weights or a schedule, got {spec.mix!r}")
     bal = spec.balance
     builtin = bal.cost in CostKind.values()
-    # the vision encoder's constants: BalanceSpec.alpha_v / beta_v once the job spec has them, else the defaults
-    vision = {k: getattr(bal, k) for k in ("alpha_v", "beta_v") if hasattr(bal, k)}
     return PlannerConfig(
         sources=spec.source_names(),
         seq_len=spec.seq_len,
@@ -37,5 +35,6 @@ def planner_config(spec: JobSpec) -> PlannerConfig:
         cost_fn=None if builtin else bal.cost,
         long_docs=spec.long_docs,
         mixture=mixture,
-        **vision,
+        alpha_v=bal.alpha_v,  # the vision encoder's constants (used by cost = "vlm" only)
+        beta_v=bal.beta_v,
     )

@@ -124,7 +124,8 @@ def _inv(x: float) -> float:
 
 
 def place_images(st: Rows, idx: np.ndarray, vision: np.ndarray) -> None:
-    """Place the pieces with images, costliest encoder first, where they raise a potential of both stages least.
+    """Place the pieces with images, costliest encoder first (those longer than half a row before all others),
+    where they raise a potential of both stages least.
 
     A rank's backbone projects to `cost + free tokens * rate` (the cost per token of what is left to
     place, which will fill its rows) and its encoder is what it holds (only these pieces bring any),
@@ -141,7 +142,10 @@ def place_images(st: Rows, idx: np.ndarray, vision: np.ndarray) -> None:
     dp = st.lay.dp
     enc = encoder_load(st, vision)
     nv = dp * _inv(float(vision[idx].sum()) + float(enc.sum()))  # 1 / the mean encoder load once all are placed
-    queue = idx[np.argsort(-vision[idx], kind="stable")]
+    # pieces longer than half a row first (two never share a row: placed late, they may find no row free
+    # enough), then costliest encoder first
+    half = 2 * st.L[idx] > st.lay.seq_len
+    queue = idx[np.lexsort((-vision[idx], ~half))]
     floor = max(1, dp // ROUND_DIV)
     while queue.size:
         head = int(queue[0])

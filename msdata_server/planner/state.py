@@ -14,9 +14,10 @@ import numpy as np
 
 from msdata_server.errors import CheckpointError, ConfigError
 
+from .deferred import Deferred
 from .mixture import Mixture
 
-__all__ = ["CARRY_KEYS", "STATE_VERSION", "VISION_KEYS", "Position"]
+__all__ = ["CARRY_KEYS", "COUNT_KEYS", "K_COUNTS", "K_DEFERRED", "K_SKIPS", "STATE_VERSION", "VISION_KEYS", "Position"]
 
 STATE_VERSION = 1
 # state_dict keys
@@ -25,6 +26,15 @@ K_CURSOR, K_TAKEN, K_TARGET, K_PLACED, K_CARRY, K_MIXTURE = "cursor", "taken", "
 _STATE_KEYS = frozenset(
     {K_VERSION, K_STEP, K_SOURCES, K_SEQ_LEN, K_LONG_DOCS, K_CURSOR, K_TAKEN, K_TARGET, K_PLACED, K_CARRY, K_MIXTURE}
 )
+# optional: the step ranges [start, stop) that loader.skip() planned and never delivered (lineage shows them as
+# skipped); absent while there are none, so the states of a job that never skipped are unchanged
+K_SKIPS = "skips"
+# optional on load (zeros), always saved: running counts per source for token accounting (lineage/accounting.py):
+# documents whose first piece was placed, bad (empty) samples passed over, and what loader.skip dropped
+K_COUNTS = "counts"
+# optional: pieces loader.skip(defer=True) put after the rest of their source's epoch (deferred.Deferred)
+K_DEFERRED = "deferred"
+COUNT_KEYS = ("started", "bad", "skipped_docs", "skipped_tokens")
 CARRY_KEYS = ("source", "ordinal", "offset", "length")  # a column per carried piece
 # with the "vlm" cost, two more: the piece's image patches and patches squared (a document's first piece
 # holds its images), so a restored planner prices its carry-over without reading old ordinals again
@@ -42,6 +52,9 @@ class Position:
     placed: np.ndarray  # int64 per source: tokens placed in plans
     carry: dict[str, np.ndarray]  # CARRY_KEYS: the pieces carried over to the next step
     mixture: Mixture  # run-time overrides included
+    skips: tuple[tuple[int, int], ...] = ()  # K_SKIPS: skipped step ranges [start, stop), oldest first
+    counts: dict[str, np.ndarray] | None = None  # K_COUNTS: int64 per source each (None: all zero)
+    deferred: Deferred | None = None  # K_DEFERRED: virtual ordinals that map to deferred pieces
 
     @classmethod
     def start(cls, n: int, mixture: Mixture, *, vision: bool = False) -> Position:
@@ -78,7 +91,16 @@ class Position:
             K_PLACED: [int(x) for x in self.placed],
             K_CARRY: {k: [int(x) for x in self.carry[k]] for k in CARRY_KEYS + VISION_KEYS if k in self.carry},
             K_MIXTURE: self.mixture.since(self.step).to_dict(),  # only what steps from here on use
+            **({K_SKIPS: [list(r) for r in self.skips]} if self.skips else {}),
+            K_COUNTS: {k: [int(x) for x in v] for k, v in self.count_arrays().items()},
+            **({K_DEFERRED: self.deferred.to_list()} if self.deferred else {}),
         }
+
+    def count_arrays(self) -> dict[str, np.ndarray]:
+        """The K_COUNTS columns (zeros where none were kept)."""
+        if self.counts is not None:
+            return self.counts
+        return {k: np.zeros(self.cursor.size, np.int64) for k in COUNT_KEYS}
 
     @classmethod
     def load(
@@ -89,7 +111,7 @@ class Position:
         n = len(sources)
         if not isinstance(state, Mapping):
             raise CheckpointError(f"planner state must be a dict, got {type(state).__name__}")
-        keys = set(state)
+        keys = set(state) - {K_SKIPS, K_COUNTS, K_DEFERRED}
         if keys != _STATE_KEYS:
             raise CheckpointError(
                 f"planner state keys differ: unknown {sorted(keys - _STATE_KEYS)}, missing {sorted(_STATE_KEYS - keys)}"
@@ -167,6 +189,9 @@ class Position:
             raise CheckpointError(f"planner state mixture does not fit this job: {exc}") from exc
         return cls(
             step=step,
+            skips=_skips(state.get(K_SKIPS, []), step),
+            counts=_counts(state.get(K_COUNTS), n),
+            deferred=Deferred.from_list(state[K_DEFERRED], n) if K_DEFERRED in state else None,
             cursor=cursor,
             taken=taken,
             target=np.array(target, dtype=np.float64),
@@ -174,3 +199,34 @@ class Position:
             carry={"source": c_src.astype(np.int32), "ordinal": c_ord, "offset": c_off, "length": c_len, **extra},
             mixture=mixture,
         )
+
+
+def _skips(raw: object, step: int) -> tuple[tuple[int, int], ...]:
+    """The K_SKIPS ranges of a state at ``step``: [start, stop) pairs, increasing, none past ``step``."""
+    out: list[tuple[int, int]] = []
+    if not isinstance(raw, list):
+        raise CheckpointError(f"planner state {K_SKIPS!r} must be a list of [start, stop] step ranges, got {raw!r}")
+    for r in raw:
+        ok = isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in r)
+        if not ok or not (0 <= r[0] < r[1] <= step) or (out and r[0] < out[-1][1]):
+            raise CheckpointError(
+                f"planner state {K_SKIPS!r} holds {r!r}: each must be [start, stop] with start < stop <= step"
+                f" {step}, after the range before it"
+            )
+        out.append((r[0], r[1]))
+    return tuple(out)
+
+
+def _counts(raw: object, n: int) -> dict[str, np.ndarray] | None:
+    """The K_COUNTS of a state (None when it has none: a state saved before they were kept)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or set(raw) != set(COUNT_KEYS):
+        raise CheckpointError(f"planner state {K_COUNTS!r} must have keys {list(COUNT_KEYS)}, got {raw!r}")
+    out = {}
+    for k in COUNT_KEYS:
+        v = raw[k]
+        if not isinstance(v, list) or len(v) != n or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise CheckpointError(f"planner state {K_COUNTS}[{k!r}] must be {n} ints, got {v!r}")
+        out[k] = np.array(v, dtype=np.int64)
+    return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from msdata_client.spec import VISION_ALPHA, VISION_BETA
 from msdata_server.errors import ConfigError
 
 from .cost import attention_cost
@@ -38,8 +39,8 @@ class VlmCost:
 
     alpha: float = 1.0
     beta: float = 4096.0
-    alpha_v: float = 1.0
-    beta_v: float = 2048.0
+    alpha_v: float = VISION_ALPHA
+    beta_v: float = VISION_BETA
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "alpha_v", "beta_v"):

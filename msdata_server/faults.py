@@ -6,19 +6,27 @@ test branches. Once installed, a ``fault`` peer frame (sent by a test that holds
 - ``drop_plans: n`` / ``drop_cuts: n``: the next n ``plan`` / ``mixcut`` frames to ``node`` are lost;
 - ``close: true``: our link to ``node`` is closed;
 - ``stall_mix: true``: a ``mixcut`` never leaves (the leader stalls with every node held, until killed).
+
+A disk fault needs no frame: with ``MSDATA_TEST_DISK_FULL`` naming a flag file, writes to the state_dir fail
+with ENOSPC while that file exists (``arm_disk``, called by ``statedir.StateStore``). Likewise
+``MSDATA_TEST_SHM_FULL``: creating shared memory fails with ENOSPC while its flag file exists (``arm_shm``,
+called by the node server at start), as a full ``/dev/shm`` does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 
-__all__ = ["ENV", "install"]
+__all__ = ["DISK_FULL_ENV", "ENV", "SHM_FULL_ENV", "arm_disk", "arm_shm", "install"]
 
 log = logging.getLogger(__name__)
 
 ENV = "MSDATA_TEST_FAULTS"
+DISK_FULL_ENV = "MSDATA_TEST_DISK_FULL"
+SHM_FULL_ENV = "MSDATA_TEST_SHM_FULL"
 
 
 class _Faults:
@@ -70,4 +78,40 @@ def install(jobs) -> bool:
     jobs.rpc.send = faults.send
     jobs.handlers["fault"] = faults.on_fault
     log.warning("node %s: test fault injection is armed (%s=1); never set it in production", jobs.node_id, ENV)
+    return True
+
+
+def arm_disk(store) -> bool:
+    """A state store's writes fail with ENOSPC while the flag file ``$MSDATA_TEST_DISK_FULL`` exists (with
+    ``MSDATA_TEST_FAULTS=1``); True if armed."""
+    flag = os.environ.get(DISK_FULL_ENV)
+    if os.environ.get(ENV) != "1" or not flag:
+        return False
+    write = store.write
+
+    def full(path: str, data: bytes) -> None:
+        if os.path.exists(flag):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        write(path, data)
+
+    store.write = full
+    log.warning("test fault: state_dir writes fail with ENOSPC while %s exists", flag)
+    return True
+
+
+def arm_shm(shm) -> bool:
+    """Reserving shared memory (``shm.reserve``) fails with ENOSPC while the flag file ``$MSDATA_TEST_SHM_FULL``
+    exists (with ``MSDATA_TEST_FAULTS=1``): /dev/shm full, mid-run, on demand; True if armed."""
+    flag = os.environ.get(SHM_FULL_ENV)
+    if os.environ.get(ENV) != "1" or not flag:
+        return False
+    reserve = shm.reserve
+
+    def full(fd: int, size: int) -> None:
+        if os.path.exists(flag):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/dev/shm")
+        reserve(fd, size)
+
+    shm.reserve = full
+    log.warning("test fault: shared memory cannot be reserved while %s exists", flag)
     return True

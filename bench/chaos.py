@@ -1,0 +1,648 @@
+# .venv/bin/python bench/chaos.py --quick          (90 s; default --minutes 5, a fault every --interval 10 s)
+"""Chaos (issue 13): three node servers and etcd on loopback, six ranks (dp 3 x tp 2, TP pairs spanning nodes),
+and for ``--minutes`` a seeded schedule of faults, one every ``--interval`` seconds, each on a victim of one
+kind (``--kinds``):
+
+- ``worker``: SIGKILL one transform worker of a node (its pool replaces it);
+- ``rank``: SIGKILL one rank process; the launcher, as torchrun does, stops the job's other ranks and starts
+  all six again from their newest common checkpoint (each rank saves its state_dict every ``--ckpt`` steps);
+- ``follower`` / ``leader``: SIGKILL that node server and start it again, as systemd would (its ranks keep
+  running and reconnect);
+- ``etcd``: SIGKILL etcd and start it again on the same data;
+- ``socket``: the rank process shuts down its own socket to its node (the client reconnects).
+
+Every delivered micro-batch goes into a per-rank ledger (time, step, micro, sha256 of every field); at the end
+the same job runs without faults on one node and the ledgers are compared with it: ``lost`` (a micro-batch
+of the reference that a rank never got below its last step), ``duplicated`` (a micro-batch delivered again
+outside the replay a rank restart legitimately causes: from its checkpoint up to where it was), ``mismatched``
+(a delivered micro-batch, replayed ones included, whose content differs from the reference). Per fault kind:
+count and time to recover (the fault until every rank has received a batch again), p50 and max; the longest
+stall (the largest gap between two batches of one rank). The last line is one JSON object. Loopback only;
+stops by itself; the servers are stopped gracefully at the end and /dev/shm is checked for leftovers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+KINDS = ("worker", "rank", "follower", "leader", "etcd", "socket")
+NODES, DP, TP, MICRO = 3, 3, 2, 2
+WORLD = DP * TP
+
+
+# ---- the job ------------------------------------------------------------------------------------------------
+def write_data(d: Path, seed: int) -> dict[str, str]:
+    """Two JSONL sources of random text, four files each (partitions spread over the nodes)."""
+    rng = random.Random(seed)
+    out = {}
+    for name, median in (("web", 160), ("code", 400)):
+        sd = d / name
+        sd.mkdir(parents=True)
+        for f in range(4):
+            with open(sd / f"part-{f}.jsonl", "w") as fh:
+                for i in range(1500):
+                    n = max(4, int(rng.lognormvariate(0, 0.8) * median))
+                    text = f"{name}{f}-{i} " + "".join(rng.choice("abcdefghij klmnop\n") for _ in range(n))
+                    fh.write(json.dumps({"text": text}) + "\n")
+        out[name] = str(sd)
+    return out
+
+
+def job_dict(data: dict[str, str]) -> dict:
+    import msdata_client as msd
+
+    g = msd.DGraph("chaos", seed=13)
+    for name, d in data.items():
+        g.source(name, "jsonl", [d], column="text", transform="msdata_server.transforms:byte_tokens")
+    g.mix({"web": 0.6, "code": 0.4}).pack(512, micro_batches=MICRO, rows=1).mesh(dp=DP, tp=TP).prefetch(1)
+    return g.to_dict()
+
+
+def batch_hash(batch) -> str:
+    h = hashlib.sha256()
+    for k in sorted(batch):
+        h.update(k.encode())
+        h.update(batch[k].contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---- a rank process ------------------------------------------------------------------------------------------
+def _shut_own_sockets(*_a) -> None:
+    """The ``socket`` fault: shut down this process's Unix stream sockets (its connection to its node)."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            if s.family == socket.AF_UNIX and s.type == socket.SOCK_STREAM:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.close()
+
+
+def rank_main(argv: list[str]) -> None:
+    """``chaos.py --rank JOB ENDPOINT RANK LEDGER CKPT_DIR EVERY PACE STOP BARRIER [STATE]``: read batches
+    until the STOP file exists, a ledger line per batch, a checkpoint every EVERY steps; the ranks keep in step
+    as training does (their collectives): a rank starts step s+1 once every rank finished step s-1."""
+    import orjson
+
+    import msdata_client as msd
+
+    job, endpoint, rank_s, ledger, ckpt_dir, every_s, pace_s, stop, barrier = argv[:9]
+    rank, every, pace = int(rank_s), int(every_s), float(pace_s)
+    state = orjson.loads(Path(argv[9]).read_bytes()) if len(argv) > 9 else None
+    me = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    mine = f"{barrier}.{rank}"
+    if os.path.exists(mine):
+        os.unlink(mine)
+    me.bind(mine)
+    allowed = -(1 << 62)
+
+    def step_done(step: int) -> None:
+        """The training step's collective: go on once every rank finished the step before (one of slack)."""
+        nonlocal allowed
+        me.sendto(f"{rank} {step}".encode(), barrier)
+        me.settimeout(0.5)
+        while allowed < step - 1:
+            try:
+                allowed = max(allowed, int(me.recv(64)))
+            except TimeoutError:
+                me.sendto(f"{rank} {step}".encode(), barrier)  # the launcher may have restarted our peers
+
+    signal.signal(signal.SIGUSR1, _shut_own_sockets)
+    spec = msd.DGraph.from_dict(orjson.loads(Path(job).read_bytes())).spec
+    with (
+        open(ledger, "a") as out,
+        msd.DataClient(spec, endpoint=endpoint, rank=rank, world_size=WORLD, connect_timeout=120) as dc,
+    ):
+        if state is not None:
+            dc.load_state_dict(state)
+        print("ready", flush=True)
+        while True:
+            b = dc.__next__()
+            step, micro = int(b["step"]), int(b["micro"])
+            out.write(f"{time.time():.4f} {step} {micro} {batch_hash(b)}\n")
+            out.flush()
+            del b
+            if micro == MICRO - 1:
+                step_done(step)
+                if (step + 1) % every == 0:
+                    tmp = os.path.join(ckpt_dir, f".r{rank}.tmp")
+                    Path(tmp).write_bytes(orjson.dumps(dc.state_dict()))
+                    os.replace(tmp, os.path.join(ckpt_dir, f"r{rank}-{step + 1:08d}.json"))
+                if os.path.exists(stop) and step >= int(Path(stop).read_text() or 0):
+                    return  # every rank stops after the same step (the launcher wrote it)
+            time.sleep(pace)
+
+
+# ---- the harness ---------------------------------------------------------------------------------------------
+def node_of(rank: int) -> int:
+    return rank % NODES  # TP pairs (2k, 2k+1) land on two nodes
+
+
+class Ranks:
+    """The launcher: six rank processes; on a rank's death it restarts all of them from the newest common
+    checkpoint (the replay that follows is legitimate)."""
+
+    def __init__(self, base: Path, job: Path, sockets: dict[int, str], every: int, pace: float, *, spares: bool):
+        self.base, self.job, self.sockets, self.every, self.pace = base, job, sockets, every, pace
+        self.keep_spares = spares
+        self.ckpt = base / "ckpt"
+        self.ckpt.mkdir()
+        self.stop_file = base / "stop"
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.spares: list[subprocess.Popen] = []
+        self.ledgers = {r: base / f"ledger-{r}.txt" for r in range(WORLD)}
+        self.restarts = 0
+        self.barrier = str(base / "barrier")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.barrier)
+        self._sock.settimeout(0.2)
+        self.done = {r: -1 for r in range(WORLD)}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._collective, daemon=True, name="collective")
+        self._thread.start()
+
+    def _collective(self) -> None:
+        """The ranks' collective: each says the step it finished; all hear the lowest."""
+        while not self._closed:
+            try:
+                msg = self._sock.recv(64).split()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self._lock:
+                self.done[int(msg[0])] = max(self.done[int(msg[0])], int(msg[1]))
+                low = min(self.done.values())
+            for r in range(WORLD):
+                try:
+                    self._sock.sendto(str(low).encode(), f"{self.barrier}.{r}")
+                except OSError:
+                    pass  # that rank is restarting
+
+    def _spare(self) -> subprocess.Popen:
+        """A warm process (torch imported) that becomes a rank when told which: a launcher with hot spares
+        restarts a job in seconds, not in the tens of seconds six torch imports take on a small machine."""
+        log = open(self.base / f"spare-{len(self.spares) + self.restarts * WORLD}.log", "ab")
+        p = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--spare"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            cwd=str(ROOT),
+        )
+        log.close()
+        return p
+
+    def _spawn(self, r: int, state: Path | None) -> None:
+        argv = [str(self.job), self.sockets[node_of(r)], str(r), str(self.ledgers[r]), str(self.ckpt)]
+        argv += [str(self.every), str(self.pace), str(self.stop_file), self.barrier]
+        if state is not None:
+            argv.append(str(state))
+        p = self.spares.pop(0) if self.spares else self._spare()
+        assert p.stdin is not None
+        p.stdin.write((json.dumps(argv) + "\n").encode())
+        p.stdin.close()
+        self.procs[r] = p
+
+    def start(self) -> None:
+        self.spares = [self._spare() for _ in range(WORLD)]
+        for r in range(WORLD):
+            self._spawn(r, None)
+        self.spares = [self._spare() for _ in range(WORLD)] if self.keep_spares else []
+
+    def common_checkpoint(self) -> int | None:
+        have: dict[int, set[int]] = {r: set() for r in range(WORLD)}
+        for p in self.ckpt.glob("r*-*.json"):
+            r, s = p.stem[1:].split("-")
+            have[int(r)].add(int(s))
+        common = set.intersection(*have.values())
+        return max(common) if common else None
+
+    def restart_all(self) -> int:
+        """Every rank stopped and started again from the newest common checkpoint (0: the beginning)."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            p.wait()
+        step = self.common_checkpoint()
+        with self._lock:
+            self.done = {r: (step or 0) - 1 for r in range(WORLD)}
+        for r in range(WORLD):
+            with open(self.ledgers[r], "a") as f:
+                f.write(f"R {step or 0}\n")  # a replay from this step on is legitimate
+        for r in range(WORLD):
+            self._spawn(r, self.ckpt / f"r{r}-{step:08d}.json" if step else None)
+        self.restarts += 1
+        if self.keep_spares:
+            self.spares += [self._spare() for _ in range(WORLD - len(self.spares))]
+        return step or 0
+
+    def running(self) -> bool:
+        """Every rank received a batch since the last (re)start: a rank or socket fault has a live victim."""
+        for p in self.ledgers.values():
+            rows = read_ledger(p)
+            if not rows or rows[-1][0] == "R":
+                return False
+        return True
+
+    def dead(self) -> list[int]:
+        return [r for r, p in self.procs.items() if p.poll() is not None]
+
+    def close(self) -> None:
+        for p in self.spares:
+            p.kill()
+            p.wait()
+        self.spares = []
+        self._closed = True
+        self._sock.close()
+        self._thread.join(5)
+
+    def finish(self, timeout: float) -> None:
+        """Every rank stops after the same step, a few steps past the newest any rank reached."""
+        reached = [row[1] for p in self.ledgers.values() for row in read_ledger(p) if row[0] != "R"]
+        tmp = self.base / "stop.tmp"
+        tmp.write_text(str(max(reached, default=0) + 3))
+        os.replace(tmp, self.stop_file)
+        end = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def descendants(pid: int) -> list[tuple[int, int]]:
+    """(pid, depth) of every process below ``pid``."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, frontier, depth = [], [pid], 0
+    while frontier:
+        depth += 1
+        frontier = [p for p, pp in parent.items() if pp in frontier]
+        out += [(p, depth) for p in frontier]
+    return out
+
+
+def read_ledger(path: Path) -> list[tuple]:
+    rows: list[tuple] = []
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if parts and parts[0] == "R":
+            rows.append(("R", int(parts[1])))
+        elif len(parts) == 4:
+            rows.append((float(parts[0]), int(parts[1]), int(parts[2]), parts[3]))
+    return rows
+
+
+def analyse(
+    ledgers: dict[int, list[tuple]], ref: dict[int, dict[tuple[int, int], str]], stuck_at: float | None
+) -> dict:
+    """Lost, duplicated and mismatched micro-batches against the reference; the longest stall (to ``stuck_at``
+    for a job that never recovered)."""
+    lost = duplicated = mismatched = replayed = 0
+    max_stall = 0.0
+    for r, rows in ledgers.items():
+        seen: dict[tuple[int, int], str] = {}
+        high: tuple[int, int] = (-1, -1)
+        replay_until: tuple[int, int] = (-1, -1)
+        last_t = None
+        for row in rows:
+            if row[0] == "R":
+                replay_until = high
+                continue
+            t, step, micro, h = row
+            pos = (step, micro)
+            if last_t is not None:
+                max_stall = max(max_stall, t - last_t)
+            last_t = t
+            want = ref[r].get(pos)
+            if want is not None and want != h:
+                mismatched += 1
+            if pos in seen:
+                if pos <= replay_until:
+                    replayed += 1
+                else:
+                    duplicated += 1
+            seen[pos] = h
+            high = max(high, pos)
+        if stuck_at is not None and last_t is not None:
+            max_stall = max(max_stall, stuck_at - last_t)
+        last = high[0]
+        lost += sum(1 for pos in ref[r] if pos[0] < last and pos not in seen)
+    return {
+        "lost": lost,
+        "duplicated": duplicated,
+        "mismatched": mismatched,
+        "replayed": replayed,
+        "max_stall_s": round(max_stall, 2),
+    }
+
+
+def recover_times(faults: list[tuple[float, str]], ledgers: dict[int, list[tuple]], end: float) -> list[float | None]:
+    """Per fault: seconds until every rank received a batch after it (None: not before the end)."""
+    times = {r: sorted(row[0] for row in rows if row[0] != "R") for r, rows in ledgers.items()}
+    out: list[float | None] = []
+    for t0, _kind in faults:
+        firsts = []
+        for ts in times.values():
+            nxt = next((t for t in ts if t > t0), None)
+            firsts.append(nxt)
+        out.append(None if any(x is None for x in firsts) else max(firsts) - t0)  # type: ignore[type-var,operator]
+    return out
+
+
+def reference(job: dict, steps: int, shm_dir: Path) -> dict[int, dict[tuple[int, int], str]]:
+    """The same job on one node without faults: each rank's (step, micro) -> hash for ``steps`` steps."""
+    import msdata_client as msd
+    from tests.conftest import ServerProc
+
+    srv = ServerProc(str(shm_dir), workers=2).start()
+    spec = msd.DGraph.from_dict(job).spec
+    out: dict[int, dict[tuple[int, int], str]] = {r: {} for r in range(WORLD)}
+    errs: list[BaseException] = []
+
+    def body(r: int) -> None:
+        try:
+            with msd.DataClient(spec, endpoint=srv.socket, rank=r, world_size=WORLD, connect_timeout=60) as dc:
+                for _ in range(steps * MICRO):
+                    b = next(dc)
+                    out[r][(int(b["step"]), int(b["micro"]))] = batch_hash(b)
+                    del b
+        except BaseException as e:  # reported below
+            errs.append(e)
+
+    try:
+        ts = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(WORLD)]
+        for t in ts:
+            t.start()
+        end = time.monotonic() + 600
+        for t in ts:
+            t.join(max(0.1, end - time.monotonic()))
+        if any(t.is_alive() for t in ts):
+            raise SystemExit(f"the reference run on one node hung; its log:\n{srv.log()[-3000:]}")
+    finally:
+        srv.stop()
+        if srv.proc is not None and srv.proc.stdout:
+            srv.proc.stdout.close()
+    if errs:
+        raise errs[0]
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    """The median for q = 0.5 (statistics.median), else the nearest rank."""
+    if q == 0.5:
+        return statistics.median(xs)
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="90 seconds")
+    ap.add_argument("--minutes", type=float, default=5.0)
+    ap.add_argument("--interval", type=float, default=10.0, help="seconds between faults")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    ap.add_argument("--ckpt", type=int, default=10, help="ranks save their state every N steps")
+    ap.add_argument("--pace", type=float, default=0.05, help="seconds a rank 'trains' on each micro-batch")
+    ap.add_argument("--settle", type=float, default=60.0, help="seconds the job may take to recover at the end")
+    ap.add_argument("--ttl", type=float, default=3.0, help="the nodes' etcd lease, seconds")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, ledgers)")
+    args = ap.parse_args()
+    kinds = [k for k in args.kinds.split(",") if k]
+    if bad := sorted(set(kinds) - set(KINDS)):
+        raise SystemExit(f"--kinds: unknown {bad}; choose from {', '.join(KINDS)}")
+    duration = 90.0 if args.quick else args.minutes * 60.0
+    rng = random.Random(args.seed)
+
+    import tests.test_multinode as tm
+    from tests.etcd_fixture import EtcdServer
+
+    base = Path(tempfile.mkdtemp(prefix="msdx-", dir="/tmp"))  # short: Unix socket paths are limited
+    etcd = EtcdServer(base).start()
+    (base / "c").mkdir()
+    cluster = tm.Cluster(base / "c", etcd.url, NODES)
+    for srv in cluster.nodes.values():  # two transform workers per node: the worker fault has victims
+        cfg = Path(srv.config)
+        text = cfg.read_text().replace("workers = 0", "workers = 2")
+        cfg.write_text(text.replace(f"lease_ttl = {tm.TTL}", f"lease_ttl = {args.ttl}"))
+    prefixes = [srv.prefix for srv in cluster.nodes.values()]
+    faults: list[tuple[float, str]] = []
+    skipped: dict[str, int] = {}
+    ranks: Ranks | None = None
+    t_end = t_stop = 0.0
+    stuck = False
+    try:
+        data = write_data(base / "data", args.seed)
+        job = job_dict(data)
+        job_path = base / "job.json"
+        job_path.write_text(json.dumps(job))
+        cluster.start()
+        tm.wait_for(lambda: cluster.settled(set(cluster.nodes)), 60, "one leader that every node agrees on")
+        sockets = {i: cluster.nodes[f"node-{i}"].socket for i in range(NODES)}
+        ranks = Ranks(base, job_path, sockets, args.ckpt, args.pace, spares="rank" in kinds)
+        ranks.start()
+        tm.wait_for(
+            lambda: all(p.exists() and p.stat().st_size > 0 for p in ranks.ledgers.values()),
+            120,
+            "every rank's first batch",
+        )
+        t_start = time.monotonic()
+        next_fault = t_start + args.interval
+        print(
+            f"chaos: {duration:.0f} s, a fault every {args.interval:.0f} s among {kinds} (seed {args.seed})", flush=True
+        )
+        while time.monotonic() < t_start + duration:
+            time.sleep(0.1)
+            if ranks.dead():  # a rank died on its own (or was killed): the launcher restarts the job's ranks
+                ranks.restart_all()
+            if time.monotonic() < next_fault:
+                continue
+            next_fault += args.interval
+            kind = rng.choice(kinds)
+            t0 = inject(kind, cluster, etcd, ranks, rng)
+            for other in rng.sample(kinds, len(kinds)) if t0 is None else ():  # no victim of that kind now
+                skipped[kind] = skipped.get(kind, 0) + 1
+                kind = other
+                if (t0 := inject(kind, cluster, etcd, ranks, rng)) is not None:
+                    break
+            if t0 is None:
+                continue
+            faults.append((t0, kind))
+            print(f"  {time.monotonic() - t_start:6.1f}s  fault {len(faults):3d}: {kind}", flush=True)
+        t_end = time.time()
+        # let every rank get past the last fault, then stop them at a step boundary; a job that does not recover
+        # within --settle seconds is reported as stuck (with its open stall), not waited for
+        deadline = time.monotonic() + args.settle
+        while not _all_after(ranks, t_end) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stuck = not _all_after(ranks, t_end)
+        t_stop = time.time()
+        if stuck:
+            print(f"  the job did not recover within {args.settle:.0f} s of the last fault: stopping it", flush=True)
+        ranks.finish(10 if stuck else 60)
+    finally:
+        if ranks is not None:
+            for p in ranks.procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            ranks.close()
+        cluster.stop()
+        etcd.stop()
+    assert ranks is not None
+    ledgers = {r: read_ledger(p) for r, p in ranks.ledgers.items()}
+    last_step = max((row[1] for rows in ledgers.values() for row in rows if row[0] != "R"), default=0)
+    ref_dir = Path(tempfile.mkdtemp(prefix="msdr-", dir="/tmp"))
+    try:
+        ref = reference(job, last_step + 1, ref_dir)
+    finally:
+        shutil.rmtree(ref_dir, ignore_errors=True)
+    result = analyse(ledgers, ref, t_stop if stuck else None)
+    rec = recover_times(faults, ledgers, t_end)
+    left = [n for n in os.listdir("/dev/shm") if any(n.startswith(p) for p in prefixes)]
+    print(f"{'fault':10} {'count':>5} {'recover p50':>12} {'max':>8}")
+    per_kind = {}
+    for k in kinds:
+        xs = [x for (t, kk), x in zip(faults, rec) if kk == k and x is not None]
+        n = sum(1 for _, kk in faults if kk == k)
+        per_kind[k] = {
+            "count": n,
+            "recover_p50_s": round(_pct(xs, 0.5), 2) if xs else None,
+            "recover_max_s": round(max(xs), 2) if xs else None,
+        }
+        p50 = f"{_pct(xs, 0.5):12.2f}" if xs else f"{'-':>12}"
+        mx = f"{max(xs):8.2f}" if xs else f"{'-':>8}"
+        print(f"{k:10} {n:5d} {p50} {mx}")
+    all_rec = [x for x in rec if x is not None]
+    cold = [x for (t, k), x in zip(faults, rec) if k in ("follower", "leader") and x is not None]
+    print(
+        f"steps {last_step + 1}, rank restarts {ranks.restarts}, lost {result['lost']}, duplicated "
+        f"{result['duplicated']} (legitimate replays {result['replayed']}), mismatched {result['mismatched']}, "
+        f"longest stall {result['max_stall_s']:.2f} s, /dev/shm leftovers {len(left)}"
+    )
+    out = {
+        "faults": len(faults),
+        **result,
+        "recover_p50_s": round(_pct(all_rec, 0.5), 2) if all_rec else None,
+        "recover_max_s": round(max(all_rec), 2) if all_rec else None,
+        "unrecovered": sum(1 for x in rec if x is None),
+        "takeover_s_cold": round(_pct(cold, 0.5), 2) if cold else None,
+        "takeover_s_shadow": None,  # shadow loaders are not built yet (issue 13, item 3)
+        "per_kind": per_kind,
+        "skipped": skipped,
+        "steps": last_step + 1,
+        "rank_restarts": ranks.restarts,
+        "shm_left": len(left),
+        "stuck": stuck,
+        "seed": args.seed,
+        "minutes": round(duration / 60, 2),
+    }
+    if args.keep:
+        print(f"work directory kept: {base}")
+    else:
+        shutil.rmtree(base, ignore_errors=True)
+    print(json.dumps(out, sort_keys=True))
+
+
+def _all_after(ranks: Ranks, t: float) -> bool:
+    for p in ranks.ledgers.values():
+        rows = [row for row in read_ledger(p) if row[0] != "R"]
+        if not rows or rows[-1][0] <= t:
+            return False
+    return True
+
+
+def inject(kind: str, cluster, etcd, ranks: Ranks, rng: random.Random) -> float | None:
+    """One fault on a victim of ``kind``: the time it struck, or None when there is no victim right now."""
+    sts = cluster.statuses()
+    leader = next((n for n, st in sts.items() if st["role"] == "leader"), None)
+    if kind == "worker":
+        nid = rng.choice(sorted(cluster.nodes))
+        proc = cluster.nodes[nid].proc
+        workers = [p for p, depth in descendants(proc.pid) if depth == 2] or [p for p, _ in descendants(proc.pid)]
+        if not workers:
+            return None
+        t0 = time.time()
+        os.kill(rng.choice(sorted(workers)), signal.SIGKILL)
+        return t0
+    if kind in ("follower", "leader"):
+        if leader is None:
+            return None
+        nid = leader if kind == "leader" else rng.choice(sorted(n for n in cluster.nodes if n != leader))
+        srv = cluster.nodes[nid]
+        t0 = time.time()
+        srv.kill()
+        srv.start()  # the supervisor starts it again
+        return t0
+    if kind == "etcd":
+        t0 = time.time()
+        etcd.stop(signal.SIGKILL)
+        etcd.start()
+        return t0
+    if kind in ("rank", "socket") and not ranks.running():
+        return None  # the ranks are (re)starting: no rank to fail yet
+    if kind == "rank":
+        r = rng.randrange(WORLD)
+        t0 = time.time()
+        ranks.procs[r].kill()
+        ranks.procs[r].wait()
+        ranks.restart_all()
+        return t0
+    if kind == "socket":
+        r = rng.randrange(WORLD)
+        if ranks.procs[r].poll() is not None:
+            return None
+        t0 = time.time()
+        ranks.procs[r].send_signal(signal.SIGUSR1)
+        return t0
+    raise ValueError(kind)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--spare":
+        import msdata_client  # noqa: F401  (warm: torch imported before the rank is needed)
+
+        line = sys.stdin.readline()
+        if line:
+            rank_main(json.loads(line))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--rank":
+        rank_main(sys.argv[2:])
+    else:
+        main()

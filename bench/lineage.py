@@ -1,0 +1,176 @@
+# .venv/bin/python bench/lineage.py --quick
+"""Lineage benchmark: the time to answer "which pieces made step t" by replay, beside the planner's own time for
+one step of the same size, in the same process.
+
+Workload text4 (bench/workloads.py, a copy of ../shared/workloads.toml) at 16k context, 4 micro-batches per rank,
+dp 512 and dp 4096. The planner plans a run of steps and keeps the state at the start of every step, as the
+server does (``LocalPlanFeed`` records each step's state before planning it). Then, for a step t:
+
+- ``plan``: the planner's own time for one step (``Planner.plan_step``), the median over the planning run;
+  and ``plan_step``: step t itself planned again from its state (lengths read afresh), alternating with the
+  lineage answers below so both see the same load (0 back is that plus the rows);
+- ``lineage 0back``: the server's answer when it holds the state of step t itself (every recent step):
+  a Planner from that state, one replayed step, and the rows (``lineage.rows.plan_columns``: row offsets,
+  files and rows from each source's deterministic order, sample ids) of all ranks;
+- ``lineage 64back``: the nearest saved state is 64 steps back (the same, replaying 65 steps).
+
+Times are CPU seconds of the one thread that plans or replays (``time.thread_time``), as bench/train_e2e.py
+times compute: these 2-core machines are shared, and another process only ever adds wall time. Medians.
+Sources are located through real ``sources.order.Order`` objects (64 files of 65536 rows per source), so the
+rows cost what they cost on real files. Targets (issue 17): 0back <= 1.5 x plan, 64back <= 70 x plan. The last
+line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from workloads import COST, TEXT4, SyntheticLengths  # noqa: E402
+
+from msdata_server.lineage.replay import replay  # noqa: E402
+from msdata_server.lineage.rows import plan_columns  # noqa: E402
+from msdata_server.planner import Mixture, Planner, PlannerConfig  # noqa: E402
+from msdata_server.sources.order import Order  # noqa: E402
+
+SEQ, MICRO = 16384, 4
+FILES, ROWS = 64, 65536
+BACK = 64
+
+
+class Orders:
+    """``lineage.rows.Locate`` over one Order per source (files of ROWS rows)."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.orders = [Order.from_units(seed=0, name=n, units=[np.array([ROWS], np.int64)] * FILES) for n in names]
+
+    def locate(self, source: int, ordinals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.orders[source].locate(ordinals)
+
+    def files(self, source: int) -> list[str]:
+        return [f"part-{i:05d}.parquet" for i in range(FILES)]
+
+
+def config(dp: int) -> PlannerConfig:
+    return PlannerConfig(
+        sources=tuple(TEXT4.sources),
+        seq_len=SEQ,
+        dp=dp,
+        micro_batches=MICRO,
+        rows=1,
+        mixture=Mixture.constant(TEXT4.weights),
+        alpha=COST["alpha"],
+        beta=COST["beta"],
+    )
+
+
+def lineage_ms(cfg: PlannerConfig, state: dict, step: int, locate: Orders) -> tuple[float, int]:
+    """CPU ms to replay from ``state`` up to ``step`` and turn that step's plan into rows; and the rows. The
+    lengths come from a fresh view (generated again, as the planner generated them: the server's lineage reads
+    them again too)."""
+    view = SyntheticLengths(TEXT4, SEQ, seed=0)
+    t = time.thread_time()
+    (plan,) = replay(cfg, state, view, step, step + 1)
+    cols = plan_columns(plan, locate, seq_len=cfg.seq_len, micro_batches=cfg.micro_batches, rows=cfg.rows)
+    return (time.thread_time() - t) * 1e3, int(cols["step"].size)
+
+
+def plan_once(cfg: PlannerConfig, state: dict) -> float:
+    """CPU ms of the planner's own step from ``state`` (fresh lengths, as ``lineage_ms`` reads them)."""
+    view = SyntheticLengths(TEXT4, SEQ, seed=0)
+    t = time.thread_time()
+    Planner(cfg, state=state).plan_step(view)
+    return (time.thread_time() - t) * 1e3
+
+
+def measure(dp: int, *, steps: int, reps: int, reps_back: int, progress) -> dict:
+    cfg = config(dp)
+    view = SyntheticLengths(TEXT4, SEQ, seed=0)
+    locate = Orders(cfg.sources)
+    planner = Planner(cfg)
+    states: dict[int, dict] = {}
+    walls = []
+    for i in range(steps):
+        states[planner.step] = planner.state_dict()
+        t = time.thread_time()
+        planner.plan_step(view)
+        if i:  # the first step is warm-up
+            walls.append((time.thread_time() - t) * 1e3)
+        progress(f"dp {dp}: planned step {i}")
+    target = steps - 1
+    lineage_ms(cfg, states[target], target, locate)  # warm-up (order caches)
+    zero, same, rows = [], [], 0
+    for _ in range(reps):  # the arms alternate: the same step, planned and answered under the same load
+        same.append(plan_once(cfg, states[target]))
+        ms, rows = lineage_ms(cfg, states[target], target, locate)
+        zero.append(ms)
+        progress(f"dp {dp}: lineage 0 back {ms:.0f} ms")
+    back = []
+    for _ in range(reps_back):
+        ms, _ = lineage_ms(cfg, states[target - BACK], target, locate)
+        back.append(ms)
+        progress(f"dp {dp}: lineage {BACK} back {ms:.0f} ms")
+    return {
+        "dp": dp,
+        "plan_ms": statistics.median(walls),
+        "plan_ms_step": statistics.median(same),
+        "lineage_0back_ms": statistics.median(zero),
+        "lineage_64back_ms": statistics.median(back),
+        "rows": rows,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (under three minutes)")
+    args = ap.parse_args()
+    reps, reps_back = (5, 1) if args.quick else (9, 3)
+    bar = None
+    if sys.stdout.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(desc="lineage", unit="step", leave=False)
+
+    def progress(msg: str) -> None:
+        if bar is not None:
+            bar.set_postfix_str(msg)
+            bar.update()
+
+    res = {}
+    for dp in (512, 4096):
+        r = res[dp] = measure(dp, steps=BACK + 2, reps=reps, reps_back=reps_back, progress=progress)
+        if bar is not None:
+            bar.clear()
+        print(
+            f"dp {dp:5d} 16k: plan {r['plan_ms']:7.1f} ms/step (step t: {r['plan_ms_step']:.1f}) | lineage of one step "
+            f"({r['rows']} rows): "
+            f"0 back {r['lineage_0back_ms']:8.1f} ms ({r['lineage_0back_ms'] / r['plan_ms']:.2f} x plan), "
+            f"{BACK} back {r['lineage_64back_ms']:9.1f} ms ({r['lineage_64back_ms'] / r['plan_ms']:.1f} x plan)"
+        )
+    if bar is not None:
+        bar.close()
+    out = {}
+    for dp, r in res.items():
+        out[f"plan_ms_dp{dp}"] = round(r["plan_ms"], 2)
+        out[f"plan_ms_step_dp{dp}"] = round(r["plan_ms_step"], 2)
+        out[f"lineage_ms_dp{dp}_0back"] = round(r["lineage_0back_ms"], 2)
+        out[f"lineage_ms_dp{dp}_64back"] = round(r["lineage_64back_ms"], 2)
+        out[f"rows_dp{dp}"] = r["rows"]
+    out["ratio_0back_dp4096"] = round(res[4096]["lineage_0back_ms"] / res[4096]["plan_ms"], 3)
+    out["ratio_64back_dp4096"] = round(res[4096]["lineage_64back_ms"] / res[4096]["plan_ms"], 2)
+    out["ratio_0back_same_step_dp4096"] = round(res[4096]["lineage_0back_ms"] / res[4096]["plan_ms_step"], 3)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""What the autoscaler reads of a running job, through public seams only: the ranks' pulls (``job.waits``),
+the planner's cursor and mixture (the plan feed: its planner where it plans here, else the newest planner
+state it holds), the step shape, and its loaders' counters (``job.payloads.status``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..planner.mixture import Mixture
+from ..planner.spec import planner_config
+from ..planner.state import K_MIXTURE, K_STEP
+
+__all__ = ["JobSignals", "job_signals"]
+
+
+class _JobLike(Protocol):
+    name: str
+    inst: str
+    state: str
+    spec: Any
+    waits: Any
+    feed: Any
+    payloads: Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobSignals:
+    """One job's figures at one instant."""
+
+    key: str  # the job's registration on this node (a new run is a new key)
+    name: str
+    rank_step: int | None  # newest step the lowest reporting rank pulled
+    rank_wait_s: float  # its total seconds waiting for data
+    planned_step: int  # the next step the planner plans
+    mixture: Mixture
+    sources: tuple[str, ...]
+    tokens_per_step: int
+    loaders: Mapping[str, Mapping[str, Any]]  # source name -> its loaders' figures here (job.payloads.status)
+
+
+def job_signals(job: _JobLike) -> JobSignals | None:
+    """The signals of a running job; None while it is not running."""
+    if job.state != "running" or job.feed is None or job.payloads is None:
+        return None
+    cfg = planner_config(job.spec)
+    step, mixture = 0, cfg.mixture
+    planner = getattr(job.feed, "planner", None)  # LocalPlanFeed plans here: its planner is the newest word
+    if planner is not None:
+        step, mixture = planner.step, planner.mixture
+    else:
+        state = job.feed.newest_state()
+        if state is not None:
+            step, mixture = int(state[K_STEP]) + 1, Mixture.from_dict(state[K_MIXTURE])
+    ranks = job.waits.snapshot()
+    rank_step, waited = None, 0.0
+    for r in sorted(ranks, key=int):
+        if "step" in ranks[r]:
+            rank_step, waited = int(ranks[r]["step"]), float(ranks[r]["wait_s"])
+            break
+    return JobSignals(
+        key=job.inst,
+        name=job.name,
+        rank_step=rank_step,
+        rank_wait_s=waited,
+        planned_step=step,
+        mixture=mixture,
+        sources=tuple(cfg.sources),
+        tokens_per_step=cfg.capacity,
+        loaders=job.payloads.status(None),
+    )

@@ -1,0 +1,77 @@
+"""Documents over peer links (a fetch reply): token arrays, and picture documents with their pixels, as one
+raw buffer and a small JSON header; never pickled.
+
+Buffer: every document's tokens as int32, back to back; then, for the picture documents in order, their
+``pixel_values`` (uint8) and then their ``image_grid_thw`` (int64). The header lists the token counts
+(``lens``) and, per document, ``[patches, images, row]`` for a picture or ``None`` (``pics``; absent when
+there is none, as older peers send).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ProtocolError
+from ..transforms import VlmSample
+
+__all__ = ["pack_docs", "split_docs"]
+
+
+def pack_docs(docs: list) -> tuple[dict, bytes]:
+    """Documents (int arrays or ``VlmSample``) as one buffer plus the header that splits it."""
+    toks = [d.tokens if isinstance(d, VlmSample) else d for d in docs]
+    lens = [int(len(t)) for t in toks]
+    buf = np.concatenate([np.asarray(t, dtype=np.int32) for t in toks]) if toks else np.zeros(0, np.int32)
+    parts = [buf.astype("<i4", copy=False).tobytes()]
+    head: dict = {"lens": lens, "dtype": "<i4"}
+    pics = [_pic(d) for d in docs]
+    if any(p is not None for p in pics):
+        head["pics"] = pics
+        for d in docs:
+            if isinstance(d, VlmSample):
+                parts.append(np.ascontiguousarray(d.pixel_values, dtype=np.uint8).tobytes())
+                parts.append(np.ascontiguousarray(d.image_grid_thw, dtype="<i8").tobytes())
+    return head, b"".join(parts)
+
+
+def _pic(d) -> list[int] | None:
+    if not isinstance(d, VlmSample):
+        return None
+    pv = d.pixel_values
+    return [int(pv.shape[0]), int(len(d.image_grid_thw)), int(pv.shape[1]) if pv.ndim == 2 else 0]
+
+
+def split_docs(head: dict, payload) -> list:
+    """The documents of a fetch reply (copies, so the payload buffer can go); ProtocolError if malformed."""
+    try:
+        lens = [int(x) for x in head["lens"]]
+        raw = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
+        dtype = np.dtype(head["dtype"])
+        ntok = sum(lens) * dtype.itemsize
+        if any(n < 0 for n in lens) or ntok > len(raw):
+            raise ValueError(f"{sum(lens)} tokens do not fit a payload of {len(raw)} bytes")
+        a = np.frombuffer(raw[:ntok], dtype=dtype)
+        pics = head.get("pics") or [None] * len(lens)
+        if len(pics) != len(lens):
+            raise ValueError(f"{len(pics)} picture entries for {len(lens)} documents")
+        out: list = []
+        off, at = 0, ntok
+        for n, pic in zip(lens, pics):
+            tokens = a[off : off + n].copy()
+            off += n
+            if pic is None:
+                out.append(tokens)
+                continue
+            patches, images, row = (int(x) for x in pic)
+            npx, ngrid = patches * row, images * 3 * 8
+            if min(patches, images, row) < 0 or at + npx + ngrid > len(raw):
+                raise ValueError(f"picture {pic} does not fit the payload")
+            pv = np.frombuffer(raw[at : at + npx], dtype=np.uint8).reshape(patches, row).copy()
+            grid = np.frombuffer(raw[at + npx : at + npx + ngrid], dtype="<i8").reshape(images, 3).astype(np.int64)
+            at += npx + ngrid
+            out.append(VlmSample(tokens, pv, grid))
+        if at != len(raw):
+            raise ValueError(f"{len(raw) - at} bytes left over after the documents")
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"malformed fetch reply: {e}") from None
+    return out

@@ -1,0 +1,28 @@
+"""`msdata-server demo --vlm`: a small image-text job end to end with generated images, as a user runs it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("PIL")
+
+
+@pytest.mark.slow
+def test_demo_vlm_runs_end_to_end():
+    out = subprocess.run(
+        [sys.executable, "-m", "msdata_server", "demo", "--vlm", "--steps", "4"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = dict(re.findall(r"^(\S.*?\S)\s{2,}(\S+)$", out.stdout, re.M))
+    assert int(figures["images delivered (all ranks)"]) > 0  # the ranks checked placeholders against the keys
+    assert int(figures["patches delivered"]) > 0
+    assert 1.0 <= float(figures["encoder imbalance (max/mean, mean over steps)"]) < 2.0
+    assert 1.0 <= float(figures["backbone imbalance (max/mean, mean over steps)"]) < 2.0
+    assert figures["bad samples"] == "none"

@@ -1,0 +1,305 @@
+"""Picture documents end to end through a real `msdata-server serve`: Parquet (an image column and a caption
+column) and WebDataset tar shards written here as PNG and JPEG, the vlm transform in the worker pool, the
+two-stage "vlm" cost, and the image batch keys the ranks receive."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import threading
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import msdata_client as msd
+
+from .e2e_util import run_ranks
+
+Image = pytest.importorskip("PIL.Image")
+
+PATCH, MERGE = 14, 2
+IMG, EOS = 258, 256
+VLM = f"msdata_server.transforms:vlm(patch={PATCH}, merge={MERGE}, min_pixels=3136, max_pixels=40000)"
+WDS_VLM = VLM[:-1] + ', image_key="png;jpg", text_key="txt")'  # a WebDataset sample is a dict by extension
+COLOURS = {
+    "red": (220, 30, 30),
+    "green": (30, 200, 60),
+    "blue": (40, 60, 220),
+    "yellow": (230, 220, 40),
+    "white": (250, 250, 250),
+    "black": (8, 8, 8),
+}
+NAMES = list(COLOURS)
+
+
+def encode(colour: str, size: tuple[int, int], fmt: str) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, COLOURS[colour]).save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def pictures(tag: str, n: int, fmt: str, seed: int) -> list[tuple[bytes, str]]:
+    """n (image, caption): each image painted the colour its caption names, of varied size."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        colour = NAMES[int(rng.integers(len(NAMES)))]
+        size = (int(rng.integers(30, 260)), int(rng.integers(30, 200)))
+        out.append((encode(colour, size, fmt), f"a {colour} picture {tag}-{i}"))
+    return out
+
+
+def write_parquet(d: Path, files: list[list[tuple[bytes, str]]]) -> dict[int, str]:
+    d.mkdir()
+    truth = {}
+    for f, rows in enumerate(files):
+        table = pa.table({"image": [b for b, _ in rows], "caption": [c for _, c in rows]})
+        pq.write_table(table, d / f"part-{f}.parquet", row_group_size=8)
+        truth.update({(f << 32) | r: c for r, (_, c) in enumerate(rows)})
+    return truth
+
+
+def write_shards(d: Path, shards: list[list[tuple[str, dict[str, bytes]]]]) -> None:
+    d.mkdir()
+    for k, samples in enumerate(shards):
+        with tarfile.open(d / f"shard-{k:03d}.tar", "w") as tf:
+            for key, parts in samples:
+                for ext, data in parts.items():
+                    ti = tarfile.TarInfo(f"{key}.{ext}")
+                    ti.size = len(data)
+                    tf.addfile(ti, io.BytesIO(data))
+
+
+def picture_job(name: str, sources, *, dp=2, tp=1, cp=1, pp=1, micro=2, seq_len=512, weights=None):
+    g = msd.DGraph(name, seed=11)
+    for src, fmt, d, columns in sources:
+        g.source(src, fmt, [str(d)], columns=columns, transform=WDS_VLM if fmt == "webdataset" else VLM)
+    g.mix(weights or {s[0]: 1.0 for s in sources}).cost("vlm", alpha_v=1.0, beta_v=2048.0)
+    g.pack(seq_len, micro_batches=micro).mesh(dp=dp, tp=tp, cp=cp, pp=pp).prefetch(2)
+    return g.plan()
+
+
+def documents(batch) -> list[dict]:
+    """Each picture or text document of a micro-batch, in order: its tokens, sample id and images (checks
+    that image keys and placeholders agree on the way)."""
+    toks = np.asarray(batch["tokens"]).reshape(-1)
+    cu = np.asarray(batch["cu_seqlens"])
+    grid = np.asarray(batch["image_grid_thw"])
+    pv = np.asarray(batch["pixel_values"])
+    icu = np.asarray(batch["image_cu_seqlens"])
+    isid = np.asarray(batch["image_sample_ids"])
+    assert pv.dtype == np.uint8 and pv.shape[1] == 3 * PATCH * PATCH
+    assert grid.dtype == np.int64 and grid.shape[1] == 3
+    assert icu.dtype == np.int32 and isid.dtype == np.int64
+    assert pv.shape[0] == int(grid.prod(axis=1).sum())  # pixel_values rows == sum over image_grid_thw
+    assert icu.tolist() == [0, *np.cumsum(grid.prod(axis=1)).tolist()]
+    segs = [toks[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    segs = [s for s in segs if not (s == 257).all()]
+    sids = np.asarray(batch["sample_ids"]).tolist()
+    assert len(segs) == len(sids)
+    out, k = [], 0
+    for seg, sid in zip(segs, sids):
+        n_ph = int(np.argmax(seg != IMG)) if (seg == IMG).any() else 0
+        imgs = []
+        while n_ph and sum(int(g.prod()) // MERGE**2 for _, g in imgs) < n_ph:
+            assert isid[k] == sid, "an image went to another document"
+            imgs.append((pv[icu[k] : icu[k + 1]], grid[k]))
+            k += 1
+        assert sum(int(g.prod()) // MERGE**2 for _, g in imgs) == n_ph  # placeholders == t*h*w / merge^2
+        out.append({"sid": int(sid), "tokens": seg, "images": imgs, "n_ph": n_ph})
+    assert k == len(grid)
+    return out
+
+
+def check_colours(doc: dict, caption: str, tol: float) -> None:
+    """The document's text is its caption and its image is painted the colour the caption names."""
+    text = bytes(doc["tokens"][doc["n_ph"] : -1].astype(np.uint8)).decode()
+    assert text == caption and doc["tokens"][-1] == EOS
+    (pixels, thw), want = doc["images"][0], np.array(COLOURS[caption.split()[1]], dtype=np.float64)
+    assert thw[0] == 1 and pixels.shape[0] == int(thw.prod())
+    got = pixels.reshape(-1, 3, PATCH * PATCH).astype(np.float64).mean(axis=(0, 2))
+    assert np.abs(got - want).max() <= tol, (caption, got)
+    h, w = int(thw[1]) * PATCH, int(thw[2]) * PATCH
+    assert h % (PATCH * MERGE) == 0 and w % (PATCH * MERGE) == 0 and 3136 <= h * w <= 40000  # resize bounds
+
+
+def read_with_status(spec, endpoint: str, n: int) -> tuple[dict[int, list], dict]:
+    """Every rank reads n micro-batches (round robin, after a start from all at once), kept as numpy copies
+    (a batch held keeps its ring slot); then the server's status while the ranks are still there."""
+    world = spec.mesh.world_size
+    clients = [
+        msd.DataClient(spec, endpoint=endpoint, rank=r, world_size=world, connect_timeout=60) for r in range(world)
+    ]
+    got: dict[int, list] = {r: [] for r in range(world)}
+    try:
+        threads = [
+            threading.Thread(target=lambda r=r: got[r].append(_copy(next(clients[r]))), daemon=True)
+            for r in range(world)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert all(got.values()), "the job did not start"
+        for _ in range(n - 1):
+            for r, dc in enumerate(clients):
+                got[r].append(_copy(next(dc)))
+        return got, status(endpoint)
+    finally:
+        for dc in clients:
+            dc.close()
+
+
+def _copy(batch) -> dict[str, np.ndarray]:
+    return {k: v.numpy().copy() for k, v in batch.items()}
+
+
+def status(endpoint: str) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "msdata_server", "status", "--endpoint", endpoint, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return json.loads(out.stdout)
+
+
+@pytest.fixture
+def parquet_and_shards(tmp_path):
+    """A Parquet source (PNG and JPEG files) and a WebDataset source (PNG and JPEG shards) whose bad samples
+    are one corrupt image, one sample without its image, and a shard cut in the middle."""
+    pq_truth = write_parquet(tmp_path / "pq", [pictures("p0", 14, "PNG", 1), pictures("p1", 12, "JPEG", 2)])
+    shards, wds_truth = [], {}
+    for k, fmt in enumerate(("PNG", "JPEG", "PNG")):
+        samples = []
+        for i, (img, cap) in enumerate(pictures(f"w{k}", 10, fmt, 10 + k)):
+            ext = "png" if fmt == "PNG" else "jpg"
+            samples.append((f"s{k}/{i:04d}", {ext: img, "txt": cap.encode()}))
+            wds_truth[(k << 32) | i] = cap
+        shards.append(samples)
+    shards[0][3] = (shards[0][3][0], {"png": b"\x89PNG\r\n\x1a\n" + b"not an image" * 20, "txt": b"a red corrupt"})
+    shards[1][5] = (shards[1][5][0], {"txt": b"a blue picture without its image"})
+    del wds_truth[0 << 32 | 3], wds_truth[1 << 32 | 5]
+    write_shards(tmp_path / "wds", shards)
+    cut = tmp_path / "wds" / "shard-002.tar"
+    data = cut.read_bytes()
+    cut.write_bytes(data[: len(data) * 6 // 10])  # the samples the cut touches are bad, those before it fine
+    return tmp_path, pq_truth, wds_truth
+
+
+def test_both_formats_deliver_each_image_with_its_caption(server_factory, parquet_and_shards):
+    root, pq_truth, wds_truth = parquet_and_shards
+    spec = picture_job(
+        "pictures",
+        [("pq", "parquet", root / "pq", ["image", "caption"]), ("wds", "webdataset", root / "wds", ["png;jpg", "txt"])],
+    )
+    srv = server_factory(workers=2).start()
+    got, st = read_with_status(spec, srv.socket, 14)
+    seen: Counter = Counter()
+    for batches in got.values():
+        for b in batches:
+            for doc, src in zip(documents(b), b["source_ids"].tolist()):  # (numpy copies)
+                truth = pq_truth if src == 0 else wds_truth
+                assert doc["sid"] in truth, f"a bad or unknown sample was delivered: {src} {doc['sid']:#x}"
+                check_colours(doc, truth[doc["sid"]], tol=3.0 if src == 0 and doc["sid"] >> 32 == 0 else 12.0)
+                seen[src] += 1
+    assert seen[0] >= 20 and seen[1] >= 15
+    (job,) = st["jobs"]
+    bad = job["sources"]["wds"]["bad_samples"]
+    # counted at every read (the small source goes round several epochs): the corrupt image and the samples
+    # the cut shard loses are "corrupt", the sample without its image "missing_field"; none was delivered
+    assert bad.get("corrupt", 0) >= 2 and bad.get("missing_field", 0) >= 1 and set(bad) <= {"corrupt", "missing_field"}
+    assert not job["sources"]["pq"]["bad_samples"]
+    assert 1.0 <= job["encoder_imbalance"] and 1.0 <= job["backbone_imbalance"]
+    assert job["last_step"]["encoder_imbalance"] is not None
+
+
+def test_text_micro_batches_carry_empty_image_keys_and_pp_cp_rules(server_factory, tmp_path):
+    """A picture source beside a text source, dp=1 x pp=2 x cp=2: both CP ranks of the first stage receive
+    the full image keys (equal), the last stage none; a micro-batch without pictures has empty keys."""
+    write_parquet(tmp_path / "pq", [pictures("p", 6, "PNG", 3)])
+    (tmp_path / "txt").mkdir()
+    texts = [f"plain text {i} " * (1 + i % 5) for i in range(200)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "txt" / "t.parquet")
+    g = msd.DGraph("mixed", seed=3)
+    g.source("pq", "parquet", [str(tmp_path / "pq")], columns=["image", "caption"], transform=VLM)
+    g.source("txt", "parquet", [str(tmp_path / "txt")])
+    spec = g.mix({"pq": 0.05, "txt": 0.95}).cost("vlm").pack(256, micro_batches=4).mesh(dp=1, pp=2, cp=2).plan()
+    srv = server_factory(workers=1).start()
+    got = run_ranks(spec, srv.socket, 8, keep=True)[1]
+    mesh = spec.mesh
+    first = [r for r in range(mesh.world_size) if mesh.coord(r).pp == 0]
+    last = [r for r in range(mesh.world_size) if mesh.coord(r).pp == 1]
+    keys = ("pixel_values", "image_grid_thw", "image_cu_seqlens", "image_sample_ids")
+    empty = 0
+    for i in range(8):
+        a, b = (got[r][i] for r in first)
+        for k in keys:
+            assert np.array_equal(a[k].numpy(), b[k].numpy())  # every CP rank: the micro-batch's full keys
+        for r in last:
+            assert not set(keys) & set(got[r][i])
+        documents({**a, "tokens": _full_tokens(spec, [got[r][i] for r in first])})
+        if a["image_grid_thw"].shape[0] == 0:
+            empty += 1
+            assert a["pixel_values"].shape == (0, 3 * PATCH * PATCH) and a["image_cu_seqlens"].tolist() == [0]
+            assert str(a["pixel_values"].dtype) == "torch.uint8" and str(a["image_grid_thw"].dtype) == "torch.int64"
+    assert empty >= 1
+
+
+def _full_tokens(spec, parts):
+    """The full rows of a micro-batch from its CP ranks' zig-zag slices."""
+    import torch
+
+    from msdata_server.batch import zigzag_index
+
+    idx = zigzag_index(spec.seq_len, 2)
+    full = torch.empty((spec.rows, spec.seq_len), dtype=parts[0]["tokens"].dtype)
+    for c, p in enumerate(parts):
+        full[:, torch.from_numpy(idx[c])] = p["tokens"]
+    return full
+
+
+def test_resume_reshard_and_tp_with_images(server_factory, tmp_path):
+    """dp=2 x tp=2: TP pairs read one slot (identical bytes, pixels too); a resume on the same layout repeats
+    the batches bit for bit, pixels included; a reshard onto dp=1 continues the order: every picture sample
+    of the epoch arrives exactly once, with its own image."""
+    truth = write_parquet(tmp_path / "pq", [pictures("a", 40, "PNG", 4), pictures("b", 36, "JPEG", 5)])
+    spec = picture_job("resume", [("pq", "parquet", tmp_path / "pq", ["image", "caption"])], dp=2, tp=2, micro=1)
+    srv = server_factory(workers=2).start()
+    saved: dict = {}
+    whole = run_ranks(spec, srv.socket, 6)
+    first = run_ranks(spec, srv.socket, 3, saved=saved)
+    mesh = spec.mesh
+    for r in range(mesh.world_size):
+        for q in mesh.readers(mesh.group_of(r)):
+            assert whole[q] == whole[r]  # TP peers: the same slot, field by field (pixel_values hashed too)
+        assert first[r] == whole[r][:3]
+    rest = run_ranks(spec, srv.socket, 3, states={r: saved[r] for r in range(mesh.world_size)})
+    for r in range(mesh.world_size):
+        assert rest[r] == whole[r][3:]  # exact: every field's bytes
+    # reshard: the state of step 3 into dp=1 (two micro-batches per step: the same tokens per step)
+    one = picture_job("resume", [("pq", "parquet", tmp_path / "pq", ["image", "caption"])], dp=1, micro=2)
+    assert one.data_digest() == spec.data_digest()
+    _, early = run_ranks(spec, srv.socket, 3, keep=True)
+    after: dict = {}
+    _, late = run_ranks(one, srv.socket, 14, states={0: saved[0]}, saved=after, keep=True)
+    counts: Counter = Counter()
+    dp_ranks = [r for r in range(mesh.world_size) if mesh.coord(r).tp == 0]
+    for b in [*(b for r in dp_ranks for b in early[r]), *late[0]]:
+        for doc in documents(b):
+            check_colours(doc, truth[doc["sid"]], tol=3.0 if doc["sid"] >> 32 == 0 else 12.0)
+            counts[doc["sid"]] += 1
+    # every sample of the epoch exactly once; the only repeats are second-epoch samples, as the state counts them
+    state = after[0]["planner"]
+    n, carried = len(truth), len(state["carry"]["source"])
+    assert state["cursor"][0] >= n and all(o >= n for o in state["carry"]["ordinal"])
+    assert set(counts) == set(truth)
+    assert sum(counts.values()) == state["cursor"][0] - carried

@@ -4,7 +4,7 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from msdata_server.errors import ConfigError
@@ -181,6 +181,9 @@ def test_the_cap_pads_a_rank_holding_a_whole_row_document():
     assert (capped.rank < 0).sum() == 10
 
 
+@example(  # found in CI: a trade of consolidate() left room that a carried piece fitted in
+    seed=17737, dp=4, micro=1, rows=3, seq_len=64, fill=0.5, method="karmarkar_karp", tolerance=None, priority=1
+)
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),

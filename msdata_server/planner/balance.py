@@ -120,6 +120,10 @@ def place(
     for _ in range(CONSOLIDATE_PASSES):
         if not consolidate(st, priority):
             break
+    # the moves and trades above can open room that a piece left over fits in: never carry what fits
+    left = np.flatnonzero(st.rank < 0)
+    if left.size:
+        st.greedy(left[order_by(layout.seq_len - lengths[left], layout.seq_len + 1)])
     return _result(st)
 
 

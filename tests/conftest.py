@@ -17,10 +17,17 @@ from pathlib import Path
 
 import orjson
 import pytest
+from hypothesis import settings
 
 from msdata_server.shm import list_segments, owner_alive
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The suite is deterministic: Hypothesis draws the same examples on every run (a search for new failures is
+# `HYPOTHESIS_PROFILE=explore make test`, which draws fresh ones and should be run before a release).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(autouse=True)

@@ -33,11 +33,13 @@ __all__ = [
     "IMAGE_TOKEN",
     "VlmSample",
     "byte_tokens",
+    "check_image_fits",
     "cut_piece",
     "hf_tokenizer",
     "identity",
     "image_patches",
     "load_transform",
+    "max_image_tokens",
     "parse_transform_name",
     "run_transform",
     "smart_resize",
@@ -179,7 +181,10 @@ class VlmSample:
 
     def piece(self, offset: int, length: int) -> VlmSample:
         """The piece of ``length`` tokens from ``offset`` (a document longer than seq_len is split): the images
-        go with the first piece (offset 0), which holds their placeholders; later pieces carry none."""
+        go with the first piece (offset 0), which holds their placeholders; later pieces carry none. Pieces are
+        cut at multiples of seq_len and the placeholders lead the tokens, so the first piece holds all of them
+        whenever they number at most seq_len, which ``vlm(seq_len=...)`` makes sure of (a document with more is
+        a bad sample, ``image_tokens_exceed_seq_len``)."""
         if offset == 0:
             return VlmSample(self.tokens[:length], self.pixel_values, self.image_grid_thw)
         return VlmSample(
@@ -232,6 +237,27 @@ def smart_resize(
     return int(hs[k]) * factor, int(ws[k]) * factor
 
 
+def max_image_tokens(*, patch: int, merge: int, max_pixels: int) -> int:
+    """The most placeholder tokens one image can take in a ``vlm`` transform: its area at most max_pixels, in
+    blocks of ``patch * merge`` pixels squared (one placeholder each), as ``smart_resize`` never exceeds it."""
+    return max_pixels // (patch * merge) ** 2
+
+
+def check_image_fits(*, patch: int, merge: int, max_pixels: int, seq_len: int, where: str = "vlm") -> None:
+    """ConfigError when one image at max_pixels alone takes more placeholder tokens than seq_len: the images of a
+    document go with its first piece, which is at most seq_len tokens, so such an image could never be delivered
+    (``job.images`` applies it to a max_pixels a job's vlm transform sets)."""
+    n = max_image_tokens(patch=patch, merge=merge, max_pixels=max_pixels)
+    if n > seq_len:
+        factor = patch * merge
+        raise ConfigError(
+            f"{where}: max_pixels={max_pixels} lets one image take up to {n} placeholder tokens "
+            f"(max_pixels // ({patch} * {merge})**2), more than seq_len={seq_len}; a document's images must fit in "
+            f"one row, so lower max_pixels to at most {seq_len * factor * factor} or raise [job] seq_len to at "
+            f"least {n}"
+        )
+
+
 def _keys(spec: str) -> tuple[str, ...]:
     """``"jpg;png"`` -> ("jpg", "png"): the first of them that a record holds is used (WebDataset's habit)."""
     keys = tuple(k.strip() for k in str(spec).split(";") if k.strip())
@@ -258,6 +284,7 @@ def vlm(
     image_token_id: int = IMAGE_TOKEN,
     tokenizer: str | None = None,
     eos: int | None = None,
+    seq_len: int | None = None,
 ) -> Callable:
     """A transform for image-text records (a dict: ``columns = [...]`` or a WebDataset sample) -> VlmSample.
 
@@ -268,6 +295,11 @@ def vlm(
     merge patches of one placeholder adjacent; a patch flattened channel, row, column). Tokens: per image
     ``t*h*w / merge**2`` placeholders ``image_token_id``, then the text as byte tokens with EOS 256 (or with
     ``tokenizer``, a tokenizer.json, then ``eos`` if given). Keys may list alternatives: ``"jpg;png"``.
+
+    ``seq_len`` (a job sets it to its ``[job] seq_len``, as it does ``image_token_id``): a document's images go
+    with its first piece, so a sample whose placeholders alone exceed seq_len is a bad sample
+    (``image_tokens_exceed_seq_len``). A job refuses a max_pixels it sets whose one image could exceed it
+    (``check_image_fits``).
     """
     try:
         from PIL import Image
@@ -278,12 +310,15 @@ def vlm(
             raise ConfigError(f"vlm: {name}={v!r} must be an integer >= 1")
     if isinstance(image_token_id, bool) or not isinstance(image_token_id, int) or image_token_id < 0:
         raise ConfigError(f"vlm: {image_token_id=} must be an integer >= 0")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ConfigError(f"vlm: {seq_len=} must be an integer >= 1 (the job's seq_len) or None")
     factor = patch * merge
     if -(-min_pixels // factor**2) > max_pixels // factor**2:
         raise ConfigError(
             f"vlm: no image of whole {factor}x{factor} blocks has an area in [{min_pixels=}, {max_pixels=}]; "
             f"raise max_pixels to at least {-(-min_pixels // factor**2) * factor**2}"
         )
+    room = seq_len if seq_len is not None else math.inf  # placeholders a document may have
     image_keys, text_keys = _keys(image_key), _keys(text_key)
     text_tokens = byte_tokens if tokenizer is None else hf_tokenizer(tokenizer, eos=eos)
     per_token = merge * merge
@@ -305,14 +340,21 @@ def vlm(
             images = [images]
         elif not isinstance(images, (list, tuple, np.ndarray)):
             raise _Bad("corrupt", f"field {image_key!r} holds a {type(images).__name__}, not image bytes or a list")
-        pixels, grids = [], []
+        pixels, grids, n_ph = [], [], 0
         for i, blob in enumerate(images):
             px = _image_patches(Image, blob, i, patch=patch, merge=merge, min_pixels=min_pixels, max_pixels=max_pixels)
             pixels.append(px)
             grids.append(px.grid)
+            n_ph += math.prod(px.grid) // per_token
+            if n_ph > room:  # the rest need not be decoded
+                raise _Bad(
+                    "image_tokens_exceed_seq_len",
+                    f"{_counted(i + 1, len(images))}: {n_ph} image placeholder tokens, more than "
+                    f"seq_len={seq_len}; a document's images go in one row with their placeholders: raise "
+                    f"[job] seq_len or lower the vlm transform's max_pixels (now {max_pixels})",
+                )
         ids = text_tokens(text)
         grid = np.array(grids, dtype=np.int64).reshape(-1, 3)
-        n_ph = int(grid.prod(axis=1).sum()) // per_token
         tokens = np.empty(n_ph + len(ids), dtype=np.int32)
         tokens[:n_ph] = image_token_id
         tokens[n_ph:] = ids
@@ -320,6 +362,13 @@ def vlm(
         return VlmSample(tokens, pv, grid)
 
     return transform
+
+
+def _counted(k: int, n: int) -> str:
+    """Which images went over the limit: "its 3 images", "its first 2 of 5 images"."""
+    if k == n:
+        return "its image" if n == 1 else f"its {n} images"
+    return f"its first {k} of {n} images"
 
 
 @dataclass(frozen=True, slots=True)

@@ -265,9 +265,18 @@ def _many_ranks() -> dict:
     return st
 
 
+def _two_stage() -> dict:
+    """A job with the two-stage cost (cost = "vlm"): the status has each stage's imbalance."""
+    st = copy.deepcopy(SAMPLE)
+    job = st["jobs"][0]
+    job.update(encoder_imbalance=1.02134, backbone_imbalance=1.00809)
+    job["last_step"].update(encoder_imbalance=1.0304, backbone_imbalance=1.0101)
+    return st
+
+
 @pytest.mark.parametrize("width", [80, 60])
 def test_render_fits_the_width_and_shows_the_figures(width):
-    for st in (SAMPLE, _many_ranks()):
+    for st in (SAMPLE, _many_ranks(), _two_stage()):
         screen = render(st, width)
         assert all(len(line) <= width for line in screen.splitlines()), screen
     screen = render(SAMPLE)
@@ -278,6 +287,24 @@ def test_render_fits_the_width_and_shows_the_figures(width):
     assert "g0 5/8" not in screen and "g0 5/16" in screen and "g1 1/8" in screen
     assert "… 24 more ranks; most waiting: rank 39 39.0%" in render(_many_ranks())
     assert render({"node": "n", "role": "single", "jobs": []}).endswith("no jobs")
+
+
+def test_render_shows_the_stage_imbalances_of_a_two_stage_job():
+    screen = render(_two_stage())
+    assert "…" not in screen and all(len(line) <= 80 for line in screen.splitlines())
+    lines = screen.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("job pretrain"))
+    assert lines[at + 2] == "  stage imbalance: encoder 1.021  backbone 1.008  (last step 1.030 / 1.010)"
+    # a one-stage job: the keys absent (older servers) or None (job/status.py) -> no line
+    assert "stage imbalance" not in render(SAMPLE)
+    one = copy.deepcopy(SAMPLE)
+    one["jobs"][0].update(encoder_imbalance=None, backbone_imbalance=None)
+    one["jobs"][0]["last_step"].update(encoder_imbalance=None, backbone_imbalance=None)
+    assert "stage imbalance" not in render(one)
+    # before a step is planned the status has the means only
+    early = _two_stage()
+    early["jobs"][0]["last_step"] = None
+    assert "  stage imbalance: encoder 1.021  backbone 1.008\n" in render(early)
 
 
 class _Tty(io.StringIO):

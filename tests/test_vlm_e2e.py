@@ -106,7 +106,7 @@ def documents(batch) -> list[dict]:
     assert len(segs) == len(sids)
     out, k = [], 0
     for seg, sid in zip(segs, sids):
-        n_ph = int(np.argmax(seg != IMG)) if (seg == IMG).any() else 0
+        n_ph = int(np.argmax(seg != IMG)) if (seg != IMG).any() else len(seg)  # a piece may be placeholders only
         imgs = []
         while n_ph and sum(int(g.prod()) // MERGE**2 for _, g in imgs) < n_ph:
             assert isid[k] == sid, "an image went to another document"

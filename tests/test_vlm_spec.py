@@ -77,17 +77,20 @@ def test_bad_settings_are_named(tmp_path, make, message):
 
 def test_the_jobs_image_token_id_reaches_the_vlm_transform(tmp_path):
     plain = job(tmp_path)
-    assert source_transform(plain, plain.sources[0]) == VLM  # the default: as written
+    assert source_transform(plain, plain.sources[0]) == VLM[:-1] + ", seq_len=1024)"  # the job's seq_len, always
     other = job(tmp_path, image_token_id=300)
     name = source_transform(other, other.sources[0])
-    assert name == "msdata_server.transforms:vlm(patch=14, merge=2, image_token_id=300)"
+    assert name == "msdata_server.transforms:vlm(patch=14, merge=2, image_token_id=300, seq_len=1024)"
     assert load_transform(name).__name__ == "transform"  # it builds
     bare = job(tmp_path, transform="msdata_server.transforms:vlm", image_token_id=301)
-    assert source_transform(bare, bare.sources[0]) == "msdata_server.transforms:vlm(image_token_id=301)"
-    same = job(tmp_path, transform=VLM[:-1] + ", image_token_id=300)", image_token_id=300)
+    assert source_transform(bare, bare.sources[0]) == "msdata_server.transforms:vlm(image_token_id=301, seq_len=1024)"
+    same = job(tmp_path, transform=VLM[:-1] + ", image_token_id=300, seq_len=1024)", image_token_id=300)
     assert source_transform(same, same.sources[0]) == same.sources[0].transform
     clash = job(tmp_path, transform=VLM[:-1] + ", image_token_id=999)", image_token_id=300)
     with pytest.raises(ConfigError, match=r"sets image_token_id=999 but \[job\] image_token_id = 300"):
+        source_transform(clash, clash.sources[0])
+    clash = job(tmp_path, transform=VLM[:-1] + ", seq_len=2048)")
+    with pytest.raises(ConfigError, match=r"sets seq_len=2048 but \[job\] seq_len = 1024"):
         source_transform(clash, clash.sources[0])
     text = msd.DGraph("t").source("a", "parquet", [str(tmp_path)]).mix({"a": 1.0}).pack(64, image_token_id=300).plan()
     assert source_transform(text, text.sources[0]) == "msdata_server.transforms:byte_tokens"

@@ -1,4 +1,5 @@
-"""`msdata-server status --watch`: a live text screen of one server (jobs, ranks, sources, rings, memory).
+"""`msdata-server status --watch`: a live text screen of one server (jobs, their stage imbalances with the
+two-stage cost, ranks, sources, rings, memory).
 
 ``render`` is a pure function of the status dict (the one that ``status --json`` prints) that fits every line
 into ``width`` columns; ``watch`` polls the server and redraws, clearing the screen only on a terminal (piped
@@ -101,6 +102,9 @@ def _job(j: Mapping[str, Any]) -> list[str]:
             f"{_f((j.get('bytes_per_s') or 0) / 1e9, '.2f')} GB/s"
         ),
     ]
+    stages = _stages(j)
+    if stages:
+        lines.append(stages)
     if j.get("error"):
         lines.append(f"  error: {j['error']}")
     detail = j.get("ranks_detail") or {}
@@ -147,6 +151,20 @@ def _job(j: Mapping[str, Any]) -> list[str]:
             + f"  (slot {_bytes(max(v[2] for v in groups.values()))})"
         )
     return lines
+
+
+def _stages(j: Mapping[str, Any]) -> str:
+    """The two-stage cost's imbalances (``cost = "vlm"``): mean over the steps, then the last step's; "" for a
+    one-stage job (the status has None for them)."""
+    enc, bb = j.get("encoder_imbalance"), j.get("backbone_imbalance")
+    if enc is None and bb is None:
+        return ""
+    line = f"  stage imbalance: encoder {_f(enc, '.3f')}  backbone {_f(bb, '.3f')}"
+    last = j.get("last_step") or {}
+    l_enc, l_bb = last.get("encoder_imbalance"), last.get("backbone_imbalance")
+    if l_enc is not None or l_bb is not None:
+        line += f"  (last step {_f(l_enc, '.3f')} / {_f(l_bb, '.3f')})"
+    return line
 
 
 def render(status: Mapping[str, Any], width: int = 80) -> str:

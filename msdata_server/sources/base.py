@@ -39,6 +39,7 @@ BAD_REASONS = (
     "bad_json",  # a JSON Lines line that is not a JSON object
     "corrupt",  # a record or row group that cannot be decoded
     "corrupt_file",  # a file skipped at open (counted once per file; its rows are not in the order)
+    "image_tokens_exceed_seq_len",  # a picture document whose image placeholders alone exceed seq_len (vlm)
     "invalid_utf8",  # text that is not valid UTF-8
     "missing_field",  # a record without the configured column, or a null value
     "oversize",  # larger than max_sample_bytes

@@ -19,6 +19,13 @@ outside the replay a rank restart legitimately causes: from its checkpoint up to
 count and time to recover (the fault until every rank has received a batch again), p50 and max; the longest
 stall (the largest gap between two batches of one rank). The last line is one JSON object. Loopback only;
 stops by itself; the servers are stopped gracefully at the end and /dev/shm is checked for leftovers.
+
+``--takeover`` (or ``--takeover-only``) adds the failover of a data-owning node, with and without shadow
+loaders, side by side on the same job (dp 2 on two nodes; the third node only owns data and is SIGKILLed after
+``--takeover-at`` steps): ``takeover_s_shadow`` / ``takeover_s_cold`` are the longest wait for a batch on any
+surviving rank from the kill on (the step that needed the dead node's payloads). Without shadows the
+partitions move when the node's lease ends (``--ttl``) and are opened cold; with ``shadow_loaders = 1`` their
+standbys serve as soon as the peer link breaks. Both arms' batches are compared with each other.
 """
 
 from __future__ import annotations
@@ -444,7 +451,14 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=60.0, help="seconds the job may take to recover at the end")
     ap.add_argument("--ttl", type=float, default=3.0, help="the nodes' etcd lease, seconds")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, ledgers)")
+    ap.add_argument("--takeover", action="store_true", help="also measure a data owner's failover, shadows vs cold")
+    ap.add_argument("--takeover-only", action="store_true", help="only the failover measurement")
+    ap.add_argument("--takeover-at", type=int, default=8, help="the step after which the data owner is killed")
     args = ap.parse_args()
+    if args.takeover_only:
+        print(json.dumps(takeover_phase(args), sort_keys=True))
+        return
+    phase = takeover_phase(args) if args.takeover else None
     kinds = [k for k in args.kinds.split(",") if k]
     if bad := sorted(set(kinds) - set(KINDS)):
         raise SystemExit(f"--kinds: unknown {bad}; choose from {', '.join(KINDS)}")
@@ -563,8 +577,10 @@ def main() -> None:
         "recover_p50_s": round(_pct(all_rec, 0.5), 2) if all_rec else None,
         "recover_max_s": round(max(all_rec), 2) if all_rec else None,
         "unrecovered": sum(1 for x in rec if x is None),
-        "takeover_s_cold": round(_pct(cold, 0.5), 2) if cold else None,
-        "takeover_s_shadow": None,  # shadow loaders are not built yet (issue 13, item 3)
+        # without --takeover: the restart figure of follower/leader faults (no shadows involved)
+        "takeover_s_cold": phase["takeover_s_cold"] if phase else (round(_pct(cold, 0.5), 2) if cold else None),
+        "takeover_s_shadow": phase["takeover_s_shadow"] if phase else None,
+        **({"takeover": phase} if phase else {}),
         "per_kind": per_kind,
         "skipped": skipped,
         "steps": last_step + 1,
@@ -579,6 +595,102 @@ def main() -> None:
     else:
         shutil.rmtree(base, ignore_errors=True)
     print(json.dumps(out, sort_keys=True))
+
+
+# ---- the failover of a data-owning node, with and without shadow loaders --------------------------------------
+def takeover_phase(args) -> dict:
+    """Both arms (cold, then shadows) on one etcd, each on a fresh cluster: see the module docstring."""
+    import tests.test_multinode as tm
+    from tests.etcd_fixture import EtcdServer
+
+    base = Path(tempfile.mkdtemp(prefix="msdt-", dir="/tmp"))
+    etcd = EtcdServer(base).start()
+    try:
+        data = write_data(base / "data", args.seed)
+        arms = {n: _takeover_arm(base / f"arm{n}", etcd.url, data, n, args, tm) for n in (0, 1)}
+    finally:
+        etcd.stop()
+        if not args.keep:
+            shutil.rmtree(base, ignore_errors=True)
+    cold, shadow = arms[0], arms[1]
+    out = {
+        "takeover_s_cold": cold["stall_s"],
+        "takeover_s_shadow": shadow["stall_s"],
+        "next_batch_s_cold": cold["next_s"],
+        "next_batch_s_shadow": shadow["next_s"],
+        "ratio": round(shadow["stall_s"] / cold["stall_s"], 3) if cold["stall_s"] else None,
+        "standby_takeovers": shadow["takeovers"],
+        "batches": len(cold["hashes"]),
+        "arms_equal": cold["hashes"] == shadow["hashes"],
+        "ttl_s": args.ttl,
+    }
+    print(
+        f"takeover of a data owner's partitions: cold {out['takeover_s_cold']:.2f} s, with shadows "
+        f"{out['takeover_s_shadow']:.2f} s (ratio {out['ratio']}), lease {args.ttl} s, batches equal: "
+        f"{out['arms_equal']}",
+        flush=True,
+    )
+    return out
+
+
+def _takeover_arm(base: Path, etcd_url: str, data: dict, shadows: int, args, tm) -> dict:
+    import msdata_client as msd
+
+    base.mkdir()
+    g = msd.DGraph.from_dict(job_dict(data))
+    spec = g.mesh(dp=2).shadow_loaders(shadows).plan()
+    steps = args.takeover_at + 12
+    cluster = tm.Cluster(base, etcd_url, NODES)
+    for srv in cluster.nodes.values():
+        cfg = Path(srv.config)
+        cfg.write_text(cfg.read_text().replace(f"lease_ttl = {tm.TTL}", f"lease_ttl = {args.ttl}"))
+    times: dict[int, list[float]] = {0: [], 1: []}
+    hashes: dict[tuple[int, int, int], str] = {}
+    errs: list[BaseException] = []
+    try:
+        cluster.start()
+        leader, _ = tm.wait_for(lambda: cluster.settled(set(cluster.nodes)), 60, "one leader")
+        owner = next(nid for nid in sorted(cluster.nodes) if nid != leader)
+        rank_nodes = [nid for nid in sorted(cluster.nodes) if nid != owner]
+
+        def body(r: int) -> None:
+            try:
+                sock = cluster.nodes[rank_nodes[r]].socket
+                with msd.DataClient(spec, endpoint=sock, rank=r, world_size=2, connect_timeout=60) as dc:
+                    for _ in range(steps * MICRO):
+                        b = next(dc)
+                        times[r].append(time.monotonic())
+                        hashes[(r, int(b["step"]), int(b["micro"]))] = batch_hash(b)
+                        del b
+                        time.sleep(args.pace / 5)  # a light trainer: the wait is the data's
+            except BaseException as e:  # reported below
+                errs.append(e)
+
+        ts = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(2)]
+        for t in ts:
+            t.start()
+        tm.wait_for(lambda: all(len(x) >= args.takeover_at * MICRO for x in times.values()) or errs, 120, "steps")
+        t0 = time.monotonic()
+        cluster.nodes[owner].kill()
+        for t in ts:
+            t.join(180)
+        if errs or any(t.is_alive() for t in ts):
+            raise SystemExit(f"takeover arm (shadow_loaders={shadows}) failed: {errs or 'a rank hung'}")
+        logs = "".join(cluster.nodes[nid].log() for nid in rank_nodes)
+    finally:
+        cluster.stop()
+    stall = next_s = 0.0
+    for x in times.values():
+        after = [t for t in x if t > t0]
+        gaps = [b - a for a, b in zip([t0, *after], after)]
+        stall = max(stall, max(gaps, default=0.0))
+        next_s = max(next_s, after[0] - t0 if after else float("inf"))
+    return {
+        "stall_s": round(stall, 3),
+        "next_s": round(next_s, 3),
+        "hashes": hashes,
+        "takeovers": logs.count("(standby, seek to"),
+    }
 
 
 def _all_after(ranks: Ranks, t: float) -> bool:

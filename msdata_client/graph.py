@@ -148,6 +148,11 @@ class DGraph:
         self._job["prefetch_steps"] = steps
         return self
 
+    def shadow_loaders(self, n: int) -> DGraph:
+        """Hot standbys per source partition on other nodes of a cluster (0: none; no effect on one node)."""
+        self._job["shadow_loaders"] = n
+        return self
+
     def pp_fields(
         self,
         *,
@@ -195,6 +200,7 @@ class DGraph:
             prefetch_steps=spec.prefetch_steps,
             pp_fields=spec.pp_fields,
             image_token_id=spec.image_token_id,
+            shadow_loaders=spec.shadow_loaders,
         )
         g._sources = list(spec.sources)
         g._mix = spec.mix

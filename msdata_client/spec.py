@@ -37,6 +37,7 @@ _JOB_TABLE_KEYS = (
     "prefetch_steps",
     "pp_fields",
     "image_token_id",
+    "shadow_loaders",
 )
 _TOP_KEYS = ("job", "mesh", "source", "mix", "balance")
 
@@ -112,6 +113,8 @@ class JobSpec:
     pp_fields: Mapping[str, tuple[str, ...]] | None = None
     # the id of image placeholder tokens (a picture document's tokens: one per merge x merge patches, then its text)
     image_token_id: int = IMAGE_TOKEN_ID
+    # hot standbys per source partition on other nodes (cluster layout only: never changes the data)
+    shadow_loaders: int = 0
     sources: tuple[SourceSpec, ...]
     mix: MixSpec
     balance: BalanceSpec = field(default_factory=BalanceSpec)
@@ -131,6 +134,9 @@ class JobSpec:
         LongDocs.parse(self.long_docs, "job long_docs")
         Distribute.parse(self.distribute, "job distribute")
         check_int("job prefetch_steps", self.prefetch_steps, low=1, fix="plan at least 1 step ahead (2 by default)")
+        check_int(
+            "job shadow_loaders", self.shadow_loaders, low=0, fix="use 0 (no standbys) or the standbys per partition"
+        )
         self._check_broadcast()
         self._check_pp_fields()
         self._check_parts()
@@ -239,6 +245,8 @@ class JobSpec:
             job["pp_fields"] = {k: list(v) for k, v in self.pp_fields.items()}
         if self.image_token_id != IMAGE_TOKEN_ID:  # written only when set: text jobs' digests stay as they were
             job["image_token_id"] = self.image_token_id
+        if self.shadow_loaders:  # written only when set: digests of jobs without standbys stay as they were
+            job["shadow_loaders"] = self.shadow_loaders
         return {
             "job": job,
             "mesh": self.mesh.to_dict(),

@@ -86,11 +86,15 @@ class NodeServer:
             from .autoscale.controller import initial_size
             from .pool import WorkerPool
 
-            acts = self.config.cluster is None  # a cluster: the autoscaler profiles only (see autoscale.controller)
-            size = initial_size(self.config.autoscale, cfg.workers) if acts else cfg.workers
+            size = initial_size(self.config.autoscale, cfg.workers)
             self.pool = WorkerPool(size, shm_prefix=cfg.shm_prefix)
             await self.pool.start()
-            self.autoscaler = Autoscaler(self.pool, self.config.autoscale, lambda: list(self.jobs.values()), act=acts)
+            self.autoscaler = Autoscaler(
+                self.pool,
+                self.config.autoscale,
+                lambda: list(self.jobs.values()),
+                cluster=self.config.cluster is not None,  # a cluster: it follows the leader's targets
+            )
             self.tasks.spawn(self.autoscaler.run(), name="autoscale")
         if self.config.cluster is not None:
             from .cluster.jobs import ClusterJobs
@@ -99,6 +103,9 @@ class NodeServer:
             self.cluster = ClusterNode(self.config, on_fatal=self.fatal)
             await self._unless_stopped(self.cluster.start())  # waits while etcd is unreachable
             self.cluster_jobs = self._starter = ClusterJobs(self)
+            if self.autoscaler is not None:  # profile to the leader with each decision; its targets back
+                self.autoscaler.on_step.append(self.cluster_jobs.reports.changed)
+                self.cluster_jobs.handlers["scale"] = self._follow_targets
             await self.cluster_jobs.start()
         else:
             self._starter = LocalStarter(pool=self.pool, state_dir=cfg.state_path, ring_slots=cfg.ring_slots)
@@ -109,6 +116,11 @@ class NodeServer:
         self.notifier.ready(f"serving on {cfg.socket} (role {self.role})")
         self.ready.set()
         log.info("node %s serving on %s (role %s, %d workers)", cfg.id, cfg.socket, self.role, cfg.workers)
+
+    async def _follow_targets(self, peer: str, frame: dict, payload) -> None:
+        """A ``scale`` frame from the leader (the runtime's fence dropped it if its token is stale)."""
+        if self.autoscaler is not None:
+            self.autoscaler.follow(frame)
 
     async def _unless_stopped(self, coro) -> None:
         """Await ``coro``, unless a stop is requested first (SIGTERM while etcd is unreachable): ClosedError."""

@@ -63,8 +63,11 @@ def job(name: str, *, schedule: bool):
     return g.plan()
 
 
-def train(spec, endpoint: str, steps: int, *, mixture_at: int | None = None) -> tuple[list[dict], int | None]:
-    """One rank, one step per PACE_S of compute; the batch records (and the step a set_mixture took effect)."""
+def train(
+    spec, endpoint: str, steps: int, *, mixture_at: int | None = None, before_close=None
+) -> tuple[list[dict], int | None]:
+    """One rank, one step per PACE_S of compute; the batch records (and the step a set_mixture took effect).
+    ``before_close()`` runs while the rank is still connected (the job, and its sources, still exist)."""
     recs, cut = [], None
     with msd.DataClient(spec, endpoint=endpoint, rank=0, world_size=1, connect_timeout=30) as dc:
         for step in range(steps):
@@ -75,6 +78,8 @@ def train(spec, endpoint: str, steps: int, *, mixture_at: int | None = None) -> 
                 recs.append(batch_record(b))
                 del b
             time.sleep(PACE_S)
+        if before_close is not None:
+            before_close()
     return recs, cut
 
 
@@ -89,8 +94,9 @@ def serve(server_factory, enabled: bool, workers: int):
 def test_shift_is_met_ahead_and_batches_match_autoscaling_off(server_factory):
     spec = job("shift", schedule=True)
     on = serve(server_factory, True, 1)
-    recs_on, _ = train(spec, on.socket, STEPS)
-    st = status(on)
+    seen: list[dict] = []
+    recs_on, _ = train(spec, on.socket, STEPS, before_close=lambda: seen.append(status(on)))
+    st = seen[0]  # read while the rank is connected: once it leaves, the job and its sources close
     a = st["autoscale"]
     ups = [d for d in a["decisions"] if d["size_to"] > d["size_from"]]
     assert ups, f"no scale-up; decisions: {a['decisions']}"

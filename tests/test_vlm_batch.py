@@ -21,7 +21,7 @@ from msdata_server.batch import (
     image_shape,
 )
 from msdata_server.cluster.docwire import pack_docs, split_docs
-from msdata_server.cluster.shard import _in_order
+from msdata_server.cluster.shardmeta import _in_order
 from msdata_server.errors import ProtocolError
 from msdata_server.loader import SourceLoader
 from msdata_server.sources import open_source

@@ -4,9 +4,10 @@ decide, and applies the decision to the one worker pool: its size (``resize``; n
 forkserver) and the sources' weights (``set_quotas``). Every decision is logged once, with its reason.
 
 With ``enabled = false`` it still profiles (``status`` shows the figures) and never touches the pool, which then
-stays the fixed FIFO pool of ``[node] workers``. In a cluster it profiles only (``acting`` false): the demand of
-a node there depends on which partitions it reads, which only the leader knows; the leader-driven allocation
-is not built yet, so the pool stays as configured.
+stays the fixed FIFO pool of ``[node] workers``. In a cluster the demand of a node depends on which partitions it
+reads, which only the leader knows: the node reports its profile to the leader (``on_step``) and, once the
+leader sent its targets (``follow``), decides from them instead of its own demand, through the same policy
+(``acting`` true from then on); it keeps the last targets when the leader goes (see ``autoscale.cluster``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .demand import ConsumptionMeter, SourceDemand, horizon_steps, lookahead_shares, merge_demands, source_demand
+from .cluster import LeaderTargets
+from .demand import ConsumptionMeter, SourceDemand, job_demands, merge_demands
 from .policy import Decision, Partitioner, Policy, PolicyConfig
 from .profile import Counters, ProfileFigures, SourceProfile
 from .signals import JobSignals, job_signals
@@ -58,12 +60,16 @@ class Autoscaler:
         jobs: Callable[[], Iterable[Any]],
         *,
         clock: Callable[[], float] = time.monotonic,
-        act: bool = True,
+        cluster: bool = False,
     ):
         self.pool = pool
         self.cfg = cfg
         self.enabled = cfg.enabled
-        self.acting = cfg.enabled and act
+        # one node: it acts on its own demand; a cluster: once it follows a leader's targets (``leader``)
+        self.acting = cfg.enabled and not cluster
+        self.leader: LeaderTargets | None = LeaderTargets() if cluster else None
+        self.on_step: list[Callable[[], None]] = []  # called after each decision in a cluster (the leader report)
+        self.rates: dict[str, float] = {}  # job name -> its ranks' steps per second here (the last decision)
         self._jobs = jobs
         self._clock = clock
         self.policy = Policy(
@@ -119,35 +125,39 @@ class Autoscaler:
         self._observe(now, signals)
         parts: list[SourceDemand] = []
         hold = False
+        rates: dict[str, float] = {}
+        lead_s = self.cfg.interval + SPINUP_S  # until the next decision, and the new workers start
         for sig in signals:
             rate = self._meter(sig).observe(now, sig.rank_step, sig.rank_wait_s) if sig.rank_step is not None else None
             if rate is None:
                 hold = True  # a job whose consumption is not measured yet: give nothing back
                 continue
-            lead_s = self.cfg.interval + SPINUP_S  # until the next decision, and the new workers start
-            ahead = lookahead_shares(sig.mixture, sig.sources, sig.planned_step, horizon_steps(rate, lead_s))
-            now_w = lookahead_shares(sig.mixture, sig.sources, sig.planned_step, 0)
-            for name in sig.sources:
-                fig = self.profiles[name].figures() if name in self.profiles else None
-                if fig is None or fig.tokens_per_sample is None:
-                    if ahead[name] > 0:
-                        hold = True  # not read yet: its cost is unknown
-                    continue
-                parts.append(
-                    source_demand(
-                        name,
-                        steps_per_s=rate,
-                        tokens_per_step=sig.tokens_per_step,
-                        share_now=now_w[name],
-                        share_ahead=ahead[name],
-                        tokens_per_sample=fig.tokens_per_sample,
-                        worker_s_per_sample=_cost(fig),
-                    )
-                )
+            rates[sig.name] = rate
+            got, held = job_demands(
+                mixture=sig.mixture,
+                sources=sig.sources,
+                planned_step=sig.planned_step,
+                tokens_per_step=sig.tokens_per_step,
+                steps_per_s=rate,
+                lead_s=lead_s,
+                figures=self._figures,
+            )
+            parts += got
+            hold = hold or held
+        self.rates = rates
         live = {s.key for s in signals}
         for k in set(self._meters) - live:
             del self._meters[k]
         self.demands = merge_demands(parts)
+        if self.leader is not None:  # a cluster: the leader's targets are this node's demand
+            for hook in self.on_step:
+                hook()  # the profile goes to the leader with the next report
+            if self.leader.demands is None or not self.enabled:
+                return None
+            self.acting = True
+            dec = self.policy.decide(now, self.leader.demands, why=why, hold=self.leader.hold)
+            self.pool.set_quotas(self.policy.weights if any(self.policy.weights.values()) else None)
+            return dec  # partitions in a cluster are the run's (placed by the leader), not split here
         if not self.acting:
             return None
         dec = self.policy.decide(now, self.demands, why=why, hold=hold)
@@ -176,6 +186,26 @@ class Autoscaler:
                 split = getattr(job.payloads, "set_partitions", None)  # one node: LocalPayloads
                 if split is not None and name in (s.name for s in job.spec.sources):
                     await split(name, b)
+
+    def _figures(self, name: str) -> tuple[float | None, float | None]:
+        """(tokens per sample, worker seconds per sample) of a source here; None while unmeasured."""
+        fig = self.profiles[name].figures() if name in self.profiles else None
+        return (fig.tokens_per_sample, _cost(fig)) if fig is not None else (None, None)
+
+    def follow(self, frame: dict) -> None:
+        """A leader's ``scale`` frame (its targets for this node): the next decision follows it, at once."""
+        if self.leader is None:
+            log.warning("autoscale: ignored a leader's targets: this node is not in a cluster")
+            return
+        if not self.leader.accept(frame):
+            log.info(
+                "autoscale: ignored targets of token %s: older than the leader followed (token %d)",
+                frame.get("token"),
+                self.leader.token,
+            )
+            return
+        self._why.append(f"targets from the leader (token {self.leader.token})")
+        self._wake.set()
 
     def _meter(self, sig: JobSignals) -> ConsumptionMeter:
         m = self._meters.get(sig.key)
@@ -254,9 +284,11 @@ class Autoscaler:
         """The ``autoscale`` object of ``status --json`` (ARCHITECTURE §4.6)."""
         usage = self.pool.usage()
         sources: dict[str, dict] = {}
-        for name in sorted(set(self.profiles) | set(self.demands)):
+        following = self.leader.demands if self.leader is not None and self.leader.demands is not None else None
+        targeted = set(following or ())
+        for name in sorted(set(self.profiles) | set(self.demands) | targeted):
             fig = self.profiles[name].figures() if name in self.profiles else None
-            d = self.demands.get(name)
+            d = following.get(name) if following is not None else self.demands.get(name)
             u = usage.get(name)
             sources[name] = {
                 "workers": self.policy.workers.get(name, 0) if self.acting else self.pool.size,
@@ -277,6 +309,8 @@ class Autoscaler:
                 "busy": u.busy if u else 0,
                 "queued": u.queued if u else 0,
             }
+            if self.leader is not None:  # a cluster: the leader's targets for this node (None: none yet)
+                sources[name]["target"] = self.leader.status(name)
         return {
             "enabled": self.enabled,
             "acting": self.acting,
@@ -287,4 +321,25 @@ class Autoscaler:
             "worker_s": round(self.pool.worker_seconds(), 3),
             "sources": sources,
             "decisions": list(self.decisions),
+            **({"leader_token": self.leader.token} if self.leader is not None else {}),
+        }
+
+    def report(self) -> dict:
+        """What a node tells the leader: its budget, its profile per source, and the pace of the jobs ranked here."""
+        sources = {}
+        for name, prof in self.profiles.items():
+            fig = prof.figures()
+            sources[name] = {
+                "cpu_s_per_sample": fig.cpu_s_per_sample,
+                "worker_s_per_sample": fig.worker_s_per_sample or fig.cpu_s_per_sample,
+                "tokens_per_sample": fig.tokens_per_sample,
+                "supply_samples_s": round(fig.supply_samples_s, 3),
+            }
+        return {
+            "enabled": self.enabled,
+            "min_workers": self.policy.cfg.min_workers,
+            "max_workers": self.policy.cfg.max_workers,
+            "workers": self.pool.size,
+            "sources": sources,
+            "rates": {name: round(r, 4) for name, r in self.rates.items()},
         }

@@ -12,13 +12,13 @@ there before the first step of a shift is planned, and they stay until its last 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..planner.mixture import Mixture
 from .profile import Ewma
 
-__all__ = ["ConsumptionMeter", "SourceDemand", "horizon_steps", "lookahead_shares", "source_demand"]
+__all__ = ["ConsumptionMeter", "SourceDemand", "horizon_steps", "job_demands", "lookahead_shares", "source_demand"]
 
 
 class ConsumptionMeter:
@@ -107,6 +107,43 @@ def source_demand(
         share_now=share_now,
         share_ahead=share_ahead,
     )
+
+
+def job_demands(
+    *,
+    mixture: Mixture,
+    sources: Sequence[str],
+    planned_step: int,
+    tokens_per_step: int,
+    steps_per_s: float,
+    lead_s: float,
+    figures: Callable[[str], tuple[float | None, float | None]],
+) -> tuple[list[SourceDemand], bool]:
+    """One job's demand per source at its consumption rate and the mixture of the steps ahead of its planner;
+    ``figures(name)`` is (tokens per sample, worker seconds per sample) of a source, None while unmeasured.
+    Also whether to hold (give nothing back): a source with a share ahead whose cost is not measured yet.
+    The one rule of a node's own demand and of the leader's demand of a job run across nodes."""
+    ahead = lookahead_shares(mixture, sources, planned_step, horizon_steps(steps_per_s, lead_s))
+    now_w = lookahead_shares(mixture, sources, planned_step, 0)
+    parts: list[SourceDemand] = []
+    hold = False
+    for name in sources:
+        tokens, cost = figures(name)
+        if tokens is None:
+            hold = hold or ahead[name] > 0  # not read yet: its cost is unknown
+            continue
+        parts.append(
+            source_demand(
+                name,
+                steps_per_s=steps_per_s,
+                tokens_per_step=tokens_per_step,
+                share_now=now_w[name],
+                share_ahead=ahead[name],
+                tokens_per_sample=tokens,
+                worker_s_per_sample=cost,
+            )
+        )
+    return parts, hold
 
 
 def merge_demands(parts: Sequence[SourceDemand]) -> dict[str, SourceDemand]:

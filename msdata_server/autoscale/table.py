@@ -39,6 +39,9 @@ def autoscale_table(a: Any) -> list[str]:
             f": pool {a.get('size')} workers (min {a.get('min_workers')}, max {a.get('max_workers')}), "
             f"{_cell('{:.0f}', a.get('worker_s'))} worker-s"
         )
+    if a.get("enabled") and "leader_token" in a:  # a cluster node: its demand is the leader's targets
+        following = f"; following the leader's targets (token {a['leader_token']})"
+        head += following if a.get("acting") else "; no leader's targets yet"
     sources = a.get("sources") or {}
     if not isinstance(sources, Mapping) or not sources:
         return [head]

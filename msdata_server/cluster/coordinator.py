@@ -15,6 +15,8 @@ import uuid
 
 from msdata_client.spec import JobSpec
 
+from ..autoscale.cluster import RunView, Scaler, measured_costs
+from ..autoscale.controller import SPINUP_S
 from ..checkpoint import RankStart, start_point
 from ..errors import CheckpointError, ClosedError, MsdataError, PeerLostError
 from ..job.view import ThreadView
@@ -24,6 +26,7 @@ from ..planner.history import StateHistory
 from ..planner.spec import planner_config
 from ..tasks import TaskSet
 from .catchup import CatchUp
+from .placement import partition_costs
 from .planwire import encode_plan
 from .statestore import EtcdStateStore
 
@@ -55,12 +58,14 @@ class Coordinator:
         self.coords: dict[str, JobCoordinator] = {}
         self.ended: dict[str, JobCoordinator] = {}  # the last run of a job that ended (a new run waits for it)
         self.leading = False
+        self.scaler = Scaler()  # every node's worker targets from the jobs' demand (autoscale.cluster)
 
     def on_role(self, role: str) -> None:
         leading = role == "leader"
         if leading == self.leading:
             return
         self.leading = leading
+        self.scaler.reset()  # a new leadership sends every node fresh targets with its own token
         if not leading:  # a leader that lost its lease stops planning at once
             for c in list(self.coords.values()):
                 c.stop()
@@ -73,6 +78,7 @@ class Coordinator:
         live = set(self.jobs.live_nodes())
         for nid in [n for n in self.reports if n not in live]:
             del self.reports[nid]
+            self.scaler.forget(nid)
         for c in self.coords.values():
             c.acked.set()  # a node that left no longer holds planning back
         self.evaluate()
@@ -86,6 +92,7 @@ class Coordinator:
         if frame["t"] == "jobs":
             self.reports[str(frame["node"])] = frame
             self.evaluate()
+            self.scale()
             return
         c = self.coords.get(frame.get("digest", ""))
         if c is None and frame["t"] == "need" and self.leading:
@@ -98,6 +105,17 @@ class Coordinator:
         elif frame["t"] == "need":
             c.ack(str(frame["node"]), int(frame["fed"]))
             c.catchup.resend(str(frame["node"]), int(frame["step"]))
+
+    def scale(self) -> None:
+        """Send the nodes whose worker targets moved their new ones (fenced; only while we lead)."""
+        if not self.leading:
+            return
+        runs = [v for v in (c.scale_view() for c in self.coords.values()) if v is not None]
+        reports = {nid: r["autoscale"] for nid, r in self.reports.items() if isinstance(r.get("autoscale"), dict)}
+        token = int(self.jobs.cluster.election.token or 0)
+        lead_s = self.jobs.node.config.autoscale.interval + SPINUP_S
+        for nid, frame in self.scaler.update(runs, reports, token=token, lead_s=lead_s).items():
+            self.jobs.tasks.spawn(self.jobs.rpc.quiet_send(nid, frame), name="scale")
 
     def _refresh(self, frame: dict) -> None:
         """A node waits for plans of a run nobody plans (its start failed on an older report, whose "next" etcd
@@ -282,6 +300,21 @@ class JobCoordinator:
                 await self.store.save(step, st)
         return state, {r: list(p) for r, p in sp.positions.items()}
 
+    def scale_view(self) -> RunView | None:
+        """This run as the autoscaler sizes it: its planner's cursor and mixture, where its partitions are read."""
+        run = self.jobs.runs.get(self.digest)
+        if self.stopped or self.planner is None or run is None or run.id != self.run_id:
+            return None
+        placed = run.shard.placement()
+        return RunView(
+            name=self.spec.name,
+            mixture=self.planner.mixture,
+            sources=self.spec.source_names(),
+            planned_step=self.planner.step,
+            tokens_per_step=planner_config(self.spec).capacity,
+            owners={name: placed[s] for s, name in enumerate(self.spec.source_names())},
+        )
+
     def insts_frame(self) -> dict[str, list[str]]:
         return {nid: sorted(v) for nid, v in self.insts.items()}
 
@@ -311,6 +344,9 @@ class JobCoordinator:
         }
         if resume:  # keep the partition count of the run the nodes already hold
             self.start_frame["nparts"] = self._nparts_of_nodes() or self.start_frame["nparts"]
+        costs = self._costs(int(self.start_frame["nparts"]), resume)
+        if costs is not None:  # placement by measured cost x share (autoscale.cluster), the same on every node
+            self.start_frame["costs"] = costs
         frame = {
             **self.start_frame,
             "rank_nodes": {str(r): n for r, n in self.rank_nodes.items()},
@@ -334,6 +370,23 @@ class JobCoordinator:
             self.token,
         )
         await self._plan_loop(planner)
+
+    def _costs(self, nparts: int, resume: bool) -> list[float] | None:
+        """Partition costs for placement: a resumed run keeps those of the run the nodes hold; a new one weighs
+        the declared share by the measured cost per token, when every source has been measured."""
+        if resume:
+            run = self.jobs.runs.get(self.digest)
+            return list(run.shard.costs) if run is not None and run.id == self.run_id else None
+        names = self.spec.source_names()
+        reports = {n: r["autoscale"] for n, r in self.parent.reports.items() if isinstance(r.get("autoscale"), dict)}
+        costs = measured_costs(names, partition_costs(self.spec.mix, names, nparts), reports)
+        if costs is not None:
+            log.info(
+                "job %s: partitions placed by measured cost x share (%s)",
+                self.spec.name,
+                ", ".join(f"{n} {c:.3g}" for n, c in zip(names, costs)),
+            )
+        return costs
 
     def _nparts_of_nodes(self) -> int | None:
         run = self.jobs.runs.get(self.digest)
@@ -445,6 +498,7 @@ class JobCoordinator:
         log.info(
             "job %s: mixture %s from step %d (%d planned step(s) re-planned)", self.spec.name, weights, cut, end - cut
         )
+        self.parent.scale()  # the nodes' workers follow the new mixture at once
         return cut
 
     def view(self, run, loop: asyncio.AbstractEventLoop) -> ThreadView:

@@ -106,6 +106,7 @@ class ClusterJobs:
         self.cluster.election.on_change(self._on_role)
         self.cluster.on_link.append(self._link_up)
         self.cluster.on_link_lost.append(self.rpc.link_lost)
+        self.cluster.on_link_lost.append(self._link_lost)
         self.tasks.spawn(self.reports.push(), name="job-reports")
         self.tasks.spawn(self._members(), name="job-members")
         self.reports.changed()
@@ -141,8 +142,31 @@ class ClusterJobs:
                     run.release_hold()
         self.coordinator.on_role(role)
 
+    def _link_lost(self, nid: str) -> None:
+        """Our link to nid broke: runs with shadow loaders hand its partitions to their standbys at once (the
+        peer may be gone; its lease would say so only later). A fetch waiting for placement to settle goes on."""
+        changed = [run for run in self.runs.values() if run.shard.node_down(nid)]
+        for run in changed:
+            self.tasks.spawn(self._rebalance(run), name="shard-takeover")
+        if changed:
+            self._wake_settle()
+
+    def _wake_settle(self) -> None:
+        self._settled.set()
+        self._settled = asyncio.Event()
+
+    async def _rebalance(self, run: Run) -> None:
+        try:
+            await run.shard.rebalance()
+        except MsdataError as e:
+            log.warning("node %s: re-placing partitions of %s: %s", self.node_id, run.spec.name, e)
+
     def _link_up(self, nid: str) -> None:
         """A link came (back) up; frames sent while it was down are lost, so both sides catch up."""
+        for run in list(self.runs.values()):
+            if nid in run.shard.down:
+                run.shard.node_up(nid)
+                self.tasks.spawn(self._rebalance(run), name="shard-rejoin")
         self.coordinator.link_up(nid)  # the leader re-sends the plans that node may lack
         if nid == self.cluster.leader_id:  # a follower reports again and says which step it lacks
             self.reports.changed()
@@ -155,13 +179,9 @@ class ClusterJobs:
         while True:
             await ev.wait()
             ev.clear()
-            self._settled.set()
-            self._settled = asyncio.Event()
+            self._wake_settle()
             for run in list(self.runs.values()):
-                try:
-                    await run.shard.rebalance()
-                except MsdataError as e:
-                    log.warning("node %s: re-placing partitions of %s: %s", self.node_id, run.spec.name, e)
+                await self._rebalance(run)
             self.coordinator.members_changed()
             self.reports.changed()
 
@@ -264,6 +284,8 @@ class ClusterJobs:
                 "next_step": run.next_step,
                 "fed": run.fed_step,
                 "partitions_here": len(run.shard.loaders),
+                "shadows_here": len(run.shard.shadows),
+                "takeovers": run.shard.takeovers,
                 "payloads_pending": len(run.shard.refs),
             }
             for run in self.runs.values()

@@ -5,6 +5,11 @@ the same number of partitions (within one) whatever the sources; weighted by cos
 rule. Jobs weight each partition by its source's share of the declared mixture (``partition_costs``), so a
 node that leaves is replaced by an even share of the reading work, not of the partition count. Plans never
 depend on placement: it only says where a partition's payloads are read.
+
+Shadows (``[job] shadow_loaders = N``): each partition may have up to N hot standbys on nodes other than its
+owner (``place_shadows``), dealt like the owners (most costly first, to the node with the least standby load,
+then the least owned load, then by id). ``fail_over`` says where each partition goes when nodes are gone: to
+its first live standby, else (no standby left) to the plain placement over the live nodes.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from collections.abc import Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["partition_costs", "place", "place_sources"]
+__all__ = ["fail_over", "partition_costs", "place", "place_shadows", "place_sources"]
 
 _FLOOR = 0.01  # a source's cost is at least this fraction of the mean (one off at first still spreads out)
 
@@ -72,3 +77,59 @@ def partition_costs(mix, sources: Sequence[str], nparts: int) -> list[float]:
             share[s] += float(w.get(name, 0.0)) / total / len(points)
     floor = _FLOOR / max(1, len(sources))
     return [max(x, floor) / max(1, nparts) for x in share]
+
+
+def place_shadows(
+    owners: Sequence[Sequence[str]], nodes: Sequence[str], n: int, cost: Sequence[float] | None = None
+) -> list[list[tuple[str, ...]]]:
+    """Standby nodes of every (source, partition): ``out[s][k]``, up to ``n`` distinct nodes, none of them the
+    partition's owner ``owners[s][k]`` (fewer when there are fewer other nodes). Deterministic: partitions in
+    order of cost (then (s, k)), each standby to the node with the least standby cost so far, then the least
+    owned cost, then the smallest id."""
+    ids = _nodes(nodes)
+    if n < 0:
+        raise ConfigError(f"shadow_loaders={n} must be >= 0")
+    c = [1.0] * len(owners) if cost is None else [float(x) for x in cost]
+    if len(c) != len(owners):
+        raise ConfigError(f"cost={list(c)} must give one value per source ({len(owners)} sources)")
+    owned = {x: 0.0 for x in ids}
+    for s, row in enumerate(owners):
+        for nid in row:
+            if nid in owned:
+                owned[nid] += c[s]
+    load = {x: 0.0 for x in ids}
+    out: list[list[tuple[str, ...]]] = [[() for _ in row] for row in owners]
+    for negc, s, k in sorted((-c[s], s, k) for s, row in enumerate(owners) for k in range(len(row))):
+        pick: list[str] = []
+        for _ in range(min(n, len(ids) - (owners[s][k] in owned))):
+            nid = min((x for x in ids if x != owners[s][k] and x not in pick), key=lambda x: (load[x], owned[x], x))
+            pick.append(nid)
+            load[nid] += -negc
+        out[s][k] = tuple(pick)
+    return out
+
+
+def fail_over(
+    owners: Sequence[Sequence[str]],
+    shadows: Sequence[Sequence[Sequence[str]]],
+    live: Sequence[str],
+    cost: Sequence[float] | None = None,
+) -> tuple[list[list[str]], list[tuple[int, int]]]:
+    """Owners once only ``live`` nodes remain: a partition whose owner is gone goes to its first live standby
+    (a takeover; its (s, k) is listed), else to its node in ``place_sources`` over the live nodes (cold);
+    every other partition stays where it is."""
+    alive = set(_nodes(live))
+    cold = place_sources([len(row) for row in owners], sorted(alive), cost)
+    out, taken = [], []
+    for s, row in enumerate(owners):
+        new = []
+        for k, nid in enumerate(row):
+            if nid in alive:
+                new.append(nid)
+                continue
+            standby = next((x for x in shadows[s][k] if x in alive), None)
+            if standby is not None:
+                taken.append((s, k))
+            new.append(standby if standby is not None else cold[s][k])
+        out.append(new)
+    return out, taken

@@ -1,5 +1,6 @@
-"""What a node tells the leader: a report of its jobs, whenever they change or the leader does, and per run
-the step it lacks (the leader re-sends from there) and the last step it fed (planning may run ahead of it).
+"""What a node tells the leader: a report of its jobs (and its autoscaler's profile and budget), whenever they
+change, the leader does or the autoscaler decided, and per run the step it lacks (the leader re-sends from
+there) and the last step it fed (planning may run ahead of it).
 
 Reports are pushed by one task, coalesced through a dirty flag, and retried with back-off while the link to
 a new leader comes up; ``need``/``ack`` are fire-and-forget (a lost one is repeated by the next probe).
@@ -56,7 +57,11 @@ class LeaderReports:
                     "fed": mine.fed_step if mine is not None else None,
                 }
             )
-        return {"t": "jobs", "node": self.node_id, "jobs": jobs}
+        rep: dict = {"t": "jobs", "node": self.node_id, "jobs": jobs}
+        scaler = getattr(self.node, "autoscaler", None)
+        if scaler is not None:  # its profile and budget: the leader sizes its workers (autoscale.cluster)
+            rep["autoscale"] = scaler.report()
+        return rep
 
     async def push(self) -> None:
         """Runs for the node's life: send a report whenever one is due."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from msdata_client.spec import JobSpec
 
+from ..autoscale.cluster import placement_costs
 from ..errors import CheckpointError, PeerLostError
 from ..job.seams import CutLog, Steps
 from ..lineage.replay import held_window
@@ -75,6 +76,7 @@ class Run:
         self.set_ranks(frame["rank_nodes"])
         self.shard = JobShard(jobs, spec, digest, int(frame["nparts"]), run=self.id)
         self.shard.cursor = frame.get("cursor")
+        self.shard.costs = placement_costs(frame, len(spec.sources)) or self.shard.costs  # measured (autoscale)
         self.plans: dict[int, StepPlan] = {}
         self.early: dict[int, tuple] = {}
         self.states: dict[int, dict] = {}

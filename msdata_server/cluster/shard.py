@@ -4,6 +4,13 @@ Each source is split into ``nparts`` loader partitions by block (``SourceLoader(
 partition -> node map is ``place_sources`` over the live members. A node serves any partition it is asked for
 (opening its loader on first use), so nodes that briefly disagree on placement still get every payload. The
 owner frees a payload once every planned occurrence of it was fetched or skipped (counted per building node).
+
+Shadow loaders (``[job] shadow_loaders = N``): a node that stands by for a partition (``place_shadows``) opens
+its source and builds its loader but reads nothing, and counts the partition's payload references from the
+plans like its owner. When the owner's node is gone (our link to it broke, or its lease was lost, whichever
+comes first: ``node_down``) the partition goes to its first live standby (``fail_over``), which seeks its
+loader to the newest planner cursor it saw and serves. With shadows, the layout sticks: a node that leaves moves
+only its own partitions; a node that joins (or comes back) re-deals every partition as without shadows.
 """
 
 from __future__ import annotations
@@ -13,15 +20,7 @@ import logging
 
 import numpy as np
 
-from ..errors import (
-    BadSampleError,
-    CheckpointError,
-    ConfigError,
-    MsdataError,
-    PeerLostError,
-    ProtocolError,
-    RemoteError,
-)
+from ..errors import BadSampleError, PeerLostError
 from ..job.images import source_transform
 from ..job.payloads import loader_figures
 from ..job.pieces import PieceRefs, hold_figures
@@ -29,13 +28,13 @@ from ..loader import SourceLoader
 from ..sources import Source, open_source
 from ..transforms import cut_piece
 from .docwire import pack_docs, split_docs
-from .placement import partition_costs, place_sources
+from .placement import fail_over, partition_costs, place_shadows, place_sources
+from .shardmeta import BLOCK, ShardMetadata, retryable
+from .shardrefs import ShardRefs
 
 __all__ = ["BLOCK", "JobShard", "ShardPayloads", "pack_docs", "split_docs"]
 
 log = logging.getLogger(__name__)
-
-BLOCK = 64  # SourceLoader's default batch: the unit partitions are dealt in
 
 
 class JobShard:
@@ -56,36 +55,141 @@ class JobShard:
         self.state: dict | None = None  # the planner state at the start of the newest step received
         self.costs = partition_costs(spec.mix, spec.source_names(), nparts)
         self.closed = False
+        self.n_shadows = int(spec.shadow_loaders)
+        self.shadows: dict[tuple[int, int], SourceLoader] = {}  # standbys here: built, not started
+        self._standing: dict[tuple[int, int], asyncio.Task] = {}
+        self.down: set[str] = set()  # nodes our link to broke (gone for the layout until they come back)
+        self.takeovers = 0  # partitions taken over by a standby here
+        self._layout: tuple[frozenset[str], list[list[str]], list[list[tuple[str, ...]]], tuple] | None = None
+        self.counts = ShardRefs(self)  # references to this node's (and its stood-by) partitions' payloads
+        self.meta = ShardMetadata(self)  # lengths and vision figures of any partition, for the planner
 
     # ---- placement --------------------------------------------------------------------------------------
     def part(self, ordinal: int) -> int:
         return (int(ordinal) // BLOCK) % self.nparts
 
     def placement(self) -> list[list[str]]:
-        return place_sources([self.nparts] * len(self.spec.sources), self.jobs.live_nodes(), self.costs)
+        if not self.n_shadows:
+            return place_sources([self.nparts] * len(self.spec.sources), self.jobs.live_nodes(), self.costs)
+        return self.layout()[0]
+
+    def layout(self) -> tuple[list[list[str]], list[list[tuple[str, ...]]]]:
+        """(owner, standbys) of every partition, with shadows: sticky while nodes only leave (each leaving
+        node's partitions go to their standbys), dealt afresh when a node joins or comes back."""
+        alive = frozenset(n for n in self.jobs.live_nodes() if n not in self.down)
+        costs = tuple(self.costs)
+        old = self._layout
+        if old is not None and old[0] == alive and old[3] == costs:
+            return old[1], old[2]
+        if old is None or not alive < old[0] or old[3] != costs:  # a join, or new costs: dealt afresh
+            owners = place_sources([self.nparts] * len(self.spec.sources), sorted(alive), self.costs)
+        else:
+            owners, taken = fail_over(old[1], old[2], sorted(alive), self.costs)
+            me = self.jobs.node_id
+            mine = [(s, k) for s, k in taken if owners[s][k] == me]
+            if taken:
+                log.info(
+                    "node %s: job %s: %s gone; %d partition(s) taken over by their standbys (%d here)",
+                    me,
+                    self.spec.name,
+                    ",".join(sorted(old[0] - alive)),
+                    len(taken),
+                    len(mine),
+                )
+        shadows = place_shadows(owners, sorted(alive), self.n_shadows, self.costs)
+        self._layout = (alive, owners, shadows, costs)
+        return owners, shadows
+
+    def node_down(self, nid: str) -> bool:
+        """Our link to node nid broke: with shadows, its partitions go to their standbys now (not at its lease's
+        end). True when the layout changed."""
+        if not self.n_shadows or nid == self.jobs.node_id or nid in self.down:
+            return False
+        before = self.placement()
+        self.down.add(nid)
+        return self.placement() != before
+
+    def node_up(self, nid: str) -> None:
+        """Our link to nid is up again: it counts as live (a join: the layout is dealt afresh)."""
+        self.down.discard(nid)
 
     def owner(self, s: int, k: int) -> str:
         return self.placement()[s][k]
 
     async def rebalance(self) -> None:
-        """Open the loaders of the partitions placed here; close those placed elsewhere."""
+        """Open the loaders of the partitions placed here (a standby here takes over first), build the standbys
+        placed here; close those placed elsewhere."""
         me = self.jobs.node_id
-        pl = self.placement()
+        if self.n_shadows:
+            pl, sh = self.layout()
+        else:
+            pl, sh = self.placement(), [[() for _ in row] for row in self.placement()]
+        for s, k in [(s, k) for s, k in self.shadows if pl[s][k] == me]:
+            await self.loader(s, k)  # a takeover: no open, no index build
         for s, row in enumerate(pl):
             for k, nid in enumerate(row):
                 if nid == me:
                     await self.loader(s, k)
         for s, k in list(self.loaders):
             if pl[s][k] != me:
-                ld = self.loaders.pop((s, k))
-                src = self._sources.pop((s, k))
-                await ld.aclose()
-                src.close()
+                await self._close(self.loaders.pop((s, k)), (s, k))
+        for s, standbys in enumerate(sh):
+            for k, nids in enumerate(standbys):
+                if me in nids and (s, k) not in self.loaders:
+                    await self.standby(s, k)
+        for s, k in list(self.shadows):
+            if me not in sh[s][k]:
+                await self._close(self.shadows.pop((s, k)), (s, k))
+
+    async def _close(self, ld: SourceLoader, key: tuple[int, int]) -> None:
+        src = self._sources.pop(key)
+        await ld.aclose()
+        src.close()
+
+    async def standby(self, s: int, k: int) -> None:
+        """Stand by for partition (s, k): its source open, its loader built, nothing read."""
+        if (s, k) in self.shadows or (s, k) in self.loaders:
+            return
+        t = self._standing.get((s, k))
+        if t is None:
+            t = self._standing[(s, k)] = asyncio.ensure_future(self._build(s, k))
+        try:
+            src, ld = await asyncio.shield(t)
+        finally:
+            if t.done():
+                self._standing.pop((s, k), None)
+        if self.closed or (s, k) in self.loaders or (s, k) in self.shadows:
+            await ld.aclose()  # the partition was opened here meanwhile (a takeover came first)
+            src.close()
+            return
+        self.shadows[(s, k)] = ld
+        self._sources[(s, k)] = src
+        log.debug("node %s: standing by for partition %d/%d of %s", self.jobs.node_id, k, self.nparts, src.name)
+
+    async def _take_over(self, s: int, k: int) -> SourceLoader:
+        """A standby here becomes the partition's loader: it seeks to the newest planner cursor seen, reads."""
+        ld = self.shadows.pop((s, k))
+        if self.cursor is not None and self.cursor[s] > 0:
+            ld.seek(int(self.cursor[s]))
+        self.loaders[(s, k)] = ld
+        self.takeovers += 1
+        await ld.start()
+        log.info(
+            "node %s: took over partition %d/%d of %s (standby, seek to %s)",
+            self.jobs.node_id,
+            k,
+            self.nparts,
+            ld.name,
+            None if self.cursor is None else self.cursor[s],
+        )
+        return ld
 
     async def loader(self, s: int, k: int) -> SourceLoader:
         ld = self.loaders.get((s, k))
         if ld is not None:
             return ld
+        if (s, k) in self.shadows:
+            return await self._take_over(s, k)
         t = self._opening.get((s, k))
         if t is None:
             t = self._opening[(s, k)] = asyncio.ensure_future(self._open(s, k))
@@ -95,7 +199,8 @@ class JobShard:
             if t.done():
                 self._opening.pop((s, k), None)
 
-    async def _open(self, s: int, k: int) -> SourceLoader:
+    async def _build(self, s: int, k: int) -> tuple[Source, SourceLoader]:
+        """Partition (s, k)'s source opened (files, indexes) and its loader built, not started."""
         sp = self.spec.sources[s]
         src = await asyncio.to_thread(open_source, sp, seed=self.spec.seed)
         ld = SourceLoader(
@@ -106,6 +211,11 @@ class JobShard:
             batch=BLOCK,
             partition=(k, self.nparts),
         )
+        return src, ld
+
+    async def _open(self, s: int, k: int) -> SourceLoader:
+        sp = self.spec.sources[s]
+        src, ld = await self._build(s, k)
         if self.cursor is not None and self.cursor[s] > 0:
             ld.seek(int(self.cursor[s]))
         await ld.start()
@@ -126,16 +236,16 @@ class JobShard:
 
     # ---- serving (the owner side) -------------------------------------------------------------------------
     async def serve_lengths(self, s: int, start: int, count: int) -> np.ndarray:
-        """Lengths of [start, start+count): any span; each block from its partition's loader."""
-        out = np.empty(count, dtype=np.int64)
-        end = start + count
-        pos = start
-        while pos < end:
-            hi = min(end, (pos // BLOCK + 1) * BLOCK)
-            ld = await self.loader(s, self.part(pos))
-            out[pos - start : hi - start] = await ld.lengths(pos, hi - pos)
-            pos = hi
-        return out
+        return await self.meta.serve_lengths(s, start, count)
+
+    async def serve_vision(self, s: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        return await self.meta.serve_vision(s, start, count)
+
+    async def lengths(self, s: int, start: int, count: int) -> np.ndarray:
+        return await self.meta.lengths(s, start, count)
+
+    async def vision(self, s: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        return await self.meta.vision(s, start, count)
 
     async def serve_tokens(self, src: np.ndarray, ords: np.ndarray) -> list[np.ndarray]:
         """Whole documents of these (source, ordinal) occurrences; each served occurrence drops one reference."""
@@ -149,34 +259,14 @@ class JobShard:
         self.unref(src, ords)
         return out
 
-    def _owned(self, plan, group_nodes: dict[int, tuple[str, ...]]) -> tuple[np.ndarray, list[int]]:
-        """Indices of a plan's pieces owned here, and how many nodes build each."""
-        me = self.jobs.node_id
-        pl = self.placement()
-        idx = [
-            i for i, (s, o) in enumerate(zip(plan.source.tolist(), plan.ordinal.tolist())) if pl[s][self.part(o)] == me
-        ]
-        return np.asarray(idx, dtype=np.int64), [len(group_nodes.get(int(g), ())) for g in plan.group[idx].tolist()]
-
     def add_refs(self, plan, group_nodes: dict[int, tuple[str, ...]]) -> None:
-        """A new plan: each occurrence of a piece owned here is fetched (or skipped) once per building node."""
-        idx, n = self._owned(plan, group_nodes)
-        self._free(self.refs.plan(plan.source[idx], plan.ordinal[idx], plan.last[idx], n))
+        self.counts.add(plan, group_nodes)
 
     def drop_refs(self, plan, group_nodes: dict[int, tuple[str, ...]]) -> None:
-        """A plan cut by a mixture change (never built): take back what add_refs counted for it."""
-        idx, n = self._owned(plan, group_nodes)
-        self.refs.unplan(plan.source[idx], plan.ordinal[idx], plan.last[idx], n)
+        self.counts.drop(plan, group_nodes)
 
     def unref(self, src, ords) -> None:
-        """Occurrences fetched or skipped (one reference each)."""
-        self._free(self.refs.done(src, ords))
-
-    def _free(self, docs: list[tuple[int, int]]) -> None:
-        for s, o in docs:
-            ld = self.loaders.get((s, self.part(o)))
-            if ld is not None:
-                ld.release(np.array([o], dtype=np.int64))
+        self.counts.done(src, ords)
 
     # ---- fetching (the builder side) ----------------------------------------------------------------------
     async def fetch(self, src: np.ndarray, ords: np.ndarray, offs: np.ndarray, lens: np.ndarray) -> list:
@@ -205,7 +295,8 @@ class JobShard:
                     docs[i] = d
             if lost is not None:
                 log.info("node %s: fetching payloads: %s; retrying after placement settles", self.jobs.node_id, lost)
-                await self.jobs.members_settle()
+                if self.placement() == pl:  # a standby may have taken over already: then at once
+                    await self.jobs.members_settle()
         return [cut_piece(d, a, m) for d, a, m in zip(docs, offs.tolist(), lens.tolist())]
 
     async def _fetch_from(self, nid: str, idx: list[int], src: np.ndarray, ords: np.ndarray) -> list[np.ndarray]:
@@ -241,82 +332,17 @@ class JobShard:
                 except PeerLostError:
                     pass  # the owner is gone: its payloads went with it
 
-    async def serve_vision(self, s: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """(images per sample, patches per image) of [start, start+count), as serve_lengths asks its loaders."""
-        images, patches = [], []
-        pos, end = start, start + count
-        while pos < end:
-            hi = min(end, (pos // BLOCK + 1) * BLOCK)
-            ld = await self.loader(s, self.part(pos))
-            im, p = await ld.vision(pos, hi - pos)
-            images.append(im)
-            patches.append(p)
-            pos = hi
-        empty = np.zeros(0, np.int64)
-        return (np.concatenate(images) if images else empty), (np.concatenate(patches) if patches else empty)
-
-    async def lengths(self, s: int, start: int, count: int) -> np.ndarray:
-        """Lengths of [start, start+count) of source s, asked of the nodes that own the blocks (retrying)."""
-        return (await self._ask(s, start, count, vision=False))[0]
-
-    async def vision(self, s: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """(images per sample, patches per image) of [start, start+count) of source s (the planner's
-        VisionView, cost = "vlm"), asked of the nodes that own the blocks (retrying)."""
-        images, patches = await self._ask(s, start, count, vision=True)
-        return images, patches
-
-    async def _ask(self, s: int, start: int, count: int, *, vision: bool) -> tuple[np.ndarray, ...]:
-        """Lengths, or images and patches with ``vision``, of [start, start+count), block by block from the
-        owners (one request per owner), in order."""
-        while True:
-            pl = self.placement()
-            spans: dict[str, list[list[int]]] = {}
-            pos, end = start, start + count
-            while pos < end:
-                hi = min(end, (pos // BLOCK + 1) * BLOCK)
-                spans.setdefault(pl[s][self.part(pos)], []).append([pos, hi - pos])
-                pos = hi
-            try:
-                res = await asyncio.gather(*(self._ask_from(nid, s, sp, vision) for nid, sp in spans.items()))
-            except Exception as e:
-                if not retryable(e):
-                    raise
-                log.info("node %s: asking lengths: %s; retrying after placement settles", self.jobs.node_id, e)
-                await self.jobs.members_settle()
-                continue
-            return _in_order(start, count, list(spans.values()), res, vision)
-
-    async def _ask_from(self, nid: str, s: int, spans: list, vision: bool) -> tuple[np.ndarray, ...]:
-        """(lengths,) or (images, patches) of the spans from node nid (this node: its loaders)."""
-        asked = sum(n for _, n in spans)
-        if nid == self.jobs.node_id:
-            if not vision:
-                return (np.concatenate([await self.serve_lengths(s, a, n) for a, n in spans]),)
-            got = [await self.serve_vision(s, a, n) for a, n in spans]
-            return np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
-        kind = "vis" if vision else "len"
-        _, body = await self.jobs.rpc.request(
-            nid, {"t": kind, "digest": self.digest, "run": self.run, "s": s, "spans": spans}
-        )
-        a = np.frombuffer(body or b"", dtype="<i8")
-        if not vision:
-            if len(a) != asked:
-                raise ProtocolError(f"lengths reply of {len(a)} values for {asked} asked")
-            return (a,)
-        images = a[:asked]
-        if len(images) != asked or len(a) != asked + int(images.sum()):
-            raise ProtocolError(f"vision reply of {len(a)} values does not hold {asked} image counts and their patches")
-        return images, a[asked:]
-
     def status(self, newest_state: dict | None) -> dict[str, dict]:
         """Per source: the partitions read here, their loaders' figures summed, and the held-payload bound."""
         out = {}
         for s, sp in enumerate(self.spec.sources):
             lds = [ld for (si, _), ld in sorted(self.loaders.items()) if si == s]
             figs = [loader_figures(ld) for ld in lds]
-            summed = {k: sum(f[k] for f in figs) for k in ("samples_done", "bytes_read", "errors", "inflight")}
+            keys = ("samples_done", "bytes_read", "tokens_read", "read_s", "errors", "inflight")  # read_s..: autoscale
+            summed = {k: sum(f[k] for f in figs) for k in keys}
             out[sp.name] = {
                 "partitions_here": len(lds),
+                "shadows_here": sum(1 for si, _ in self.shadows if si == s),
                 "nparts": self.nparts,
                 **(summed if figs else {}),
                 **hold_figures(s, lds, self.refs, newest_state),
@@ -325,47 +351,16 @@ class JobShard:
 
     async def aclose(self) -> None:
         self.closed = True
-        for t in self._opening.values():
+        for t in [*self._opening.values(), *self._standing.values()]:
             t.cancel()
-        for key, ld in list(self.loaders.items()):
+        for key, ld in [*self.loaders.items(), *self.shadows.items()]:
             await ld.aclose()
             self._sources.pop(key).close()
         self.loaders.clear()
+        self.shadows.clear()
         for src in self._ids_src.values():
             src.close()
         self._ids_src.clear()
-
-
-def _in_order(start: int, count: int, spans: list[list[list[int]]], res: list, vision: bool) -> tuple[np.ndarray, ...]:
-    """The owners' answers for their spans put back in ordinal order: (lengths,) or (images, patches)."""
-    if not vision:
-        out = np.empty(count, dtype=np.int64)
-        for sp, (arr,) in zip(spans, res):
-            off = 0
-            for a, n in sp:
-                out[a - start : a - start + n] = arr[off : off + n]
-                off += n
-        return (out,)
-    pieces: list[tuple[int, np.ndarray, np.ndarray]] = []  # (first ordinal, images, patches) per span
-    for sp, (images, patches) in zip(spans, res):
-        off = poff = 0
-        for a, n in sp:
-            im = images[off : off + n]
-            k = int(im.sum())
-            pieces.append((a, im, patches[poff : poff + k]))
-            off, poff = off + n, poff + k
-    pieces.sort(key=lambda t: t[0])
-    return np.concatenate([p[1] for p in pieces]).astype(np.int64), np.concatenate([p[2] for p in pieces]).astype(
-        np.int64
-    )
-
-
-def retryable(e: object) -> bool:
-    """Whether a failed request for payloads or lengths is worth sending again once placement settles: the
-    owner is gone or not ready (it closed a loader, its run had not started), the reply was garbled, or a
-    read failed (transient errors are retried; ARCHITECTURE §4.5). A peer that failed on our request (RemoteError)
-    or a job that does not fit (config, checkpoint) is not: the job fails with the peer's message."""
-    return isinstance(e, (MsdataError, TimeoutError)) and not isinstance(e, (RemoteError, ConfigError, CheckpointError))
 
 
 class ShardPayloads:

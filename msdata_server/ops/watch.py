@@ -90,6 +90,8 @@ def _header(st: Mapping[str, Any]) -> list[str]:
 
 
 def _job(j: Mapping[str, Any]) -> list[str]:
+    """One job's block of the screen: its state line, plan figures (and per-stage imbalance), ranks with their
+    data wait, then its sources; every line within 80 columns."""
     imb = j.get("imbalance")
     lines = [
         (

@@ -26,9 +26,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..planner.mixture import Mixture
+from ..planner.spec import planner_config
 from .demand import SourceDemand, job_demands, merge_demands
 
-__all__ = ["LeaderTargets", "RunView", "Scaler", "measured_costs", "node_targets", "placement_costs", "split_by_owner"]
+__all__ = [
+    "LeaderTargets",
+    "RunView",
+    "Scaler",
+    "measured_costs",
+    "node_targets",
+    "placement_costs",
+    "run_view",
+    "split_by_owner",
+    "start_costs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -261,3 +272,32 @@ class LeaderTargets:
         if t is None:
             return None
         return {"samples_s": t["samples_s"], "workers": t["workers"], "token": self.token}
+
+
+def run_view(spec, planner, placed: list[list[str]]) -> RunView:
+    """A run as the autoscaler sizes it: its planner's cursor and mixture, and where its partitions are read
+    (``placed[s][k]``: the node of partition k of source s)."""
+    return RunView(
+        name=spec.name,
+        mixture=planner.mixture,
+        sources=spec.source_names(),
+        planned_step=planner.step,
+        tokens_per_step=planner_config(spec).capacity,
+        owners={name: placed[s] for s, name in enumerate(spec.source_names())},
+    )
+
+
+def start_costs(
+    job: str, names: Sequence[str], declared: Sequence[float], reports: Mapping[str, Mapping]
+) -> list[float] | None:
+    """A new run's partition costs: the declared ones (share) weighed by the measured cost per token, when every
+    source has been measured by some node (``reports``: the nodes' leader reports); None: not yet."""
+    auto = {n: r["autoscale"] for n, r in reports.items() if isinstance(r.get("autoscale"), dict)}
+    costs = measured_costs(names, list(declared), auto)
+    if costs is not None:
+        log.info(
+            "job %s: partitions placed by measured cost x share (%s)",
+            job,
+            ", ".join(f"{n} {c:.3g}" for n, c in zip(names, costs)),
+        )
+    return costs

@@ -15,7 +15,7 @@ import uuid
 
 from msdata_client.spec import JobSpec
 
-from ..autoscale.cluster import RunView, Scaler, measured_costs
+from ..autoscale.cluster import RunView, Scaler, run_view, start_costs
 from ..autoscale.controller import SPINUP_S
 from ..checkpoint import RankStart, start_point
 from ..errors import CheckpointError, ClosedError, MsdataError, PeerLostError
@@ -301,19 +301,11 @@ class JobCoordinator:
         return state, {r: list(p) for r, p in sp.positions.items()}
 
     def scale_view(self) -> RunView | None:
-        """This run as the autoscaler sizes it: its planner's cursor and mixture, where its partitions are read."""
+        """This run as the autoscaler sizes it (None until it plans, or once it stopped)."""
         run = self.jobs.runs.get(self.digest)
         if self.stopped or self.planner is None or run is None or run.id != self.run_id:
             return None
-        placed = run.shard.placement()
-        return RunView(
-            name=self.spec.name,
-            mixture=self.planner.mixture,
-            sources=self.spec.source_names(),
-            planned_step=self.planner.step,
-            tokens_per_step=planner_config(self.spec).capacity,
-            owners={name: placed[s] for s, name in enumerate(self.spec.source_names())},
-        )
+        return run_view(self.spec, self.planner, run.shard.placement())
 
     def insts_frame(self) -> dict[str, list[str]]:
         return {nid: sorted(v) for nid, v in self.insts.items()}
@@ -373,20 +365,12 @@ class JobCoordinator:
 
     def _costs(self, nparts: int, resume: bool) -> list[float] | None:
         """Partition costs for placement: a resumed run keeps those of the run the nodes hold; a new one weighs
-        the declared share by the measured cost per token, when every source has been measured."""
+        the declared share by the measured cost per token (``autoscale.cluster.start_costs``)."""
         if resume:
             run = self.jobs.runs.get(self.digest)
             return list(run.shard.costs) if run is not None and run.id == self.run_id else None
-        names = self.spec.source_names()
-        reports = {n: r["autoscale"] for n, r in self.parent.reports.items() if isinstance(r.get("autoscale"), dict)}
-        costs = measured_costs(names, partition_costs(self.spec.mix, names, nparts), reports)
-        if costs is not None:
-            log.info(
-                "job %s: partitions placed by measured cost x share (%s)",
-                self.spec.name,
-                ", ".join(f"{n} {c:.3g}" for n, c in zip(names, costs)),
-            )
-        return costs
+        declared = partition_costs(self.spec.mix, self.spec.source_names(), nparts)
+        return start_costs(self.spec.name, self.spec.source_names(), declared, self.parent.reports)
 
     def _nparts_of_nodes(self) -> int | None:
         run = self.jobs.runs.get(self.digest)

@@ -48,7 +48,7 @@ from .planwire import decode_plan
 from .report import LeaderReports
 from .rpc import PeerRpc, error_reply
 from .run import Run
-from .shard import ShardPayloads, pack_docs
+from .shard import ShardPayloads, answer
 
 __all__ = ["ClusterJobs"]
 
@@ -315,19 +315,8 @@ class ClusterJobs:
                 raise PeerLostError(
                     f"node {self.node_id} does not run job {str(frame.get('digest'))[:12]} (run {frame.get('run')})"
                 )
-            if frame["t"] == "len":
-                s = int(frame["s"])
-                parts = [await run.shard.serve_lengths(s, int(a), int(n)) for a, n in frame["spans"]]
-                lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-                await self.rpc.reply(frame, {}, lengths.astype("<i8", copy=False).tobytes())
-            elif frame["t"] == "vis":  # images per sample of the spans, then the patches of each image
-                got = [await run.shard.serve_vision(int(frame["s"]), int(a), int(n)) for a, n in frame["spans"]]
-                body = [g[0] for g in got] + [g[1] for g in got]
-                await self.rpc.reply(frame, {}, np.concatenate([np.zeros(0, "<i8"), *body]).astype("<i8").tobytes())
-            else:
-                docs = await run.shard.serve_tokens(np.asarray(frame["s"], np.int64), np.asarray(frame["o"], np.int64))
-                head, buf = pack_docs(docs)
-                await self.rpc.reply(frame, head, buf)
+            head, body = await answer(run.shard, frame)
+            await self.rpc.reply(frame, head, body)
         except (MsdataError, KeyError, TypeError, ValueError) as e:
             await self.rpc.reply(frame, error_reply(e))
 

@@ -32,7 +32,7 @@ from .placement import fail_over, partition_costs, place_shadows, place_sources
 from .shardmeta import BLOCK, ShardMetadata, retryable
 from .shardrefs import ShardRefs
 
-__all__ = ["BLOCK", "JobShard", "ShardPayloads", "pack_docs", "split_docs"]
+__all__ = ["BLOCK", "JobShard", "ShardPayloads", "answer", "pack_docs", "split_docs"]
 
 log = logging.getLogger(__name__)
 
@@ -361,6 +361,22 @@ class JobShard:
         for src in self._ids_src.values():
             src.close()
         self._ids_src.clear()
+
+
+async def answer(shard: JobShard, frame: dict) -> tuple[dict, bytes]:
+    """A peer's data request answered from this node's partitions: ``len`` (lengths of spans), ``vis`` (images
+    per sample of the spans, then the patches of each image) or ``fetch`` (whole documents, packed)."""
+    if frame["t"] == "len":
+        s = int(frame["s"])
+        parts = [await shard.serve_lengths(s, int(a), int(n)) for a, n in frame["spans"]]
+        lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return {}, lengths.astype("<i8", copy=False).tobytes()
+    if frame["t"] == "vis":
+        got = [await shard.serve_vision(int(frame["s"]), int(a), int(n)) for a, n in frame["spans"]]
+        body = [g[0] for g in got] + [g[1] for g in got]
+        return {}, np.concatenate([np.zeros(0, "<i8"), *body]).astype("<i8").tobytes()
+    docs = await shard.serve_tokens(np.asarray(frame["s"], np.int64), np.asarray(frame["o"], np.int64))
+    return pack_docs(docs)
 
 
 class ShardPayloads:

@@ -89,7 +89,7 @@ def test_a_standby_counts_references_of_recent_steps_only():
     spec = small_job("refs", dp=2, seq_len=64, prefetch=1)
     cold = JobShard(_Host(), spec, "d", 3, run="r")
     warm = JobShard(_Host(), msd.DGraph.from_spec(spec).shadow_loaders(1).plan(), "d", 3, run="r")
-    owners, standbys = warm.layout()
+    owners, standbys = warm.where.layout()
     assert owners == cold.placement() and any("node-1" in n for row in standbys for n in row)
 
     class View:

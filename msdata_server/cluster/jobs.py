@@ -145,7 +145,7 @@ class ClusterJobs:
     def _link_lost(self, nid: str) -> None:
         """Our link to nid broke: runs with shadow loaders hand its partitions to their standbys at once (the
         peer may be gone; its lease would say so only later). A fetch waiting for placement to settle goes on."""
-        changed = [run for run in self.runs.values() if run.shard.node_down(nid)]
+        changed = [run for run in self.runs.values() if run.shard.where.node_down(nid)]
         for run in changed:
             self.tasks.spawn(self._rebalance(run), name="shard-takeover")
         if changed:
@@ -164,8 +164,8 @@ class ClusterJobs:
     def _link_up(self, nid: str) -> None:
         """A link came (back) up; frames sent while it was down are lost, so both sides catch up."""
         for run in list(self.runs.values()):
-            if nid in run.shard.down:
-                run.shard.node_up(nid)
+            if nid in run.shard.where.down:
+                run.shard.where.node_up(nid)
                 self.tasks.spawn(self._rebalance(run), name="shard-rejoin")
         self.coordinator.link_up(nid)  # the leader re-sends the plans that node may lack
         if nid == self.cluster.leader_id:  # a follower reports again and says which step it lacks

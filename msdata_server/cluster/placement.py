@@ -14,11 +14,14 @@ its first live standby, else (no standby left) to the plain placement over the l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["fail_over", "partition_costs", "place", "place_shadows", "place_sources"]
+__all__ = ["PartitionLayout", "fail_over", "partition_costs", "place", "place_shadows", "place_sources"]
+
+log = logging.getLogger(__name__)
 
 _FLOOR = 0.01  # a source's cost is at least this fraction of the mean (one off at first still spreads out)
 
@@ -133,3 +136,69 @@ def fail_over(
             new.append(standby if standby is not None else cold[s][k])
         out.append(new)
     return out, taken
+
+
+class PartitionLayout:
+    """Owner (and, with shadows, standbys) of every partition of one run over the live nodes, as this node sees
+    them. Without shadows: ``place_sources`` over the live members. With shadows: sticky while nodes only leave
+    (a leaving node's partitions go to their standbys, ``fail_over``), dealt afresh when a node joins or comes
+    back, or when the costs change. ``down``: nodes our link to broke (gone until they come back)."""
+
+    def __init__(
+        self,
+        job: str,
+        nsources: int,
+        nparts: int,
+        n_shadows: int,
+        costs: list[float],
+        live: Callable[[], list[str]],
+        me: str,
+    ):
+        self.job, self.nsources, self.nparts, self.n_shadows = job, nsources, nparts, n_shadows
+        self.costs = costs  # per source: the placement cost of one partition (the autoscaler may measure them)
+        self.live, self.me = live, me
+        self.down: set[str] = set()
+        self._last: tuple[frozenset[str], list[list[str]], list[list[tuple[str, ...]]], tuple] | None = None
+
+    def placement(self) -> list[list[str]]:
+        if not self.n_shadows:
+            return place_sources([self.nparts] * self.nsources, self.live(), self.costs)
+        return self.layout()[0]
+
+    def layout(self) -> tuple[list[list[str]], list[list[tuple[str, ...]]]]:
+        """(owner, standbys) of every partition."""
+        alive = frozenset(n for n in self.live() if n not in self.down)
+        costs = tuple(self.costs)
+        old = self._last
+        if old is not None and old[0] == alive and old[3] == costs:
+            return old[1], old[2]
+        if old is None or not alive < old[0] or old[3] != costs:  # a join, or new costs: dealt afresh
+            owners = place_sources([self.nparts] * self.nsources, sorted(alive), self.costs)
+        else:
+            owners, taken = fail_over(old[1], old[2], sorted(alive), self.costs)
+            mine = [(s, k) for s, k in taken if owners[s][k] == self.me]
+            if taken:
+                log.info(
+                    "node %s: job %s: %s gone; %d partition(s) taken over by their standbys (%d here)",
+                    self.me,
+                    self.job,
+                    ",".join(sorted(old[0] - alive)),
+                    len(taken),
+                    len(mine),
+                )
+        shadows = place_shadows(owners, sorted(alive), self.n_shadows, self.costs)
+        self._last = (alive, owners, shadows, costs)
+        return owners, shadows
+
+    def node_down(self, nid: str) -> bool:
+        """Our link to node nid broke: with shadows, its partitions go to their standbys now (not at its lease's
+        end). True when the layout changed."""
+        if not self.n_shadows or nid == self.me or nid in self.down:
+            return False
+        before = self.placement()
+        self.down.add(nid)
+        return self.placement() != before
+
+    def node_up(self, nid: str) -> None:
+        """Our link to nid is up again: it counts as live (a join: the layout is dealt afresh)."""
+        self.down.discard(nid)

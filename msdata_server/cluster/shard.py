@@ -28,7 +28,7 @@ from ..loader import SourceLoader
 from ..sources import Source, open_source
 from ..transforms import cut_piece
 from .docwire import pack_docs, split_docs
-from .placement import fail_over, partition_costs, place_shadows, place_sources
+from .placement import PartitionLayout, partition_costs
 from .shardmeta import BLOCK, ShardMetadata, retryable
 from .shardrefs import ShardRefs
 
@@ -53,14 +53,20 @@ class JobShard:
         self.refs = PieceRefs()  # payloads of partitions here held for planned pieces (per building node)
         self.cursor: list[int] | None = None  # where new loaders seek to (a recent planner position)
         self.state: dict | None = None  # the planner state at the start of the newest step received
-        self.costs = partition_costs(spec.mix, spec.source_names(), nparts)
+        self.where = PartitionLayout(  # who owns (and stands by for) each partition
+            spec.name,
+            len(spec.sources),
+            nparts,
+            int(spec.shadow_loaders),
+            partition_costs(spec.mix, spec.source_names(), nparts),
+            jobs.live_nodes,
+            jobs.node_id,
+        )
         self.closed = False
         self.n_shadows = int(spec.shadow_loaders)
         self.shadows: dict[tuple[int, int], SourceLoader] = {}  # standbys here: built, not started
         self._standing: dict[tuple[int, int], asyncio.Task] = {}
-        self.down: set[str] = set()  # nodes our link to broke (gone for the layout until they come back)
         self.takeovers = 0  # partitions taken over by a standby here
-        self._layout: tuple[frozenset[str], list[list[str]], list[list[tuple[str, ...]]], tuple] | None = None
         self.counts = ShardRefs(self)  # references to this node's (and its stood-by) partitions' payloads
         self.meta = ShardMetadata(self)  # lengths and vision figures of any partition, for the planner
 
@@ -69,49 +75,15 @@ class JobShard:
         return (int(ordinal) // BLOCK) % self.nparts
 
     def placement(self) -> list[list[str]]:
-        if not self.n_shadows:
-            return place_sources([self.nparts] * len(self.spec.sources), self.jobs.live_nodes(), self.costs)
-        return self.layout()[0]
+        return self.where.placement()
 
-    def layout(self) -> tuple[list[list[str]], list[list[tuple[str, ...]]]]:
-        """(owner, standbys) of every partition, with shadows: sticky while nodes only leave (each leaving
-        node's partitions go to their standbys), dealt afresh when a node joins or comes back."""
-        alive = frozenset(n for n in self.jobs.live_nodes() if n not in self.down)
-        costs = tuple(self.costs)
-        old = self._layout
-        if old is not None and old[0] == alive and old[3] == costs:
-            return old[1], old[2]
-        if old is None or not alive < old[0] or old[3] != costs:  # a join, or new costs: dealt afresh
-            owners = place_sources([self.nparts] * len(self.spec.sources), sorted(alive), self.costs)
-        else:
-            owners, taken = fail_over(old[1], old[2], sorted(alive), self.costs)
-            me = self.jobs.node_id
-            mine = [(s, k) for s, k in taken if owners[s][k] == me]
-            if taken:
-                log.info(
-                    "node %s: job %s: %s gone; %d partition(s) taken over by their standbys (%d here)",
-                    me,
-                    self.spec.name,
-                    ",".join(sorted(old[0] - alive)),
-                    len(taken),
-                    len(mine),
-                )
-        shadows = place_shadows(owners, sorted(alive), self.n_shadows, self.costs)
-        self._layout = (alive, owners, shadows, costs)
-        return owners, shadows
+    @property
+    def costs(self) -> list[float]:
+        return self.where.costs
 
-    def node_down(self, nid: str) -> bool:
-        """Our link to node nid broke: with shadows, its partitions go to their standbys now (not at its lease's
-        end). True when the layout changed."""
-        if not self.n_shadows or nid == self.jobs.node_id or nid in self.down:
-            return False
-        before = self.placement()
-        self.down.add(nid)
-        return self.placement() != before
-
-    def node_up(self, nid: str) -> None:
-        """Our link to nid is up again: it counts as live (a join: the layout is dealt afresh)."""
-        self.down.discard(nid)
+    @costs.setter
+    def costs(self, costs: list[float]) -> None:
+        self.where.costs = costs
 
     def owner(self, s: int, k: int) -> str:
         return self.placement()[s][k]
@@ -121,7 +93,7 @@ class JobShard:
         placed here; close those placed elsewhere."""
         me = self.jobs.node_id
         if self.n_shadows:
-            pl, sh = self.layout()
+            pl, sh = self.where.layout()
         else:
             pl, sh = self.placement(), [[() for _ in row] for row in self.placement()]
         for s, k in [(s, k) for s, k in self.shadows if pl[s][k] == me]:

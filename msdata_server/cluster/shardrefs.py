@@ -21,8 +21,7 @@ class Shard(Protocol):
     refs: Any  # PieceRefs
     n_shadows: int
     loaders: dict
-
-    def layout(self) -> tuple[list[list[str]], list[list[tuple[str, ...]]]]: ...
+    where: Any  # PartitionLayout: the owner and standbys of each partition
 
     def placement(self) -> list[list[str]]: ...
 
@@ -44,7 +43,7 @@ class ShardRefs:
         nodes build each."""
         me = self.shard.jobs.node_id
         if standby:
-            sh = self.shard.layout()[1]
+            sh = self.shard.where.layout()[1]
             keep = [me in sh[s][self.shard.part(o)] for s, o in zip(plan.source.tolist(), plan.ordinal.tolist())]
         else:
             pl = self.shard.placement()

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -200,49 +201,36 @@ def _run(root: str, steps: int) -> int:
         f"{spec.micro_batches} micro-batches x {spec.seq_len} tokens each",
         flush=True,
     )
-    done: dict[int, dict] = {}
-    progress = dict.fromkeys(range(world), 0)
     bar = tqdm(total=steps, unit="step", desc="  demo", disable=not sys.stdout.isatty())  # quiet in logs
-    last = 0.0
     peak_pss = 0
-    status = {}
-    while len(done) < world:
-        try:
-            kind, rank, val = q.get(timeout=1.0)
-        except Exception:
-            kind = None
-        if kind == "step":
-            progress[rank] = val
-        elif kind == "done":
-            done[rank] = val
-        if any(p.exitcode not in (None, 0) for p in procs):
-            print("a trainer rank failed; see the error above", file=sys.stderr)
-            stop_server(server, loop, thread)
-            return 1
-        now = time.perf_counter()
-        if now - last > 2.0 or len(done) == world:
-            last = now
-            st = asyncio.run_coroutine_threadsafe(server_status(server), loop).result()
-            if st.get("jobs"):
-                status = st
-            pids = [os.getpid()] + (server.pool.pids() + server.pool.helper_pids() if server.pool is not None else [])
-            peak_pss = max(peak_pss, tree_memory(pids)["pss"])
-            lo = min(progress.values())
-            if not status:
-                bar.set_postfix_str(f"waiting for the ranks to start ({sum(p.is_alive() for p in procs)} up)")
-                line = f"  waiting for the ranks to start ({sum(p.is_alive() for p in procs)} processes up)"
-            else:
-                j = status["jobs"][0]
-                imb = j.get("imbalance")
-                bar.update(lo - bar.n)
-                bar.set_postfix(mb_per_s=round(j["micro_batches_per_s"], 1), imbalance=imb and round(imb, 3))
-                line = (
-                    f"  step {lo:4d}/{steps}  {j['micro_batches_per_s']:7.1f} micro-batches/s  "
-                    f"imbalance {imb if imb is None else round(imb, 3)}  "
-                    + " ".join(f"r{r}:{s}" for r, s in sorted(progress.items()))
-                )
-            if bar.disable:  # not a terminal: a plain line now and then, for logs
-                print(line, flush=True)
+
+    def tick(status: dict, progress: dict[int, int]) -> None:
+        nonlocal peak_pss
+        pids = [os.getpid()] + (server.pool.pids() + server.pool.helper_pids() if server.pool is not None else [])
+        peak_pss = max(peak_pss, tree_memory(pids)["pss"])
+        lo = min(progress.values())
+        if not status:
+            bar.set_postfix_str(f"waiting for the ranks to start ({sum(p.is_alive() for p in procs)} up)")
+            line = f"  waiting for the ranks to start ({sum(p.is_alive() for p in procs)} processes up)"
+        else:
+            j = status["jobs"][0]
+            imb = j.get("imbalance")
+            bar.update(lo - bar.n)
+            bar.set_postfix(mb_per_s=round(j["micro_batches_per_s"], 1), imbalance=imb and round(imb, 3))
+            line = (
+                f"  step {lo:4d}/{steps}  {j['micro_batches_per_s']:7.1f} micro-batches/s  "
+                f"imbalance {imb if imb is None else round(imb, 3)}  "
+                + " ".join(f"r{r}:{s}" for r, s in sorted(progress.items()))
+            )
+        if bar.disable:  # not a terminal: a plain line now and then, for logs
+            print(line, flush=True)
+
+    followed = follow_ranks(procs, q, server, loop, tick)
+    if followed is None:
+        bar.close()
+        stop_server(server, loop, thread)
+        return 1
+    done, status = followed
     bar.close()
     for p in procs:
         p.join(30)
@@ -254,6 +242,40 @@ def _run(root: str, steps: int) -> int:
 
 async def server_status(server) -> dict:
     return server.status()
+
+
+def follow_ranks(procs: list, q, server, loop, tick: Callable[[dict, dict[int, int]], None], every: float = 2.0):
+    """Follow the demo's rank processes until each reports ``done``, reading the server's status after every
+    report; every ``every`` seconds (and at the end) call ``tick(status, progress)`` (status: the newest with a
+    job; progress: the step each rank reported). Returns (done per rank, status); None, after printing why,
+    when a rank failed."""
+    world = len(procs)
+    done: dict[int, dict] = {}
+    status: dict = {}
+    progress = dict.fromkeys(range(world), 0)
+    last = 0.0
+    while len(done) < world:
+        try:
+            kind, rank, val = q.get(timeout=1.0)
+        except Exception:  # queue.Empty: nothing this second
+            kind = None
+        if kind == "step":
+            progress[rank] = val
+        elif kind == "done":
+            done[rank] = val
+        if any(p.exitcode not in (None, 0) for p in procs):
+            print("a trainer rank failed; see the error above", file=sys.stderr)
+            return None
+        now = time.perf_counter()
+        due = now - last > every or len(done) == world
+        if kind is not None or due:  # after every report: the job's figures are read while it still runs
+            st = asyncio.run_coroutine_threadsafe(server_status(server), loop).result()
+            if st.get("jobs"):
+                status = st
+        if due:
+            last = now
+            tick(status, progress)
+    return done, status
 
 
 def stop_server(server, loop, thread) -> None:

@@ -9,12 +9,10 @@ the two-stage planner's encoder and backbone imbalance.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import multiprocessing as mp
 import os
 import shutil
-import sys
 import tarfile
 import tempfile
 import time
@@ -24,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import NodeConfig, ServerConfig
-from .demo import serve_in_thread, server_status, stop_server
+from .demo import follow_ranks, serve_in_thread, stop_server
 from .errors import ConfigError
 
 __all__ = ["make_vlm_dataset", "run_vlm_demo", "vlm_demo_job"]
@@ -149,24 +147,19 @@ def _run(root: str, steps: int) -> int:
     ]
     for p in procs:
         p.start()
-    done: dict[int, dict] = {}
-    status: dict = {}
-    while len(done) < world:
-        try:
-            kind, rank, val = q.get(timeout=1.0)
-        except Exception:
-            kind = None
-        if kind == "done":
-            done[rank] = val
-        if any(p.exitcode not in (None, 0) for p in procs):
-            print("a trainer rank failed; see the error above", file=sys.stderr)
-            stop_server(server, loop, thread)
-            return 1
-        st = asyncio.run_coroutine_threadsafe(server_status(server), loop).result()
-        if st.get("jobs"):
-            status = st
-        if kind == "step" and val % 10 == 0 and rank == 0:
-            print(f"  step {val}/{steps}", flush=True)
+    shown = [-1]
+
+    def tick(status: dict, progress: dict[int, int]) -> None:
+        lo = min(progress.values())
+        if lo // 10 != shown[0] // 10:  # a line every 10 steps
+            shown[0] = lo
+            print(f"  step {lo}/{steps}", flush=True)
+
+    followed = follow_ranks(procs, q, server, loop, tick, every=1.0)
+    if followed is None:
+        stop_server(server, loop, thread)
+        return 1
+    done, status = followed
     for p in procs:
         p.join(30)
     stop_server(server, loop, thread)

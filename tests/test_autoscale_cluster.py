@@ -261,7 +261,7 @@ def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_of
         )
         return sts if ok else None
 
-    sts = wait_for(following, 30, "every node to follow the leader's targets for both sources")
+    sts = wait_for(following, 60, "every node to follow the leader's targets for both sources")
     for nid, st in sts.items():
         a = st["autoscale"]
         assert a["leader_token"] == token

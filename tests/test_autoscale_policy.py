@@ -226,3 +226,13 @@ def test_status_table_shows_every_source():
     assert lines[4].endswith("demand needs 2.40 workers (with headroom) > 1")
     assert autoscale_table({"enabled": False, "sources": {}}) == ["autoscale off (fixed pool)"]
     assert autoscale_table(None) == []
+
+
+def test_the_pace_counts_from_the_jobs_start_when_ranks_ran_before_the_first_look():
+    """Ranks that pulled all they will (a pause, an eval phase) before the autoscaler first looked at the job
+    still give a pace: the job's start is the meter's first point (without it: None forever, no demand)."""
+    m = ConsumptionMeter()
+    m.observe(10.0, 0, 0.0)  # the job started at t=10, step 0 (JobSignals.started)
+    assert m.observe(12.0, 5, 0.0) == pytest.approx(2.5)
+    blind = ConsumptionMeter()
+    assert blind.observe(12.0, 5, 0.0) is None and blind.observe(12.5, 5, 0.0) is None

@@ -211,6 +211,8 @@ class Autoscaler:
         m = self._meters.get(sig.key)
         if m is None:
             m = self._meters[sig.key] = ConsumptionMeter(tau=self._tau)
+            if sig.started is not None:  # the job's start is the first point: ranks that ran all they will
+                m.observe(sig.started[0], sig.started[1], 0.0)  # before we first looked still give a pace
         return m
 
     def _observe(self, now: float, signals: list[JobSignals]) -> None:

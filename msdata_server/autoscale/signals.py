@@ -23,6 +23,8 @@ class _JobLike(Protocol):
     waits: Any
     feed: Any
     payloads: Any
+    started_at: float | None
+    start_step: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,6 +40,7 @@ class JobSignals:
     sources: tuple[str, ...]
     tokens_per_step: int
     loaders: Mapping[str, Mapping[str, Any]]  # source name -> its loaders' figures here (job.payloads.status)
+    started: tuple[float, int] | None = None  # (monotonic time, step) the job started at: the pace's first point
 
 
 def job_signals(job: _JobLike) -> JobSignals | None:
@@ -69,4 +72,5 @@ def job_signals(job: _JobLike) -> JobSignals | None:
         sources=tuple(cfg.sources),
         tokens_per_step=cfg.capacity,
         loaders=job.payloads.status(None),
+        started=(job.started_at, job.start_step) if job.started_at is not None else None,
     )

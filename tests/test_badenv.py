@@ -8,7 +8,6 @@ import secrets
 import shutil
 import tempfile
 import threading
-import time
 
 import pytest
 
@@ -16,17 +15,9 @@ import msdata_client as msd
 from msdata_client.wire import request
 
 from .conftest import ServerProc
+from .e2e_util import poll_until as wait_for
 from .e2e_util import run_ranks, small_job
 from .etcd_fixture import EtcdServer
-
-
-def wait_for(cond, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if got := cond():
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_dev_shm_full_mid_run_is_named_and_the_server_recovers(server_factory, tmp_path, monkeypatch):

@@ -7,21 +7,13 @@ from __future__ import annotations
 import glob
 import os
 import threading
-import time
 
 from msdata_server.statedir import StateStore
 
+from .e2e_util import poll_until as _wait_for
 from .e2e_util import run_ranks, small_job
 
 STEPS = 16
-
-
-def _wait_for(pred, what: str, timeout: float = 30.0) -> None:
-    """Until ``pred()`` (a condition only the server's log or files show: nothing to await on)."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _run_in_thread(spec, endpoint, n, **kw):

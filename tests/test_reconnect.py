@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
 import pytest
 
@@ -17,6 +16,7 @@ import msdata_client as msd
 from msdata_client.wire import request
 
 from .e2e_util import batch_record, run_ranks, small_job
+from .e2e_util import poll_until as wait_for
 
 N = 16  # micro-batches per rank
 SLOTS = 4
@@ -24,16 +24,6 @@ SLOTS = 4
 
 def status(sock: str) -> dict:
     return request(sock, {"t": "status"})["status"]
-
-
-def wait_for(cond, what: str, timeout: float = 30.0, log=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}; server log:\n{log()[-3000:]}")
 
 
 def ring_full(sock: str, job: str, group: int) -> bool:

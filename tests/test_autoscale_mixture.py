@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
-from .test_autoscale_e2e import job, serve, status, train
+import pytest
+
+from .test_autoscale_e2e import job, status, train
+
+# the pool starts at its largest size and a long cooldown keeps it there, so that what a mixture change moves is
+# the sources' apportionment, whatever pace this machine gives the trainer: b (2 ms a sample) holds at most one
+# of the two workers at 2% of the mixture, and both once it has 90%
+FIXED = """
+[autoscale]
+enabled = true
+min_workers = 1
+max_workers = 2
+interval = 0.1
+cooldown = 600
+"""
 
 
 def test_set_mixture_reallocates_at_once(server_factory):
     spec = job("mix", schedule=False)
-    srv = serve(server_factory, True, 1)
+    srv = server_factory(workers=2, extra=FIXED).start()
     _, cut = train(spec, srv.socket, 70, mixture_at=40)
     a = status(srv)["autoscale"]
     moved = [d for d in a["decisions"] if "mixture changed" in d["reason"]]
     assert cut is not None and moved, a["decisions"]
     d = moved[0]
     assert d["reason"].startswith(f"job mix: mixture changed from step {cut}")
-    assert d["workers_to"].get("b", 0) > d["workers_from"].get("b", 0) or d["size_to"] > d["size_from"]
+    assert d["ahead"]["b"] == pytest.approx(0.9), d  # decided on the new mixture, before its first step is planned
+    assert d["size_to"] == 2 and d["workers_to"]["b"] == 2 > d["workers_from"].get("b", 0), a["decisions"]
+    assert srv.log().count(d["message"]) == 1  # logged once

@@ -170,7 +170,8 @@ class Policy:
         self, now: float, demands: Mapping[str, SourceDemand], *, why: str = "", hold: bool = False
     ) -> Decision | None:
         """Apply one interval's demands; a Decision when the size or the apportionment changed, else None.
-        ``why`` names what prompted an out-of-turn decision (a mixture change); ``hold``: some demand is not
+        ``why`` names what prompted an out-of-turn decision (a mixture change): that one is always a Decision,
+        also when the pool stays as it is, so its cause and outcome are logged; ``hold``: some demand is not
         measured yet, so give nothing back."""
         need = sum(d.workers for d in demands.values())
         before = self._size.value
@@ -183,9 +184,11 @@ class Policy:
         if not redraw:
             return None
         workers = apportion(size, {n: d.workers for n, d in demands.items()})
-        if size == before and workers == self.workers:
+        if size == before and workers == self.workers and not why:
             self._basis = {n: d.workers for n, d in demands.items()}
             return None
+        if size == before and workers == self.workers:
+            reason = f"the pool stays at {size} workers (demand needs {need * (1 + self.cfg.headroom):.2f})"
         dec = Decision(
             at=now,
             size_from=before,

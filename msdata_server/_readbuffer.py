@@ -153,6 +153,13 @@ class ReadBuffer:
             self.ready -= bs.held
             self.memory -= bs.nbytes
 
+    def drop_from(self, b: int) -> None:
+        """Drop the batches at or past global batch b (read ahead into another partitioning's batches)."""
+        for gb in [gb for gb in self.batches if gb >= b]:
+            bs = self.batches.pop(gb)
+            self.ready -= bs.held
+            self.memory -= bs.nbytes
+
     def held_ahead(self, high: int) -> int:
         """Payloads held beyond local sample index ``high`` (the highest asked for)."""
         n = 0

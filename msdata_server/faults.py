@@ -5,7 +5,9 @@ test branches. Once installed, a ``fault`` peer frame (sent by a test that holds
 
 - ``drop_plans: n`` / ``drop_cuts: n``: the next n ``plan`` / ``mixcut`` frames to ``node`` are lost;
 - ``close: true``: our link to ``node`` is closed;
-- ``stall_mix: true``: a ``mixcut`` never leaves (the leader stalls with every node held, until killed).
+- ``stall_mix: true``: a ``mixcut`` never leaves (the leader stalls with every node held, until killed);
+- ``slow_reads: x`` (no ``node`` needed; ``source``: only that one): slow storage as the autoscaler sees it:
+  the read seconds per sample this node reports to the leader are x times those measured (the leader splits).
 
 A disk fault needs no frame: with ``MSDATA_TEST_DISK_FULL`` naming a flag file, writes to the state_dir fail
 with ENOSPC while that file exists (``arm_disk``, called by ``statedir.StateStore``). Likewise
@@ -35,7 +37,13 @@ class _Faults:
         self.node_id = jobs.node_id
         self.drop: dict[tuple[str, str], int] = {}  # (frame type, node) -> frames still to lose
         self.stall_mix = False
+        self.slow_reads = 1.0
+        self.slow_source: str | None = None  # None: every source
         self._send = jobs.rpc.send
+        scaler = getattr(jobs.node, "autoscaler", None)
+        if scaler is not None:
+            self._report = scaler.report
+            scaler.report = self.report
 
     async def send(self, nid: str, frame: dict, payload=None) -> None:
         t = frame.get("t", "")
@@ -53,7 +61,25 @@ class _Faults:
             await asyncio.Event().wait()
         await self._send(nid, frame, payload)
 
+    def report(self) -> dict:
+        """The autoscaler's report to the leader, its read seconds scaled by ``slow_reads``."""
+        rep = self._report()
+        for name, fig in rep["sources"].items():
+            if fig.get("read_s_per_sample") and self.slow_source in (None, name):
+                fig["read_s_per_sample"] *= self.slow_reads
+        return rep
+
     async def on_fault(self, peer: str, frame: dict, payload) -> None:
+        if "slow_reads" in frame:
+            self.slow_reads, self.slow_source = float(frame["slow_reads"]), frame.get("source")
+            log.warning(
+                "node %s: test fault: read seconds of %s reported x %g",
+                self.node_id,
+                self.slow_source or "every source",
+                self.slow_reads,
+            )
+            if "node" not in frame:
+                return
         nid = str(frame["node"])
         self.drop[("plan", nid)] = int(frame.get("drop_plans", 0))
         self.drop[("mixcut", nid)] = int(frame.get("drop_cuts", 0))

@@ -352,9 +352,11 @@ class SourceLoader:
         return max(self._part.global_batch(self._cursor), max(self._buf.batches, default=-1) + 1)
 
     def stop_at(self, batch: int) -> None:
-        """Read ahead no batch at or past global ``batch`` (another partitioning of the source reads those);
-        batches asked for explicitly are still read."""
+        """Read ahead no batch at or past global ``batch`` (another partitioning of the source reads those), and
+        drop those already read ahead there (asked for again, they are read again, holding nothing); batches
+        asked for explicitly are still read."""
         self._end = int(batch) if self._end is None else min(self._end, int(batch))
+        self._buf.drop_from(self._end)
 
     def __repr__(self) -> str:
         return f"SourceLoader({self.name!r}, partition={self.partition}, cursor={self._cursor})"

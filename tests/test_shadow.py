@@ -107,7 +107,9 @@ def test_a_standby_counts_references_of_recent_steps_only():
         cold.add_refs(plan, builders)
         warm.add_refs(plan, builders)
         stood[plan.step] = {
-            (s, o) for s, o in zip(plan.source.tolist(), plan.ordinal.tolist()) if "node-1" in standbys[s][warm.part(o)]
+            (s, o)
+            for s, o in zip(plan.source.tolist(), plan.ordinal.tolist())
+            if "node-1" in standbys[s][warm.part(s, o)]
         }
     window = spec.prefetch_steps + STANDBY_SLACK
     recent = set().union(*(stood[s] for s in range(steps - window - 1, steps)))

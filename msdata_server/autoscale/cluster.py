@@ -10,6 +10,14 @@ its targets (a ``scale`` frame with the leader's fencing token: the node's fence
 leader). The node feeds them to its policy, as its own demand on one node (``LeaderTargets``): the same
 hysteresis, cooldown and [min_workers, max_workers]. A node that loses its leader keeps its last targets.
 
+Partitions (source auto-partitioning): the leader also sizes each run's partitions per source with the one
+rule of a single node (``Scaler.repartition``: ``policy.Partitioner`` over ``policy.read_needs`` of the run's
+cluster-wide demand and the nodes' mean read seconds per sample; hysteresis, cooldown), from the run's first
+count (one partition per node at its start) up to ``MAX_PARTITIONS``. Each change (a ``Split``) carries the
+reading cost of one new partition (measured cost x share) and every node's reading load and worker budget; the
+coordinator places it (``placement.place_split``) and the run applies it at its next planned step
+(``cluster.parts``).
+
 Placement: a new run's partitions are weighed by their declared share x the measured worker seconds per token
 (``measured_costs``) once every source was measured; the leader puts those costs in the run's ``jstart`` frame
 (``placement_costs`` reads them there), so every node places alike.
@@ -22,20 +30,24 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from ..planner.mixture import Mixture
 from ..planner.spec import planner_config
 from .demand import SourceDemand, job_demands, merge_demands
+from .policy import Partitioner, PolicyConfig, read_needs
 
 __all__ = [
     "LeaderTargets",
+    "MAX_PARTITIONS",
     "RunView",
     "Scaler",
+    "Split",
     "measured_costs",
     "node_targets",
     "placement_costs",
+    "reading_load",
     "run_view",
     "split_by_owner",
     "start_costs",
@@ -44,6 +56,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 BAND = 0.15  # a node's targets are re-sent when a source's need moves by more than this many workers
+MAX_PARTITIONS = 16  # per source and run in a cluster (``job.parts.MAX_PARTITIONS`` on one node)
 
 
 def split_by_owner(samples_s: Mapping[str, float], owners: Mapping[str, Sequence[str]]) -> dict[str, dict[str, float]]:
@@ -69,11 +82,54 @@ class RunView:
     sources: tuple[str, ...]
     planned_step: int
     tokens_per_step: int
-    owners: Mapping[str, Sequence[str]]  # source -> the node of each of its partitions
+    owners: Mapping[str, Sequence[str]]  # source -> the node of each partition it reads with now
+    run_id: str = ""
+    base: int = 1  # partitions per source at the run's start (a merge goes no lower)
+    costs: Mapping[str, float] = field(default_factory=dict)  # source -> placement cost of one first partition
+
+    def part_cost(self, name: str, costs: Mapping[str, float] | None = None) -> float:
+        """The reading cost of one partition of ``name`` now (of the first partitions' ``costs``, default the
+        run's): the source's cost spread over the partitions it reads with."""
+        return (costs or self.costs).get(name, 0.0) * self.base / max(1, len(self.owners.get(name) or ()))
 
 
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
+
+
+def _profiles(reports: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Mapping]]:
+    """source -> node -> its profile figures, from the nodes' reports."""
+    profs: dict[str, dict[str, Mapping]] = {}
+    for nid, rep in reports.items():
+        for name, fig in (rep.get("sources") or {}).items():
+            profs.setdefault(name, {})[nid] = fig
+    return profs
+
+
+def _cluster_fig(profs: Mapping[str, Mapping[str, Mapping]], name: str, key: str) -> float | None:
+    """The mean of one figure of a source over the nodes that measured it."""
+    return _mean([float(f[key]) for f in profs.get(name, {}).values() if f.get(key)])
+
+
+def run_demands(
+    run: RunView, reports: Mapping[str, Mapping[str, Any]], *, lead_s: float
+) -> tuple[list[SourceDemand] | None, bool]:
+    """A run's cluster-wide demand per source by the one rule of a single node (``demand.job_demands``: the
+    ranks' pace x the mixture ahead x the cluster's mean figures), and whether some figure is unmeasured; None
+    while no rank pulled yet."""
+    profs = _profiles(reports)
+    rates = [float(r["rates"][run.name]) for r in reports.values() if (r.get("rates") or {}).get(run.name)]
+    if not rates:
+        return None, True
+    return job_demands(
+        mixture=run.mixture,
+        sources=run.sources,
+        planned_step=run.planned_step,
+        tokens_per_step=run.tokens_per_step,
+        steps_per_s=max(rates),  # ranks step together: the fastest report is the freshest
+        lead_s=lead_s,
+        figures=lambda n: (_cluster_fig(profs, n, "tokens_per_sample"), _cluster_fig(profs, n, "worker_s_per_sample")),
+    )
 
 
 def node_targets(
@@ -81,31 +137,14 @@ def node_targets(
 ) -> tuple[dict[str, dict[str, SourceDemand]], bool]:
     """node -> source -> its demand there (priced at that node's measured cost, else the cluster's mean), and
     whether to hold (a job's pace or a source's cost is not measured yet: nodes give nothing back)."""
-    profs: dict[str, dict[str, Mapping]] = {}
-    for nid, rep in reports.items():
-        for name, fig in (rep.get("sources") or {}).items():
-            profs.setdefault(name, {})[nid] = fig
-
-    def cluster_fig(name: str, key: str) -> float | None:
-        return _mean([float(f[key]) for f in profs.get(name, {}).values() if f.get(key)])
-
+    profs = _profiles(reports)
     hold = False
     per_node: dict[str, list[SourceDemand]] = {nid: [] for nid in reports}
     for run in runs:
-        rates = [float(r["rates"][run.name]) for r in reports.values() if (r.get("rates") or {}).get(run.name)]
-        if not rates:
-            hold = True  # no rank pulled yet: its consumption is unknown
-            continue
-        parts, held = job_demands(
-            mixture=run.mixture,
-            sources=run.sources,
-            planned_step=run.planned_step,
-            tokens_per_step=run.tokens_per_step,
-            steps_per_s=max(rates),  # ranks step together: the fastest report is the freshest
-            lead_s=lead_s,
-            figures=lambda n: (cluster_fig(n, "tokens_per_sample"), cluster_fig(n, "worker_s_per_sample")),
-        )
+        parts, held = run_demands(run, reports, lead_s=lead_s)
         hold = hold or held
+        if parts is None:
+            continue  # no rank pulled yet: its consumption is unknown
         by_name = {d.name: d for d in parts}
         split = split_by_owner({d.name: d.samples_s for d in parts}, run.owners)
         for nid, rates_here in split.items():
@@ -193,15 +232,78 @@ def _moved(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str | None:
     return f"need of {', '.join(moved)} moved" if moved else None
 
 
-class Scaler:
-    """The leader's planner side of autoscaling (one per Coordinator): targets per node, sent on change."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Split:
+    """The leader's decision to read a source of a run in ``n_to`` partitions instead of ``n_from`` (a split or a
+    merge), with what placing them needs: the reading cost of one new partition (measured cost x share), every
+    node's reading load now (the source's current partitions left out) and its worker budget (max workers)."""
 
-    def __init__(self) -> None:
+    run_id: str
+    source: str
+    n_from: int
+    n_to: int
+    cost: float
+    load: dict[str, float]
+    budget: dict[str, float]
+    reason: str
+
+
+class Scaler:
+    """The leader's planner side of autoscaling (one per Coordinator): targets per node, sent on change; the
+    partitions of each run's sources (``repartition``)."""
+
+    def __init__(self, *, headroom: float = 0.25, cooldown_s: float = 6.0) -> None:
         self.sent: dict[str, dict] = {}  # node -> the last targets frame sent it (by this leader)
+        self.headroom, self.cooldown_s = headroom, cooldown_s
+        self.parts: dict[str, Partitioner] = {}  # run id -> its sources' partition levels (this leadership)
 
     def reset(self) -> None:
         """A new leadership (or none): every node gets fresh targets with the new token."""
         self.sent.clear()
+        self.parts.clear()
+
+    def repartition(
+        self, runs: Sequence[RunView], reports: Mapping[str, Mapping[str, Any]], *, now: float, lead_s: float
+    ) -> list[Split]:
+        """The sources whose partitions change (see the module docstring), in run and source order."""
+        scaling = {nid: r for nid, r in reports.items() if r.get("enabled")}
+        for rid in set(self.parts) - {r.run_id for r in runs}:
+            del self.parts[rid]
+        if not scaling:
+            return []
+        profs = _profiles(scaling)
+        costs = {r.run_id: _measured(r, scaling) for r in runs}
+        out = []
+        for run in runs:
+            demands, held = run_demands(run, scaling, lead_s=lead_s)
+            if demands is None or not run.run_id:
+                continue
+            by_name = {d.name: d for d in demands}
+            need = read_needs(by_name, lambda n: _cluster_fig(profs, n, "read_s_per_sample"))
+            p = self.parts.get(run.run_id)
+            if p is None:
+                top = max(run.base, MAX_PARTITIONS)
+                cfg = PolicyConfig(
+                    min_workers=run.base, max_workers=top, headroom=self.headroom, cooldown_s=self.cooldown_s
+                )
+                p = self.parts[run.run_id] = Partitioner(cfg)
+            current = {n: len(run.owners.get(n) or ()) for n in run.sources}
+            for name, (a, b, why) in sorted(p.decide(now, need, hold=held, current=current).items()):
+                load = reading_load(runs, costs, scaling, skip=(run.run_id, name))
+                d = by_name[name]
+                out.append(
+                    Split(
+                        run_id=run.run_id,
+                        source=name,
+                        n_from=a,
+                        n_to=b,
+                        cost=costs[run.run_id].get(name, 0.0) * run.base / b,
+                        load=load,
+                        budget={nid: float(r.get("max_workers") or 1) for nid, r in scaling.items()},
+                        reason=f"{why} (demand {d.samples_s:.1f} samples/s, read need {need[name]:.2f} readers)",
+                    )
+                )
+        return out
 
     def forget(self, nid: str) -> None:
         self.sent.pop(nid, None)
@@ -274,16 +376,53 @@ class LeaderTargets:
         return {"samples_s": t["samples_s"], "workers": t["workers"], "token": self.token}
 
 
-def run_view(spec, planner, placed: list[list[str]]) -> RunView:
-    """A run as the autoscaler sizes it: its planner's cursor and mixture, and where its partitions are read
-    (``placed[s][k]``: the node of partition k of source s)."""
+def reading_load(
+    runs: Sequence[RunView], costs: Mapping[str, Mapping[str, float]], nodes, *, skip: tuple[str, str]
+) -> dict[str, float]:
+    """node -> the reading cost of the partitions it reads now, over every run (``costs``: run id -> source ->
+    the cost of one first partition), for ``nodes`` only; ``skip``: a (run id, source) being re-placed."""
+    load = dict.fromkeys(nodes, 0.0)
+    for run in runs:
+        for name, owners in run.owners.items():
+            if (run.run_id, name) == skip:
+                continue
+            for nid in owners:
+                if nid in load:
+                    load[nid] += run.part_cost(name, costs[run.run_id])
+    return load
+
+
+def _measured(run: RunView, reports: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """The placement cost of one first partition of each source of a run: measured cost x share when every
+    source was measured (``measured_costs``), else the run's own."""
+    got = measured_costs(run.sources, [run.costs.get(n, 0.0) for n in run.sources], reports)
+    return dict(zip(run.sources, got)) if got is not None else dict(run.costs)
+
+
+class Layout(Protocol):
+    """What ``run_view`` reads of a run's partition layout (``cluster.placement.PartitionLayout``)."""
+
+    nparts: int
+    costs: list[float]
+    table: Any  # cluster.parts.PartsTable: newest(s)
+
+    def placement(self) -> list[list[str]]: ...
+
+
+def run_view(spec, planner, where: Layout, run_id: str = "") -> RunView:
+    """A run as the autoscaler sizes it: its planner's cursor and mixture, and the nodes of the partitions each
+    source reads with now (its newest generation in ``where``, the run's partition layout)."""
+    placed, names = where.placement(), spec.source_names()
     return RunView(
         name=spec.name,
         mixture=planner.mixture,
-        sources=spec.source_names(),
+        sources=names,
         planned_step=planner.step,
         tokens_per_step=planner_config(spec).capacity,
-        owners={name: placed[s] for s, name in enumerate(spec.source_names())},
+        owners={name: [placed[s][k] for k in where.table.newest(s)] for s, name in enumerate(names)},
+        run_id=run_id,
+        base=where.nparts,
+        costs=dict(zip(names, where.costs)),
     )
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cluster import LeaderTargets
 from .demand import ConsumptionMeter, SourceDemand, job_demands, merge_demands
-from .policy import Decision, Partitioner, Policy, PolicyConfig
+from .policy import Decision, Partitioner, Policy, PolicyConfig, read_needs
 from .profile import Counters, ProfileFigures, SourceProfile
 from .signals import JobSignals, job_signals
 
@@ -157,15 +157,14 @@ class Autoscaler:
             self.acting = True
             dec = self.policy.decide(now, self.leader.demands, why=why, hold=self.leader.hold)
             self.pool.set_quotas(self.policy.weights if any(self.policy.weights.values()) else None)
-            return dec  # partitions in a cluster are the run's (placed by the leader), not split here
+            return dec  # a cluster: the leader splits and merges partitions (Scaler.repartition), not a node
         if not self.acting:
             return None
         dec = self.policy.decide(now, self.demands, why=why, hold=hold)
         self.pool.set_quotas(self.policy.weights if any(self.policy.weights.values()) else None)
-        reads = {}
-        for name, d in self.demands.items():
-            per = self.profiles[name].figures().read_s_per_sample if name in self.profiles else None
-            reads[name] = d.samples_s * (per or 0.0)
+        reads = read_needs(
+            self.demands, lambda n: self.profiles[n].figures().read_s_per_sample if n in self.profiles else None
+        )
         self._splits = self.partitioner.decide(now, reads, hold=hold)
         return dec
 
@@ -335,6 +334,7 @@ class Autoscaler:
                 "cpu_s_per_sample": fig.cpu_s_per_sample,
                 "worker_s_per_sample": fig.worker_s_per_sample or fig.cpu_s_per_sample,
                 "tokens_per_sample": fig.tokens_per_sample,
+                "read_s_per_sample": fig.read_s_per_sample,
                 "supply_samples_s": round(fig.supply_samples_s, 3),
             }
         return {

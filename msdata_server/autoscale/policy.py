@@ -13,12 +13,12 @@ size changes, a source comes or goes, or a need drifts by more than ``band`` of 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .demand import SourceDemand
 
-__all__ = ["Decision", "Level", "Partitioner", "Policy", "PolicyConfig", "apportion"]
+__all__ = ["Decision", "Level", "Partitioner", "Policy", "PolicyConfig", "apportion", "read_needs"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,23 +123,38 @@ class Level:
         self._changed_at = now
 
 
+def read_needs(demands: Mapping[str, SourceDemand], read_s: Callable[[str], float | None]) -> dict[str, float]:
+    """Readers each source keeps busy: its demand (samples/s) x its read seconds per sample (unmeasured: 0).
+    What the ``Partitioner`` sizes, on one node and on the leader of a cluster."""
+    return {name: d.samples_s * (read_s(name) or 0.0) for name, d in demands.items()}
+
+
 class Partitioner:
     """Partitions per source: a source whose reading keeps more than one reader busy (demand x read seconds
-    per sample) is split, with the same hysteresis as the workers; merged back when the demand falls."""
+    per sample, ``read_needs``) is split, with the same hysteresis as the workers; merged back when the demand
+    falls (never below ``cfg.min_workers`` partitions)."""
 
     def __init__(self, cfg: PolicyConfig):
         self.cfg = cfg
         self.levels: dict[str, Level] = {}
 
-    def decide(self, now: float, read_need: Mapping[str, float], *, hold: bool = False) -> dict[str, tuple]:
-        """source -> (from, to, reason) for the sources whose partitions change; sources gone are forgotten."""
+    def decide(
+        self,
+        now: float,
+        read_need: Mapping[str, float],
+        *,
+        hold: bool = False,
+        current: Mapping[str, int] | None = None,
+    ) -> dict[str, tuple]:
+        """source -> (from, to, reason) for the sources whose partitions change; sources gone are forgotten.
+        ``current``: the partitions a source first seen here has (default 1)."""
         out = {}
         for name in set(self.levels) - set(read_need):
             del self.levels[name]
         for name, need in read_need.items():
             lv = self.levels.get(name)
             if lv is None:
-                lv = self.levels[name] = Level(self.cfg, 1, "readers")
+                lv = self.levels[name] = Level(self.cfg, (current or {}).get(name, 1), "readers")
             before = lv.value
             reason = lv.update(now, need, hold=hold)
             if reason is not None:

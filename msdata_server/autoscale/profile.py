@@ -42,6 +42,9 @@ class ProfileFigures:
     memory_bytes: int
 
 
+_CUMULATIVE = ("samples_transformed", "cpu_s", "worker_s", "samples_read", "read_s", "bytes_read", "tokens_read")
+
+
 class Ewma:
     """Exponentially weighted mean of a rate or an amount, decaying with time constant ``tau`` seconds."""
 
@@ -98,7 +101,8 @@ class SourceProfile:
 
     def observe(self, now: float, c: Counters) -> None:
         """Counters taken at ``now`` (seconds, monotonic); the first call only sets the baseline. A counter that
-        went down (a job restarted, its loaders are new) restarts the baseline without a sample."""
+        went down (a job restarted, its loaders are new, or a drained partition's loader closed after a split or
+        merge) restarts the baseline without a sample."""
         self._memory = c.memory_bytes
         prev, self._prev = self._prev, (now, c)
         if prev is None:
@@ -109,7 +113,7 @@ class SourceProfile:
             return
         dx = c.samples_transformed - p.samples_transformed
         dr = c.samples_read - p.samples_read
-        if dx < 0 or dr < 0:
+        if any(getattr(c, k) < getattr(p, k) for k in _CUMULATIVE):
             return
         self._cpu.add(c.cpu_s - p.cpu_s, dx, dt)
         self._worker.add(c.worker_s - p.worker_s, dx, dt)

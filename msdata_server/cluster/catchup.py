@@ -20,6 +20,7 @@ from ..job.view import ThreadView
 from ..planner import Planner
 from ..planner.spec import planner_config
 from ..tasks import TaskSet
+from .parts import RunParts
 from .planwire import encode_plan
 from .statestore import EtcdStateStore
 
@@ -46,6 +47,7 @@ class RunPlans(Protocol):
     last_cut: int | None
     views: set[ThreadView]
     rank_nodes: dict[int, str]  # where each rank of the run is registered
+    parts: RunParts  # the run's partition table (every plan carries it)
 
     @property
     def token(self) -> int: ...
@@ -107,6 +109,26 @@ class CatchUp:
                         delay = min(2 * delay, 0.5)
                 await self.replay(nid, low)
 
+    def relink(self, nid: str, step: int) -> None:
+        """Our link to ``nid`` is (back) up: tell it the run first, then send it the plans from ``step`` again. A
+        node that restarted with no ranks of the job (it only owns data) has not heard of the run otherwise, yet
+        the others deal it partitions again and fetch from it. The frame names no registrations: it starts no job
+        there (``_rejoin`` does, for ranks that come back)."""
+        c = self.coord
+        if c.stopped or c.start_frame is None:
+            return
+        frame = {
+            **c.start_frame,
+            "rank_nodes": {str(r): n for r, n in c.rank_nodes.items()},
+            "token": c.token,
+            "insts": {},
+        }
+        c.tasks.spawn(self._relink(nid, frame, step), name=f"relink-{nid}")
+
+    async def _relink(self, nid: str, frame: dict, step: int) -> None:
+        await self.coord.jobs.rpc.quiet_send(nid, frame)
+        self.resend(nid, step)
+
     def resend(self, nid: str, step: int) -> None:
         """Send a node the plans of [step, planned) again (it lost some): from memory, else re-planned."""
         c = self.coord
@@ -147,7 +169,7 @@ class CatchUp:
                 st = planner.state_dict()
                 plan = await asyncio.to_thread(planner.plan_step, view)
                 header, buf = encode_plan(plan, job=c.spec.name, digest=c.digest, token=c.token)
-                header.update(state=st, gen=gen, run=c.run_id, cut=last_cut)
+                header.update(state=st, gen=gen, run=c.run_id, cut=last_cut, parts=c.parts.table.wire())
                 await c.jobs.rpc.quiet_send(nid, header, buf)
         finally:
             c.views.discard(view)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 from msdata_client.spec import JobSpec
@@ -26,7 +27,8 @@ from ..planner.history import StateHistory
 from ..planner.spec import planner_config
 from ..tasks import TaskSet
 from .catchup import CatchUp
-from .placement import partition_costs
+from .parts import PartsTable, RunParts, longest
+from .placement import partition_costs, place_split
 from .planwire import encode_plan
 from .statestore import EtcdStateStore
 
@@ -58,7 +60,8 @@ class Coordinator:
         self.coords: dict[str, JobCoordinator] = {}
         self.ended: dict[str, JobCoordinator] = {}  # the last run of a job that ended (a new run waits for it)
         self.leading = False
-        self.scaler = Scaler()  # every node's worker targets from the jobs' demand (autoscale.cluster)
+        cfg = jobs.node.config.autoscale
+        self.scaler = Scaler(headroom=cfg.headroom, cooldown_s=cfg.cooldown_s)  # targets, partitions (autoscale)
 
     def on_role(self, role: str) -> None:
         leading = role == "leader"
@@ -116,6 +119,12 @@ class Coordinator:
         lead_s = self.jobs.node.config.autoscale.interval + SPINUP_S
         for nid, frame in self.scaler.update(runs, reports, token=token, lead_s=lead_s).items():
             self.jobs.tasks.spawn(self.jobs.rpc.quiet_send(nid, frame), name="scale")
+        coords = {c.run_id: c for c in self.coords.values()}
+        for sp in self.scaler.repartition(runs, reports, now=time.monotonic(), lead_s=lead_s):
+            c = coords.get(sp.run_id)
+            if c is not None:  # placed now, applied by the run at its next planned step (cluster.parts)
+                owners = place_split(sp.n_to, sp.cost, sp.load, sp.budget)
+                c.parts.want(c.spec.source_names().index(sp.source), sp.n_to, owners, sp.reason)
 
     def _refresh(self, frame: dict) -> None:
         """A node waits for plans of a run nobody plans (its start failed on an older report, whose "next" etcd
@@ -133,7 +142,7 @@ class Coordinator:
         by = self._entries()
         for digest, c in self.coords.items():
             c.catchup.update(c.own(by.get(digest, [])))
-            c.catchup.resend(nid, c.acks.get(nid, c.low_ack()) + 1)
+            c.catchup.relink(nid, c.acks.get(nid, c.low_ack()) + 1)
 
     def _entries(self) -> dict[str, list[tuple[str, dict]]]:
         """Every node's job entries by digest (a node may hold two of one job: a run and the next one waiting)."""
@@ -230,6 +239,7 @@ class JobCoordinator:
         self.mixing = False  # a change holds the nodes right now
         self.states = StateHistory(256)  # recent planner states by step (a mixture change re-plans from one)
         self.mix_states: dict[int, dict] = {}  # cut -> the state with that change (a replay switches to it)
+        self.parts = RunParts(spec.name, spec.source_names(), PartsTable.base(len(spec.sources), 1))
 
     def _failed(self, task, exc) -> None:
         log.error("coordinator of %s failed: %s", self.spec.name, exc, exc_info=exc)
@@ -305,7 +315,7 @@ class JobCoordinator:
         run = self.jobs.runs.get(self.digest)
         if self.stopped or self.planner is None or run is None or run.id != self.run_id:
             return None
-        return run_view(self.spec, self.planner, run.shard.placement())
+        return run_view(self.spec, self.planner, run.shard.where, self.run_id)
 
     def insts_frame(self) -> dict[str, list[str]]:
         return {nid: sorted(v) for nid, v in self.insts.items()}
@@ -334,9 +344,11 @@ class JobCoordinator:
             "positions": {str(r): p for r, p in positions.items()},
             "cursor": planner.state_dict().get("cursor"),
         }
-        if resume:  # keep the partition count of the run the nodes already hold
-            self.start_frame["nparts"] = self._nparts_of_nodes() or self.start_frame["nparts"]
-        costs = self._costs(int(self.start_frame["nparts"]), resume)
+        held = self.jobs.runs.get(self.digest)  # a resumed run keeps the partitions of the run the nodes hold
+        held = held if resume and held is not None and held.id == self.run_id else None
+        self.start_frame["nparts"] = held.shard.nparts if held is not None else self.start_frame["nparts"]
+        self.start_frame["parts"] = longest(j.get("parts") for j in per.values()) if resume else None
+        costs = self._costs(int(self.start_frame["nparts"]), resume, held)
         if costs is not None:  # placement by measured cost x share (autoscale.cluster), the same on every node
             self.start_frame["costs"] = costs
         frame = {
@@ -363,18 +375,13 @@ class JobCoordinator:
         )
         await self._plan_loop(planner)
 
-    def _costs(self, nparts: int, resume: bool) -> list[float] | None:
+    def _costs(self, nparts: int, resume: bool, held) -> list[float] | None:
         """Partition costs for placement: a resumed run keeps those of the run the nodes hold; a new one weighs
         the declared share by the measured cost per token (``autoscale.cluster.start_costs``)."""
         if resume:
-            run = self.jobs.runs.get(self.digest)
-            return list(run.shard.costs) if run is not None and run.id == self.run_id else None
+            return list(held.shard.costs) if held is not None else None
         declared = partition_costs(self.spec.mix, self.spec.source_names(), nparts)
         return start_costs(self.spec.name, self.spec.source_names(), declared, self.parent.reports)
-
-    def _nparts_of_nodes(self) -> int | None:
-        run = self.jobs.runs.get(self.digest)
-        return run.shard.nparts if run is not None and run.id == self.run_id else None
 
     # ---- planning -------------------------------------------------------------------------------------------
     @property
@@ -391,7 +398,7 @@ class JobCoordinator:
             raise ClosedError(f"job {self.spec.name}: this node did not take up the run it started")
         view = self.view(run, loop)
         window = self.spec.prefetch_steps + 1
-        self.planner = planner
+        self.planner, self.parts.table = planner, run.shard.where.table  # a resumed run: the table nodes hold
         while not self.stopped:
             while not self.stopped and self._planning.step > self.low_ack() + window:
                 self.acked.clear()
@@ -419,7 +426,8 @@ class JobCoordinator:
             log.warning("job %s: no longer leader at step %d; planning stops", self.spec.name, step)
             return False
         header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
-        header.update(state=state, gen=self.gen, run=self.run_id, cut=self.last_cut)
+        parts = self.parts.at(step, state.get("cursor"))  # splits and merges from this step (cluster.parts)
+        header.update(state=state, gen=self.gen, run=self.run_id, cut=self.last_cut, parts=parts)
         self.sent[step] = (header, buf)
         self.states.record(step, state)
         low = self.low_ack()

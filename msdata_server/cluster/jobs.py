@@ -14,7 +14,8 @@ frame       from -> to         what
 jobs        node -> leader     report: per job registration (``inst``), its ranks, positions, states,
                                the run it belongs to and the next step it lacks
 jstart      leader -> nodes    start or rejoin a run: run id, spec, registrations, positions, nparts
-plan        leader -> nodes    one step's plan (payload), its planner state, generation and latest cut
+plan        leader -> nodes    one step's plan (payload), its planner state, generation and latest cut,
+                               the run's partition table (splits and merges: ``cluster.parts``)
 ack / need  node -> leader     the last step fed here / the step it lacks (the leader re-sends)
 jstop       leader -> nodes    the run ended (every rank left)
 len, fetch  node -> owner      lengths for the planner / a step's payloads (replied with ``rep``)
@@ -147,7 +148,7 @@ class ClusterJobs:
         peer may be gone; its lease would say so only later). A fetch waiting for placement to settle goes on."""
         changed = [run for run in self.runs.values() if run.shard.where.node_down(nid)]
         for run in changed:
-            self.tasks.spawn(self._rebalance(run), name="shard-takeover")
+            self.tasks.spawn(self.rebalance(run), name="shard-takeover")
         if changed:
             self._wake_settle()
 
@@ -155,7 +156,8 @@ class ClusterJobs:
         self._settled.set()
         self._settled = asyncio.Event()
 
-    async def _rebalance(self, run: Run) -> None:
+    async def rebalance(self, run: Run) -> None:
+        """Open the partitions placed here now, close the others (a node went or came, a split or merge)."""
         try:
             await run.shard.rebalance()
         except MsdataError as e:
@@ -166,7 +168,7 @@ class ClusterJobs:
         for run in list(self.runs.values()):
             if nid in run.shard.where.down:
                 run.shard.where.node_up(nid)
-                self.tasks.spawn(self._rebalance(run), name="shard-rejoin")
+                self.tasks.spawn(self.rebalance(run), name="shard-rejoin")
         self.coordinator.link_up(nid)  # the leader re-sends the plans that node may lack
         if nid == self.cluster.leader_id:  # a follower reports again and says which step it lacks
             self.reports.changed()
@@ -181,7 +183,7 @@ class ClusterJobs:
             ev.clear()
             self._wake_settle()
             for run in list(self.runs.values()):
-                await self._rebalance(run)
+                await self.rebalance(run)
             self.coordinator.members_changed()
             self.reports.changed()
 
@@ -216,6 +218,7 @@ class ClusterJobs:
                 frame.get("state"),
                 (int(frame.get("token") or 0), int(frame.get("gen", 0))),
                 None if cut is None else int(cut),
+                frame.get("parts"),
             )
 
     async def _on_jstart(self, peer: str, frame: dict, payload) -> None:
@@ -284,6 +287,7 @@ class ClusterJobs:
                 "next_step": run.next_step,
                 "fed": run.fed_step,
                 "partitions_here": len(run.shard.loaders),
+                "partitions": {n: run.shard.where.table.partitions(s) for s, n in enumerate(run.spec.source_names())},
                 "shadows_here": len(run.shard.shadows),
                 "takeovers": run.shard.takeovers,
                 "payloads_pending": len(run.shard.refs),
@@ -334,6 +338,7 @@ class ClusterJobs:
             self.tasks.spawn(self._watch(run), name="run-watch")
         else:
             run.set_ranks(frame["rank_nodes"])
+        run.repartition(frame.get("parts"))  # a resumed run: the partition table a node holds with the most changes
         insts = set(frame.get("insts", {}).get(self.node_id, ()))
         for job in (self.node.jobs.get(run.spec.name), self.node.pending.get(run.spec.name)):
             if job is not None and job.digest == digest and job.inst in insts and job.state == "waiting":

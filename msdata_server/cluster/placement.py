@@ -10,16 +10,21 @@ Shadows (``[job] shadow_loaders = N``): each partition may have up to N hot stan
 owner (``place_shadows``), dealt like the owners (most costly first, to the node with the least standby load,
 then the least owned load, then by id). ``fail_over`` says where each partition goes when nodes are gone: to
 its first live standby, else (no standby left) to the plain placement over the live nodes.
+
+Splits and merges (``parts.PartsTable``): the partitions of a source's later generations are placed by the
+leader (``place_split``: by reading cost over each node's worker budget, the nodes with spare budget first);
+``PartitionLayout`` adds them after the first generation's, and a gone owner's go where ``fail_over`` puts them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import ConfigError
+from .parts import PartsTable
 
-__all__ = ["PartitionLayout", "fail_over", "partition_costs", "place", "place_shadows", "place_sources"]
+__all__ = ["PartitionLayout", "fail_over", "partition_costs", "place", "place_shadows", "place_sources", "place_split"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +70,22 @@ def place_sources(
         n = min(ids, key=lambda x: (load[x], x))
         out[s][k] = n
         load[n] += -negc
+    return out
+
+
+def place_split(n: int, cost: float, load: Mapping[str, float], budget: Mapping[str, float]) -> list[str]:
+    """Owners of a new generation's ``n`` partitions, each of reading cost ``cost``: one by one to the node whose
+    load after taking it, over its worker budget (``budget``: max workers; missing: 1), is least (then the least
+    load, then the id). ``load``: the reading cost each live node carries now (measured cost x share)."""
+    ids = _nodes(list(load))
+    if n < 1 or cost < 0:
+        raise ConfigError(f"a split needs n >= 1 partitions of cost >= 0, got {n=} {cost=}")
+    held = {x: float(load[x]) for x in ids}
+    out = []
+    for _ in range(n):
+        nid = min(ids, key=lambda x: ((held[x] + cost) / max(float(budget.get(x, 1.0)), 1e-9), held[x], x))
+        out.append(nid)
+        held[nid] += cost
     return out
 
 
@@ -142,7 +163,8 @@ class PartitionLayout:
     """Owner (and, with shadows, standbys) of every partition of one run over the live nodes, as this node sees
     them. Without shadows: ``place_sources`` over the live members. With shadows: sticky while nodes only leave
     (a leaving node's partitions go to their standbys, ``fail_over``), dealt afresh when a node joins or comes
-    back, or when the costs change. ``down``: nodes our link to broke (gone until they come back)."""
+    back, or when the costs change. ``down``: nodes our link to broke (gone until they come back). Partitions of
+    later generations (``table``, splits and merges) follow, at their named owners (``_later``)."""
 
     def __init__(
         self,
@@ -158,12 +180,26 @@ class PartitionLayout:
         self.costs = costs  # per source: the placement cost of one partition (the autoscaler may measure them)
         self.live, self.me = live, me
         self.down: set[str] = set()
+        self.table = PartsTable.base(nsources, nparts)
         self._last: tuple[frozenset[str], list[list[str]], list[list[tuple[str, ...]]], tuple] | None = None
 
     def placement(self) -> list[list[str]]:
         if not self.n_shadows:
-            return place_sources([self.nparts] * self.nsources, self.live(), self.costs)
+            return self._later(place_sources([self.nparts] * self.nsources, self.live(), self.costs), self.live())
         return self.layout()[0]
+
+    def _later(self, rows: list[list[str]], alive: Sequence[str]) -> list[list[str]]:
+        """Owners of every partition: the first generation's ``rows``, then the later generations' named owners
+        (a gone owner's partition goes where ``fail_over`` puts it)."""
+        later = [[o for g in row[1:] for o in g.owners or ()] for row in self.table.gens]
+        idx = [s for s, row in enumerate(later) if row]
+        if not idx:
+            return rows
+        moved, _ = fail_over([later[s] for s in idx], [[()] * len(later[s]) for s in idx], alive)
+        out = [list(row) for row in rows]
+        for s, row in zip(idx, moved):
+            out[s] += row
+        return out
 
     def layout(self) -> tuple[list[list[str]], list[list[tuple[str, ...]]]]:
         """(owner, standbys) of every partition."""
@@ -171,7 +207,7 @@ class PartitionLayout:
         costs = tuple(self.costs)
         old = self._last
         if old is not None and old[0] == alive and old[3] == costs:
-            return old[1], old[2]
+            return self._later(old[1], sorted(alive)), self._padded(old[2])
         if old is None or not alive < old[0] or old[3] != costs:  # a join, or new costs: dealt afresh
             owners = place_sources([self.nparts] * self.nsources, sorted(alive), self.costs)
         else:
@@ -188,7 +224,11 @@ class PartitionLayout:
                 )
         shadows = place_shadows(owners, sorted(alive), self.n_shadows, self.costs)
         self._last = (alive, owners, shadows, costs)
-        return owners, shadows
+        return self._later(owners, sorted(alive)), self._padded(shadows)
+
+    def _padded(self, shadows: list[list[tuple[str, ...]]]) -> list[list[tuple[str, ...]]]:
+        """Standbys of every partition: later generations have none."""
+        return [row + [()] * (self.table.count(s) - len(row)) for s, row in enumerate(shadows)]
 
     def node_down(self, nid: str) -> bool:
         """Our link to node nid broke: with shadows, its partitions go to their standbys now (not at its lease's

@@ -55,6 +55,7 @@ class LeaderReports:
                     "running": mine is not None,
                     "next": mine.next_step if mine is not None else None,
                     "fed": mine.fed_step if mine is not None else None,
+                    "parts": mine.shard.where.table.wire() if mine is not None else None,  # splits and merges
                 }
             )
         rep: dict = {"t": "jobs", "node": self.node_id, "jobs": jobs}

@@ -26,7 +26,7 @@ from ..job.seams import CutLog, Steps
 from ..lineage.replay import held_window
 from ..planner import StepPlan
 from ..tasks import TaskSet
-from .shard import JobShard
+from .shard import JobShard, repartition, retire
 
 if TYPE_CHECKING:
     from ..job import Job
@@ -54,6 +54,8 @@ class RunHost(Protocol):
     async def set_mixture(self, run: Run, weights: dict) -> int: ...
 
     async def mix_state(self, run: Run) -> dict: ...
+
+    async def rebalance(self, run: Run) -> None: ...
 
 
 log = logging.getLogger(__name__)
@@ -117,8 +119,14 @@ class Run:
 
     # ---- plans arriving -----------------------------------------------------------------------------------
     def add_plan(
-        self, plan: StepPlan, state: dict | None, key: tuple[int, int] = (0, 0), cut: int | None = None
+        self,
+        plan: StepPlan,
+        state: dict | None,
+        key: tuple[int, int] = (0, 0),
+        cut: int | None = None,
+        parts: list | None = None,
     ) -> None:
+        """A plan from the leader (``parts``: its partition table, applied before the plan is counted)."""
         if key < self.gen_key:
             return  # planned before a mixture change: its steps were planned again
         if cut is not None and key > self.gen_key:
@@ -133,9 +141,9 @@ class Run:
                 self.next_step,
             )
             return
-        self.early[plan.step] = (plan, state)  # a later step may overtake a re-sent one: keep it until its turn
+        self.early[plan.step] = (plan, state, parts)  # a later step may overtake a re-sent one: keep it till its turn
         while self.next_step in self.early:
-            plan, state = self.early.pop(self.next_step)
+            plan, state, parts = self.early.pop(self.next_step)
             self.plans[plan.step] = plan
             if state is not None:
                 self.states[plan.step] = state
@@ -143,10 +151,35 @@ class Run:
                 self.shard.state = state
                 for old in [s for s in self.states if s <= plan.step - KEEP_STATES]:
                     del self.states[old]
+            self.repartition(parts)
             self.next_step = plan.step + 1
             self.shard.add_refs(plan, self.group_nodes)
+            if self.shard.where.table.ended:
+                retire(self.shard)
             self._skip_held()
         self.arrived.set()
+
+    def repartition(self, parts: list | None) -> None:
+        """The leader's partition table, with a plan or a resumed run's start (``cluster.parts``; None: none
+        came): new partitions placed here open."""
+        if parts is None:
+            return
+        try:
+            changed = repartition(self.shard, parts)
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning(
+                "node %s: job %s: ignored a malformed partition table: %s", self.jobs.node_id, self.spec.name, e
+            )
+            return
+        if changed:
+            log.info(
+                "node %s: job %s: partitions per source %s from step %d",
+                self.jobs.node_id,
+                self.spec.name,
+                {name: self.shard.where.table.partitions(s) for s, name in enumerate(self.spec.source_names())},
+                self.next_step,
+            )
+            self.jobs.tasks.spawn(self.jobs.rebalance(self), name="shard-repartition")
 
     def _skip_held(self) -> None:
         """Past the steps already received (they arrived before the node's ranks said where they are)."""

@@ -11,6 +11,10 @@ plans like its owner. When the owner's node is gone (our link to it broke, or it
 comes first: ``node_down``) the partition goes to its first live standby (``fail_over``), which seeks its
 loader to the newest planner cursor it saw and serves. With shadows, the layout sticks: a node that leaves moves
 only its own partitions; a node that joins (or comes back) re-deals every partition as without shadows.
+
+Splits and merges (``parts``): the leader's partition table comes with its plans; ``repartition`` applies it
+(loaders of an ended generation read ahead no further and drop what they read past its end), ``rebalance``
+opens the new generation's partitions placed here, and ``retire`` closes ended ones once they hold nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from .placement import PartitionLayout, partition_costs
 from .shardmeta import BLOCK, ShardMetadata, retryable
 from .shardrefs import ShardRefs
 
-__all__ = ["BLOCK", "JobShard", "ShardPayloads", "answer", "pack_docs", "split_docs"]
+__all__ = ["BLOCK", "JobShard", "ShardPayloads", "answer", "pack_docs", "repartition", "retire", "split_docs"]
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +75,8 @@ class JobShard:
         self.meta = ShardMetadata(self)  # lengths and vision figures of any partition, for the planner
 
     # ---- placement --------------------------------------------------------------------------------------
-    def part(self, ordinal: int) -> int:
-        return (int(ordinal) // BLOCK) % self.nparts
+    def part(self, s: int, ordinal: int) -> int:
+        return self.where.table.part(s, ordinal)
 
     def placement(self) -> list[list[str]]:
         return self.where.placement()
@@ -84,9 +88,6 @@ class JobShard:
     @costs.setter
     def costs(self, costs: list[float]) -> None:
         self.where.costs = costs
-
-    def owner(self, s: int, k: int) -> str:
-        return self.placement()[s][k]
 
     async def rebalance(self) -> None:
         """Open the loaders of the partitions placed here (a standby here takes over first), build the standbys
@@ -104,16 +105,16 @@ class JobShard:
                     await self.loader(s, k)
         for s, k in list(self.loaders):
             if pl[s][k] != me:
-                await self._close(self.loaders.pop((s, k)), (s, k))
+                await self.close_loader(self.loaders.pop((s, k)), (s, k))
         for s, standbys in enumerate(sh):
             for k, nids in enumerate(standbys):
                 if me in nids and (s, k) not in self.loaders:
                     await self.standby(s, k)
         for s, k in list(self.shadows):
             if me not in sh[s][k]:
-                await self._close(self.shadows.pop((s, k)), (s, k))
+                await self.close_loader(self.shadows.pop((s, k)), (s, k))
 
-    async def _close(self, ld: SourceLoader, key: tuple[int, int]) -> None:
+    async def close_loader(self, ld: SourceLoader, key: tuple[int, int]) -> None:
         src = self._sources.pop(key)
         await ld.aclose()
         src.close()
@@ -172,8 +173,10 @@ class JobShard:
                 self._opening.pop((s, k), None)
 
     async def _build(self, s: int, k: int) -> tuple[Source, SourceLoader]:
-        """Partition (s, k)'s source opened (files, indexes) and its loader built, not started."""
+        """Partition (s, k)'s source opened (files, indexes) and its loader built, not started (one of an
+        ended generation reads ahead no further than its end)."""
         sp = self.spec.sources[s]
+        gen, kk, end = self.where.table.slot(s, k)
         src = await asyncio.to_thread(open_source, sp, seed=self.spec.seed)
         ld = SourceLoader(
             src,
@@ -181,15 +184,18 @@ class JobShard:
             transform=source_transform(self.spec, sp),
             seed=self.spec.seed,
             batch=BLOCK,
-            partition=(k, self.nparts),
+            partition=(kk, gen.n),
         )
+        if end is not None:
+            ld.stop_at(end)
         return src, ld
 
     async def _open(self, s: int, k: int) -> SourceLoader:
         sp = self.spec.sources[s]
         src, ld = await self._build(s, k)
-        if self.cursor is not None and self.cursor[s] > 0:
-            ld.seek(int(self.cursor[s]))
+        at = max(0 if self.cursor is None else int(self.cursor[s]), self.where.table.slot(s, k)[0].start * BLOCK)
+        if at > 0:
+            ld.seek(at)
         await ld.start()
         if self.closed:
             await ld.aclose()
@@ -223,7 +229,7 @@ class JobShard:
         """Whole documents of these (source, ordinal) occurrences; each served occurrence drops one reference."""
         out = []
         for s, o in zip(src.tolist(), ords.tolist()):
-            ld = await self.loader(s, self.part(o))
+            ld = await self.loader(s, self.part(s, o))
             try:
                 out.append(await ld.tokens(o))
             except BadSampleError:
@@ -250,7 +256,7 @@ class JobShard:
             by: dict[str, list[int]] = {}
             for i, (s, o) in enumerate(zip(src.tolist(), ords.tolist())):
                 if docs[i] is None:
-                    by.setdefault(pl[s][self.part(o)], []).append(i)
+                    by.setdefault(pl[s][self.part(s, o)], []).append(i)
             if not by:
                 break
             results = await asyncio.gather(
@@ -285,7 +291,7 @@ class JobShard:
         pl = self.placement()
         by: dict[str, list[int]] = {}
         for i, (s, o) in enumerate(zip(src.tolist(), ords.tolist())):
-            by.setdefault(pl[s][self.part(o)], []).append(i)
+            by.setdefault(pl[s][self.part(s, o)], []).append(i)
         for nid, idx in by.items():
             if nid == self.jobs.node_id:
                 self.unref(src[idx], ords[idx])
@@ -316,6 +322,7 @@ class JobShard:
                 "partitions_here": len(lds),
                 "shadows_here": sum(1 for si, _ in self.shadows if si == s),
                 "nparts": self.nparts,
+                "partitions": self.where.table.partitions(s),  # the run's, over all nodes (splits and merges)
                 **(summed if figs else {}),
                 **hold_figures(s, lds, self.refs, newest_state),
             }
@@ -333,6 +340,31 @@ class JobShard:
         for src in self._ids_src.values():
             src.close()
         self._ids_src.clear()
+
+
+def repartition(shard: JobShard, wire: object) -> bool:
+    """Apply the leader's partition table (``parts``; ValueError if malformed); True when it changed: the
+    caller then rebalances. Loaders of a generation that ended read ahead no further (and drop what they read
+    past its end: the new generation reads it)."""
+    table = shard.where.table.applied(wire)
+    if table == shard.where.table:
+        return False
+    shard.where.table = table
+    for (s, k), ld in [*shard.loaders.items(), *shard.shadows.items()]:
+        end = table.slot(s, k)[2]
+        if end is not None:
+            ld.stop_at(end)
+    return True
+
+
+def retire(shard: JobShard) -> None:
+    """Close the loaders here of ended generations that hold nothing and that the planner passed (a piece
+    asked for later opens one again: it reads that sample once more, uncached)."""
+    for (s, k), ld in list(shard.loaders.items()):
+        end, st = shard.where.table.slot(s, k)[2], ld.statistics()
+        passed = shard.cursor is not None and end is not None and int(shard.cursor[s]) >= end * BLOCK
+        if passed and not (st.ready or st.inflight):
+            shard.jobs.tasks.spawn(shard.close_loader(shard.loaders.pop((s, k)), (s, k)), name="shard-retire")
 
 
 async def answer(shard: JobShard, frame: dict) -> tuple[dict, bytes]:

@@ -28,7 +28,7 @@ class Shard(Protocol):
 
     def placement(self) -> list[list[str]]: ...
 
-    def part(self, ordinal: int) -> int: ...
+    def part(self, s: int, ordinal: int) -> int: ...
 
     async def loader(self, s: int, k: int) -> Any: ...
 
@@ -46,7 +46,7 @@ class ShardMetadata:
         pos = start
         while pos < end:
             hi = min(end, (pos // BLOCK + 1) * BLOCK)
-            ld = await self.shard.loader(s, self.shard.part(pos))
+            ld = await self.shard.loader(s, self.shard.part(s, pos))
             out[pos - start : hi - start] = await ld.lengths(pos, hi - pos)
             pos = hi
         return out
@@ -57,7 +57,7 @@ class ShardMetadata:
         pos, end = start, start + count
         while pos < end:
             hi = min(end, (pos // BLOCK + 1) * BLOCK)
-            ld = await self.shard.loader(s, self.shard.part(pos))
+            ld = await self.shard.loader(s, self.shard.part(s, pos))
             im, p = await ld.vision(pos, hi - pos)
             images.append(im)
             patches.append(p)
@@ -84,7 +84,7 @@ class ShardMetadata:
             pos, end = start, start + count
             while pos < end:
                 hi = min(end, (pos // BLOCK + 1) * BLOCK)
-                spans.setdefault(pl[s][self.shard.part(pos)], []).append([pos, hi - pos])
+                spans.setdefault(pl[s][self.shard.part(s, pos)], []).append([pos, hi - pos])
                 pos = hi
             try:
                 res = await asyncio.gather(*(self._ask_from(nid, s, sp, vision) for nid, sp in spans.items()))

@@ -25,7 +25,7 @@ class Shard(Protocol):
 
     def placement(self) -> list[list[str]]: ...
 
-    def part(self, ordinal: int) -> int: ...
+    def part(self, s: int, ordinal: int) -> int: ...
 
 
 class ShardRefs:
@@ -44,10 +44,10 @@ class ShardRefs:
         me = self.shard.jobs.node_id
         if standby:
             sh = self.shard.where.layout()[1]
-            keep = [me in sh[s][self.shard.part(o)] for s, o in zip(plan.source.tolist(), plan.ordinal.tolist())]
+            keep = [me in sh[s][self.shard.part(s, o)] for s, o in zip(plan.source.tolist(), plan.ordinal.tolist())]
         else:
             pl = self.shard.placement()
-            keep = [pl[s][self.shard.part(o)] == me for s, o in zip(plan.source.tolist(), plan.ordinal.tolist())]
+            keep = [pl[s][self.shard.part(s, o)] == me for s, o in zip(plan.source.tolist(), plan.ordinal.tolist())]
         idx = [i for i, k in enumerate(keep) if k]
         return np.asarray(idx, dtype=np.int64), [len(group_nodes.get(int(g), ())) for g in plan.group[idx].tolist()]
 
@@ -78,7 +78,7 @@ class ShardRefs:
             keep = [
                 i
                 for i, (s, o) in enumerate(zip(src.tolist(), ords.tolist()))
-                if (s, self.shard.part(o)) not in self.shard.loaders
+                if (s, self.shard.part(s, o)) not in self.shard.loaders
             ]
             self.shard.refs.unplan(src[keep], ords[keep], last[keep], [n[i] for i in keep])
 
@@ -96,6 +96,6 @@ class ShardRefs:
 
     def _free(self, docs: list[tuple[int, int]]) -> None:
         for s, o in docs:
-            ld = self.shard.loaders.get((s, self.shard.part(o)))
+            ld = self.shard.loaders.get((s, self.shard.part(s, o)))
             if ld is not None:
                 ld.release(np.array([o], dtype=np.int64))

@@ -5,7 +5,9 @@ kind (``--kinds``):
 
 - ``worker``: SIGKILL one transform worker of a node (its pool replaces it);
 - ``rank``: SIGKILL one rank process; the launcher, as torchrun does, stops the job's other ranks and starts
-  all six again from their newest common checkpoint (each rank saves its state_dict every ``--ckpt`` steps);
+  all six again from their newest common checkpoint (each rank saves its state_dict every ``--ckpt`` steps).
+  Like a launcher with hot spares it does not import torch again at a restart: ranks are forked from a fork
+  server that imported it once (see ``Ranks``);
 - ``follower`` / ``leader``: SIGKILL that node server and start it again, as systemd would (its ranks keep
   running and reconnect);
 - ``etcd``: SIGKILL etcd and start it again on the same data;
@@ -20,12 +22,13 @@ count and time to recover (the fault until every rank has received a batch again
 stall (the largest gap between two batches of one rank). The last line is one JSON object. Loopback only;
 stops by itself; the servers are stopped gracefully at the end and /dev/shm is checked for leftovers.
 
-``--takeover`` (or ``--takeover-only``) adds the failover of a data-owning node, with and without shadow
-loaders, side by side on the same job (dp 2 on two nodes; the third node only owns data and is SIGKILLed after
-``--takeover-at`` steps): ``takeover_s_shadow`` / ``takeover_s_cold`` are the longest wait for a batch on any
-surviving rank from the kill on (the step that needed the dead node's payloads). Without shadows the
-partitions move when the node's lease ends (``--ttl``) and are opened cold; with ``shadow_loaders = 1`` their
-standbys serve as soon as the peer link breaks. Both arms' batches are compared with each other.
+After the chaos (skip it with ``--no-takeover``; ``--takeover-only`` runs only this) comes the failover of a
+data-owning node, with and without shadow loaders, side by side on the same job (dp 2 on two nodes; the third
+node only owns data and is SIGKILLed after ``--takeover-at`` steps): ``takeover_s_shadow`` / ``takeover_s_cold``
+are the longest wait for a batch on any surviving rank from the kill on (the step that needed the dead node's
+payloads). Without shadows the partitions move when the node's lease ends (``--ttl``) and are opened cold; with
+``shadow_loaders = 1`` their standbys serve as soon as the peer link breaks. Both arms' batches are compared
+with each other. It adds about 20 s.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -130,13 +134,13 @@ def rank_main(argv: list[str]) -> None:
     def step_done(step: int) -> None:
         """The training step's collective: go on once every rank finished the step before (one of slack)."""
         nonlocal allowed
-        me.sendto(f"{rank} {step}".encode(), barrier)
+        _post(me, f"{rank} {step}", barrier)
         me.settimeout(0.5)
         while allowed < step - 1:
             try:
                 allowed = max(allowed, int(me.recv(64)))
             except TimeoutError:
-                me.sendto(f"{rank} {step}".encode(), barrier)  # the launcher may have restarted our peers
+                _post(me, f"{rank} {step}", barrier)  # the launcher may have restarted our peers
 
     signal.signal(signal.SIGUSR1, _shut_own_sockets)
     spec = msd.DGraph.from_dict(orjson.loads(Path(job).read_bytes())).spec
@@ -146,7 +150,7 @@ def rank_main(argv: list[str]) -> None:
     ):
         if state is not None:
             dc.load_state_dict(state)
-        print("ready", flush=True)
+        _say(f"rank {rank} connected")
         while True:
             b = dc.__next__()
             step, micro = int(b["step"]), int(b["micro"])
@@ -164,23 +168,80 @@ def rank_main(argv: list[str]) -> None:
             time.sleep(pace)
 
 
+def _rank_entry(argv: list[str], log: str) -> None:
+    """A rank in a child of the launcher's fork server (see ``Ranks``): its stderr to its log, then ``rank_main``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    _say(f"rank {argv[2]} forked ({'torch already imported' if 'torch' in sys.modules else 'torch NOT imported'})")
+    rank_main(argv)
+
+
+def _post(sock: socket.socket, msg: str, to: str) -> None:
+    """One collective datagram, never waiting: a full queue at the other end (it is busy, or blocked on its
+    data while a node restarts) drops it; the sender says it again after its 0.5 s wait."""
+    wait = sock.gettimeout()
+    sock.settimeout(0)  # non-blocking (its recv keeps its timeout): a datagram socket has no other user here
+    try:
+        sock.sendto(msg.encode(), to)
+    except BlockingIOError:
+        pass
+    finally:
+        sock.settimeout(wait)
+
+
+def _say(what: str) -> None:
+    """A timestamped line on stderr (the rank's log)."""
+    print(f"{time.time():.3f} pid {os.getpid()}: {what}", file=sys.stderr, flush=True)
+
+
 # ---- the harness ---------------------------------------------------------------------------------------------
 def node_of(rank: int) -> int:
     return rank % NODES  # TP pairs (2k, 2k+1) land on two nodes
 
 
+class _Forked:
+    """A rank process forked by the launcher's fork server, with the calls of ``subprocess.Popen`` the harness
+    makes (poll, wait, kill, send_signal)."""
+
+    def __init__(self, proc: multiprocessing.process.BaseProcess):
+        self.proc = proc
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank pid {self.proc.pid}", timeout or 0.0)
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def send_signal(self, sig: int) -> None:
+        assert self.proc.pid is not None
+        os.kill(self.proc.pid, sig)
+
+
 class Ranks:
     """The launcher: six rank processes; on a rank's death it restarts all of them from the newest common
-    checkpoint (the replay that follows is legitimate)."""
+    checkpoint (the replay that follows is legitimate).
 
-    def __init__(self, base: Path, job: Path, sockets: dict[int, str], every: int, pace: float, *, spares: bool):
+    Like a launcher with hot spares it does not pay a trainer's imports at a restart: the rank processes are
+    forked from a fork server that imported ``msdata_client.DataClient`` (and with it torch) once, at the start
+    (``multiprocessing`` forkserver with a preload; a torch DataLoader forks its workers after the same import).
+    A cold torch import takes 3 s on an idle core and 20-50 s for six at once on two busy ones, which would be
+    measured as the data system's restart time."""
+
+    def __init__(self, base: Path, job: Path, sockets: dict[int, str], every: int, pace: float):
         self.base, self.job, self.sockets, self.every, self.pace = base, job, sockets, every, pace
-        self.keep_spares = spares
         self.ckpt = base / "ckpt"
         self.ckpt.mkdir()
         self.stop_file = base / "stop"
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.spares: list[subprocess.Popen] = []
+        self.procs: dict[int, _Forked] = {}
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["msdata_client.client"])
         self.ledgers = {r: base / f"ledger-{r}.txt" for r in range(WORLD)}
         self.restarts = 0
         self.barrier = str(base / "barrier")
@@ -207,40 +268,23 @@ class Ranks:
                 low = min(self.done.values())
             for r in range(WORLD):
                 try:
-                    self._sock.sendto(str(low).encode(), f"{self.barrier}.{r}")
+                    _post(self._sock, str(low), f"{self.barrier}.{r}")
                 except OSError:
                     pass  # that rank is restarting
-
-    def _spare(self) -> subprocess.Popen:
-        """A warm process (torch imported) that becomes a rank when told which: a launcher with hot spares
-        restarts a job in seconds, not in the tens of seconds six torch imports take on a small machine."""
-        log = open(self.base / f"spare-{len(self.spares) + self.restarts * WORLD}.log", "ab")
-        p = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--spare"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            cwd=str(ROOT),
-        )
-        log.close()
-        return p
 
     def _spawn(self, r: int, state: Path | None) -> None:
         argv = [str(self.job), self.sockets[node_of(r)], str(r), str(self.ledgers[r]), str(self.ckpt)]
         argv += [str(self.every), str(self.pace), str(self.stop_file), self.barrier]
         if state is not None:
             argv.append(str(state))
-        p = self.spares.pop(0) if self.spares else self._spare()
-        assert p.stdin is not None
-        p.stdin.write((json.dumps(argv) + "\n").encode())
-        p.stdin.close()
-        self.procs[r] = p
+        log = str(self.base / f"rank-{r}.log")
+        proc = self._ctx.Process(target=_rank_entry, args=(argv, log), name=f"rank-{r}", daemon=False)
+        proc.start()
+        self.procs[r] = _Forked(proc)
 
     def start(self) -> None:
-        self.spares = [self._spare() for _ in range(WORLD)]
         for r in range(WORLD):
             self._spawn(r, None)
-        self.spares = [self._spare() for _ in range(WORLD)] if self.keep_spares else []
 
     def common_checkpoint(self) -> int | None:
         have: dict[int, set[int]] = {r: set() for r in range(WORLD)}
@@ -266,8 +310,6 @@ class Ranks:
         for r in range(WORLD):
             self._spawn(r, self.ckpt / f"r{r}-{step:08d}.json" if step else None)
         self.restarts += 1
-        if self.keep_spares:
-            self.spares += [self._spare() for _ in range(WORLD - len(self.spares))]
         return step or 0
 
     def running(self) -> bool:
@@ -282,10 +324,6 @@ class Ranks:
         return [r for r, p in self.procs.items() if p.poll() is not None]
 
     def close(self) -> None:
-        for p in self.spares:
-            p.kill()
-            p.wait()
-        self.spares = []
         self._closed = True
         self._sock.close()
         self._thread.join(5)
@@ -451,14 +489,13 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=60.0, help="seconds the job may take to recover at the end")
     ap.add_argument("--ttl", type=float, default=3.0, help="the nodes' etcd lease, seconds")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, ledgers)")
-    ap.add_argument("--takeover", action="store_true", help="also measure a data owner's failover, shadows vs cold")
+    ap.add_argument("--no-takeover", action="store_true", help="skip the failover measurement after the chaos")
     ap.add_argument("--takeover-only", action="store_true", help="only the failover measurement")
     ap.add_argument("--takeover-at", type=int, default=8, help="the step after which the data owner is killed")
     args = ap.parse_args()
     if args.takeover_only:
         print(json.dumps(takeover_phase(args), sort_keys=True))
         return
-    phase = takeover_phase(args) if args.takeover else None
     kinds = [k for k in args.kinds.split(",") if k]
     if bad := sorted(set(kinds) - set(KINDS)):
         raise SystemExit(f"--kinds: unknown {bad}; choose from {', '.join(KINDS)}")
@@ -490,7 +527,7 @@ def main() -> None:
         cluster.start()
         tm.wait_for(lambda: cluster.settled(set(cluster.nodes)), 60, "one leader that every node agrees on")
         sockets = {i: cluster.nodes[f"node-{i}"].socket for i in range(NODES)}
-        ranks = Ranks(base, job_path, sockets, args.ckpt, args.pace, spares="rank" in kinds)
+        ranks = Ranks(base, job_path, sockets, args.ckpt, args.pace)
         ranks.start()
         tm.wait_for(
             lambda: all(p.exists() and p.stat().st_size > 0 for p in ranks.ledgers.values()),
@@ -505,6 +542,7 @@ def main() -> None:
         while time.monotonic() < t_start + duration:
             time.sleep(0.1)
             if ranks.dead():  # a rank died on its own (or was killed): the launcher restarts the job's ranks
+                print(f"  {time.monotonic() - t_start:6.1f}s  rank(s) {ranks.dead()} died: restarting", flush=True)
                 ranks.restart_all()
             if time.monotonic() < next_fault:
                 continue
@@ -519,7 +557,8 @@ def main() -> None:
             if t0 is None:
                 continue
             faults.append((t0, kind))
-            print(f"  {time.monotonic() - t_start:6.1f}s  fault {len(faults):3d}: {kind}", flush=True)
+            at = time.strftime("%H:%M:%S", time.localtime(t0)) + f"{t0 % 1:.2f}"[1:]  # to read the logs by
+            print(f"  {time.monotonic() - t_start:6.1f}s  fault {len(faults):3d}: {kind:8} at {at}", flush=True)
         t_end = time.time()
         # let every rank get past the last fault, then stop them at a step boundary; a job that does not recover
         # within --settle seconds is reported as stuck (with its open stall), not waited for
@@ -565,20 +604,20 @@ def main() -> None:
         mx = f"{max(xs):8.2f}" if xs else f"{'-':>8}"
         print(f"{k:10} {n:5d} {p50} {mx}")
     all_rec = [x for x in rec if x is not None]
-    cold = [x for (t, k), x in zip(faults, rec) if k in ("follower", "leader") and x is not None]
     print(
         f"steps {last_step + 1}, rank restarts {ranks.restarts}, lost {result['lost']}, duplicated "
         f"{result['duplicated']} (legitimate replays {result['replayed']}), mismatched {result['mismatched']}, "
-        f"longest stall {result['max_stall_s']:.2f} s, /dev/shm leftovers {len(left)}"
+        f"longest stall {result['max_stall_s']:.2f} s, /dev/shm leftovers {len(left)}",
+        flush=True,
     )
+    phase = None if args.no_takeover else takeover_phase(args)  # after the chaos: its own clusters, side by side
     out = {
         "faults": len(faults),
         **result,
         "recover_p50_s": round(_pct(all_rec, 0.5), 2) if all_rec else None,
         "recover_max_s": round(max(all_rec), 2) if all_rec else None,
         "unrecovered": sum(1 for x in rec if x is None),
-        # without --takeover: the restart figure of follower/leader faults (no shadows involved)
-        "takeover_s_cold": phase["takeover_s_cold"] if phase else (round(_pct(cold, 0.5), 2) if cold else None),
+        "takeover_s_cold": phase["takeover_s_cold"] if phase else None,  # None: --no-takeover
         "takeover_s_shadow": phase["takeover_s_shadow"] if phase else None,
         **({"takeover": phase} if phase else {}),
         "per_kind": per_kind,
@@ -748,13 +787,7 @@ def inject(kind: str, cluster, etcd, ranks: Ranks, rng: random.Random) -> float 
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--spare":
-        import msdata_client  # noqa: F401  (warm: torch imported before the rank is needed)
-
-        line = sys.stdin.readline()
-        if line:
-            rank_main(json.loads(line))
-    elif len(sys.argv) > 1 and sys.argv[1] == "--rank":
+    if len(sys.argv) > 1 and sys.argv[1] == "--rank":
         rank_main(sys.argv[2:])
     else:
         main()

@@ -111,6 +111,7 @@ def sample(server: subprocess.Popen, prefix: str, socket: str) -> dict:
         pass
     return {
         "pss": me.get("Pss", 0),
+        "pss_anon": me.get("Pss_Anon", 0),  # what the server allocated, without shared library pages
         "uss": me.get("Private_Clean", 0) + me.get("Private_Dirty", 0),
         "workers_pss": sum(w.get("Pss", 0) for w in workers),
         "fds": len(os.listdir(f"/proc/{pid}/fd")),
@@ -255,6 +256,13 @@ def main() -> None:
         "restarts": restarts,
         "pss_growth_pct_per_hour": round(100 * growth("pss") / mean_pss, 2) if mean_pss else None,
         "uss_growth_pct_per_hour": round(100 * growth("uss") / max(1, sum(r["uss"] for r in steady) / len(steady)), 2)
+        if steady
+        else None,
+        # PSS counts file pages (shared libraries) by how many processes map them: on a shared machine it moves
+        # as other processes come and go; the anonymous part is the server's own memory
+        "pss_anon_growth_pct_per_hour": round(
+            100 * growth("pss_anon") / max(1, sum(r["pss_anon"] for r in steady) / len(steady)), 2
+        )
         if steady
         else None,
         "workers_pss_growth_mib_per_hour": round(growth("workers_pss") / 2**20, 2),

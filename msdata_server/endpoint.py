@@ -244,11 +244,16 @@ class UnixEndpoint:
                 log.error("cannot accept a client on %s: %s; retrying in 0.5 s", self.path, e)
                 await asyncio.sleep(0.5)
                 continue
-            conn_sock.setblocking(False)
-            self._next_id += 1
-            conn = ClientConn(conn_sock, loop, self._next_id)
-            self.conns.add(conn)
-            tasks.spawn(self._run(conn), name=f"client-{conn.id}")
+            self._accepted(conn_sock, loop, tasks)
+            del conn_sock  # no local of this loop may keep a closed client (and the run it joined) alive
+
+    def _accepted(self, conn_sock: socket.socket, loop: asyncio.AbstractEventLoop, tasks) -> None:
+        """Start serving one accepted client (its own task; nothing here outlives the call)."""
+        conn_sock.setblocking(False)
+        self._next_id += 1
+        conn = ClientConn(conn_sock, loop, self._next_id)
+        self.conns.add(conn)
+        tasks.spawn(self._run(conn), name=f"client-{conn.id}")
 
     async def _run(self, conn: ClientConn) -> None:
         try:

@@ -22,6 +22,7 @@ from msdata_client.spec import JobSpec
 from ..errors import MsdataError
 from ..ops.waits import WaitStats
 from ..planner import StepPlan
+from ..reclaim import collect_soon
 from ..tasks import TaskSet
 from .constructor import Constructor, estimate_slot
 from .ranks import RECONNECT_GRACE, RankPosition, RankRegistry
@@ -316,6 +317,7 @@ class Job:
         if self.payloads is not None:
             await self.payloads.aclose()
         self.close_rings()
+        collect_soon()  # the run's graph holds cycles: free it now, not at some later full collection
 
     def close_rings(self) -> None:
         """Close (and unlink) every ring of the job; idempotent, safe after a failed or timed-out close."""

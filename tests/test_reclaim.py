@@ -1,0 +1,51 @@
+"""A closed run gives its memory back at once (issue 14, the soak): nothing keeps its Job alive once its ranks
+left, and the reference cycles of its object graph are collected by the server itself, not at some later
+full collection. Automatic collection is off during the test, so only the server's own collection can free
+the run: without it (or with a reference left behind, such as the accept loop holding the last client)
+the Job stays and the test fails."""
+
+from __future__ import annotations
+
+import gc
+import os
+import secrets
+import weakref
+
+import msdata_client as msd
+from msdata_server.config import NodeConfig, ServerConfig
+from msdata_server.demo import serve_in_thread, stop_server
+
+from .e2e_util import poll_until, small_job
+
+
+def test_closed_run_is_freed_without_automatic_gc(tmp_path):
+    cfg = ServerConfig(
+        node=NodeConfig(
+            id="reclaim",
+            socket=os.path.join(str(tmp_path), "msdata.sock"),
+            workers=0,
+            shm_prefix="rc" + secrets.token_hex(3),
+            log_level="WARNING",
+        )
+    )
+    spec = small_job("reclaim", dp=1, samples=200)
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    server, loop, thread = serve_in_thread(cfg)
+    try:
+        refs = []
+        for run in range(2):  # two runs one after another, as a restarted trainer
+            with msd.DataClient(spec, endpoint=cfg.node.socket, rank=0, world_size=1) as dc:
+                for _ in range(6):
+                    next(dc)
+                job = server.jobs.get("reclaim")
+                assert job is not None and job.state == "running", f"run {run}: the job did not start"
+                refs.append(weakref.ref(job))
+                del job
+            poll_until(lambda: refs[-1]() is None, f"run {run}'s closed Job to be freed (gc is off)", timeout=30)
+        assert not server.jobs, "no job is left registered once every rank left"
+    finally:
+        stop_server(server, loop, thread)
+        if was_enabled:
+            gc.enable()

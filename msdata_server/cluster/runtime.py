@@ -242,8 +242,12 @@ class ClusterNode:
                 self._redial(nid)
 
     async def send(self, nid: str, frame: dict, payload=None) -> None:
-        """Send a frame (and a payload buffer) to a peer over our outgoing link; PeerLostError if none."""
+        """Send a frame (and a payload buffer) to a peer over our outgoing link; PeerLostError if none. A reply
+        (``rep``) goes back over the peer's link to us while ours is not up: its request came that way and the
+        peer waits for it (our link to a peer that just restarted comes up only after its link to us)."""
         link = self.links.get(nid)
+        if (link is None or link.closed.done()) and frame.get("t") == "rep":
+            link = self.peers.links.get(nid)
         if link is None or link.closed.done():
             raise PeerLostError(f"no link to peer {nid!r} (members {sorted(self.members)})")
         if payload is None:

@@ -25,6 +25,7 @@ from ..planner import StepPlan
 from ..reclaim import collect_soon
 from ..tasks import TaskSet
 from .constructor import Constructor, estimate_slot
+from .late import LateGroups, history_depth
 from .ranks import RECONNECT_GRACE, RankPosition, RankRegistry
 from .rings import RingConfig, RingSet
 from .seams import PayloadSource, PlanFeed
@@ -81,6 +82,7 @@ class Job:
         self._forget = forget
         self._on_idle = on_idle  # an away rank was dropped: the node closes the job if nobody is left
         self._distributing: StepPlan | None = None  # the plan being queued in the groups
+        self.late: LateGroups | None = None  # while some group has no reader here (job.late)
         self._closing: asyncio.Task | None = None  # aclose() after a failure (it cancels self.tasks)
         self.mixture_listeners: list[Callable[[str, int], None]] = []  # (job, cut) after a set_mixture
 
@@ -98,7 +100,10 @@ class Job:
     ) -> None:
         """Register a rank (checked with ``ranks.check_rank``/``check_state``); a running job welcomes it. A rank
         that comes back to a running job continues at ``position``: the notices kept for it from there on are
-        sent again, the earlier slots it still ``held`` stay taken, the rest are freed (``ranks.rejoin``)."""
+        sent again, the earlier slots it still ``held`` stay taken, the rest are freed (``ranks.rejoin``); the
+        first reader of a group here after the start gets the group built here from its position (``late``)."""
+        if self.late is not None and (grp := self.groups[self.spec.group_of(rank)]).rings is None:
+            await self.late.activate(grp, rank, position)
         self.ranks.add(conn, rank, position, state, resume, client)
         conn.job, conn.rank = self, rank
         if self.state == "running":
@@ -108,16 +113,7 @@ class Job:
             self._welcome(rank, back.kept)
             for frame in back.resend:
                 self.ranks.send([rank], frame)
-            if back.resend or back.kept:
-                log.info(
-                    "job %s: rank %d is back at step %d micro %d: %d micro-batch(es) sent again, %d still held",
-                    self.name,
-                    rank,
-                    position.step,
-                    position.micro,
-                    len(back.resend),
-                    len(back.kept),
-                )
+            back.report(self.name, rank, position)
 
     def detach(self, conn) -> None:
         """A rank's socket closed. A rank that said bye, or whose process exited, is dropped (every slot it held
@@ -202,21 +198,16 @@ class Job:
         self.ranks.place(positions)
         self.start_step = feed.start_step
         start = min(self.ranks.positions.values())
-        cp = self.mesh.cp if spec.distribute != "world" else 1
-        est = estimate_slot(spec, cp)
+        self._cp = self.mesh.cp if spec.distribute != "world" else 1
+        self._slot_est = estimate_slot(spec, self._cp)
         for g in range(spec.data_groups()):
             readers = spec.readers(g)
             grp = Group(index=g, readers=readers, queue=StepQueue(spec.prefetch_steps), committed=self.start_step - 1)
             if any(r in self.ranks.conns for r in readers):  # read here: rings and a constructor
-                grp.rings = RingSet(
-                    self._ring_cfg,
-                    job=self.name,
-                    group=g,
-                    ids=self._ring_ids,
-                    announce=partial(self.ranks.send, readers),
-                )
-                await grp.rings.open(est)
+                grp.rings = await self.open_rings(grp)
             self.groups.append(grp)
+        if any(g.rings is None for g in self.groups):
+            self.late = LateGroups(self, history_depth(spec.prefetch_steps, self._ring_cfg.slots, spec.micro_batches))
         self.state = "running"
         self.started_at = time.monotonic()
         log.info(
@@ -225,7 +216,7 @@ class Job:
             self.mesh.world_size,
             len(self.groups),
             self._ring_cfg.slots,
-            est / 2**20,
+            self._slot_est / 2**20,
             start.step,
             start.micro,
         )
@@ -236,18 +227,31 @@ class Job:
         self.tasks.spawn(self._distribute(), name=f"{self.name}-plans")
         for grp in self.groups:
             if grp.rings is not None:
-                con = Constructor(
-                    spec=spec, group=grp, ranks=self.ranks, feed=feed, payloads=payloads, cp=cp, tasks=self.tasks
-                )
-                self.tasks.spawn(con.run(), name=f"{self.name}-constructor-{grp.index}")
+                self.construct(grp)
+
+    async def open_rings(self, grp: Group) -> RingSet:
+        announce = partial(self.ranks.send, grp.readers)
+        rings = RingSet(self._ring_cfg, job=self.name, group=grp.index, ids=self._ring_ids, announce=announce)
+        await rings.open(self._slot_est)
+        return rings
+
+    def construct(self, grp: Group) -> None:
+        assert self.feed is not None and self.payloads is not None
+        feed, payloads, ranks = self.feed, self.payloads, self.ranks
+        con = Constructor(
+            spec=self.spec, group=grp, ranks=ranks, feed=feed, payloads=payloads, cp=self._cp, tasks=self.tasks
+        )
+        self.tasks.spawn(con.run(), name=f"{self.name}-constructor-{grp.index}")
 
     async def _distribute(self) -> None:
         """Queue every plan the feed hands out in each group read here, in step order."""
         assert self.feed is not None
         feed = self.feed
-        local = [g for g in self.groups if g.rings is not None]
         while True:
             plan, epoch = await feed.next()
+            local = [g for g in self.groups if g.rings is not None]  # a group's first reader may come mid-run
+            if self.late is not None:
+                self.late.record(plan, epoch)
             self.plans.record(plan.stats)
             self._distributing = plan
             queued = True

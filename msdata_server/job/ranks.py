@@ -51,6 +51,19 @@ class Rejoin:
     kept: list[list[int]]
     free: list[tuple[int, int]]
 
+    def report(self, job: str, rank: int, position: RankPosition) -> None:
+        """Log what the rank gets again, if anything."""
+        if self.resend or self.kept:
+            log.info(
+                "job %s: rank %d is back at step %d micro %d: %d micro-batch(es) sent again, %d still held",
+                job,
+                rank,
+                position.step,
+                position.micro,
+                len(self.resend),
+                len(self.kept),
+            )
+
 
 class RankRegistry:
     """Connections, positions and brought states of a job's ranks on this node."""

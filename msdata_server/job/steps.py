@@ -43,6 +43,13 @@ class StepQueue:
         self._space.set()
         return plan
 
+    def backfill(self, plans: list[StepPlan]) -> None:
+        """Queue plans handed out before this group was read here, ahead of any later one (past the bound: they
+        are the past; the producer waits for room as before)."""
+        self.items.extendleft(reversed(plans))
+        if self.items:
+            self._data.set()
+
     def drop_from(self, step: int) -> list[StepPlan]:
         dropped = [p for p in self.items if p.step >= step]
         self.items = deque(p for p in self.items if p.step < step)

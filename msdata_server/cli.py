@@ -92,6 +92,9 @@ def _cmd_status(args) -> int:
             return 2
         from .ops.watch import watch
 
+        # Ctrl-C (SIGINT) leaves the screen even when started with SIGINT ignored (a background job of a
+        # non-interactive shell inherits that, and Python then never raises KeyboardInterrupt)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             return watch(endpoint, args.interval)
         except KeyboardInterrupt:  # the usual way to leave the screen

@@ -50,10 +50,13 @@ def _node_ranks(
     rank0=None,
     connect_timeout: dict[int, float] | None = None,
     gone: int | None = None,
+    together: bool = False,
 ):
     """One rank per node (rank r on node-{node_of[r]}, by default node-r), each in a thread reading n batches
     and pausing after ``pause_at`` of them until ``go`` is set. ``rank0(dc, i)`` runs before rank 0 reads
-    batch i; rank ``gone`` stops at the pause (its node is about to die). Returns (got, errs, go, threads)."""
+    batch i; rank ``gone`` stops at the pause (its node is about to die); ``together``: no rank leaves before
+    every rank read its n batches (a training run's ranks end at one collective). Returns (got, errs, go,
+    threads)."""
     import msdata_client as msd
 
     from .e2e_util import batch_record
@@ -62,6 +65,7 @@ def _node_ranks(
     got: dict[int, list] = {r: [] for r in range(NODES)}
     errs: dict[int, BaseException] = {}
     go = threading.Event()
+    end = threading.Barrier(NODES) if together else None
 
     def body(r):
         try:
@@ -82,6 +86,8 @@ def _node_ranks(
                 b = next(dc)
                 got[r].append(batch_record(b))
                 del b
+            if end is not None:
+                end.wait(120)
             dc.close()
         except BaseException as e:  # reported to the test
             errs[r] = e

@@ -31,6 +31,7 @@ def _ranks(c, spec, n: int, node_of: dict[int, str], pause: dict[int, int], late
     got: dict[int, list] = {r: [] for r in node_of}
     errs: dict[int, BaseException] = {}
     go, go_late = threading.Event(), threading.Event()
+    end = threading.Barrier(len(node_of))  # the ranks end together, as a training run's do (none leaves early)
 
     def body(r):
         try:
@@ -43,6 +44,7 @@ def _ranks(c, spec, n: int, node_of: dict[int, str], pause: dict[int, int], late
                 b = next(dc)
                 got[r].append(batch_record(b))
                 del b
+            end.wait(120)
             dc.close()
         except BaseException as e:  # reported to the test
             errs[r] = e

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-import msdata_client as msd
 from msdata_server.autoscale.cluster import (
     LeaderTargets,
     RunView,
@@ -25,6 +24,7 @@ from msdata_server.cluster.placement import place_sources
 from msdata_server.planner.mixture import Mixture
 
 from .etcd_fixture import etcd_server, fresh_etcd  # noqa: F401  (fixtures)
+from .test_autoscale_e2e import burner_graph
 from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
 from .test_multinode_jobs import NODES, _at_pause, _node_ranks, _send_peer_frame
 
@@ -214,18 +214,7 @@ cooldown = 0.3
 
 
 def _job():
-    g = msd.DGraph("ascl", seed=5)
-    for src, ms in (("a", 0.05), ("b", 0.5)):
-        g.source(
-            src,
-            "synthetic",
-            samples=600,
-            median=100.0,
-            sigma=0.5,
-            min_len=8,
-            max_len=512,
-            transform=f"tests.test_autoscale_e2e:burner(ms={ms})",
-        )
+    g = burner_graph("ascl", seed=5, ms={"a": 0.05, "b": 0.5}, samples=600)
     g.mix({"a": 0.5, "b": 0.5}).pack(512, rows=1, micro_batches=2).mesh(dp=NODES).prefetch(2)
     return g.plan()
 

@@ -15,6 +15,7 @@ import msdata_client as msd
 from .e2e_util import batch_record, run_ranks
 from .etcd_fixture import etcd_server, fresh_etcd  # noqa: F401  (fixtures)
 from .test_autoscale_cluster import _cluster
+from .test_autoscale_e2e import burner_graph
 from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
 from .test_multinode_jobs import NODES, _send_peer_frame
 
@@ -25,18 +26,9 @@ STEPS, PAUSES = 36, (5, 12)
 
 def _job():
     """Two sources of short documents (a block of 64 samples of b per step), b 10x costlier to transform."""
-    g = msd.DGraph("ascsplit", seed=9)
-    for src, ms in (("a", 0.02), ("b", 0.2)):
-        g.source(
-            src,
-            "synthetic",
-            samples=4000,
-            median=24.0,
-            sigma=0.4,
-            min_len=4,
-            max_len=128,
-            transform=f"tests.test_autoscale_e2e:burner(ms={ms})",
-        )
+    g = burner_graph(
+        "ascsplit", seed=9, ms={"a": 0.02, "b": 0.2}, samples=4000, median=24.0, sigma=0.4, min_len=4, max_len=128
+    )
     g.mix({"a": 0.5, "b": 0.5}).pack(512, rows=1, micro_batches=2).mesh(dp=NODES).prefetch(2)
     return g.plan()
 

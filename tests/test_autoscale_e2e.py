@@ -42,19 +42,27 @@ def burner(ms: float = 1.0):
     return fn
 
 
-def job(name: str, *, schedule: bool):
-    g = msd.DGraph(name, seed=3)
-    for src, ms in (("a", 0.02), ("b", 2.0)):
+def burner_graph(
+    name: str, *, seed: int, ms: dict[str, float], samples: int, median=100.0, sigma=0.5, min_len=8, max_len=512
+) -> msd.DGraph:
+    """A DGraph of synthetic sources whose transforms burn ``ms[source]`` milliseconds a document (``burner``)."""
+    g = msd.DGraph(name, seed=seed)
+    for src, cost in ms.items():
         g.source(
             src,
             "synthetic",
-            samples=4000,
-            median=100.0,
-            sigma=0.5,
-            min_len=8,
-            max_len=512,
-            transform=f"{__name__}:burner(ms={ms})",
+            samples=samples,
+            median=median,
+            sigma=sigma,
+            min_len=min_len,
+            max_len=max_len,
+            transform=f"{__name__}:burner(ms={cost})",
         )
+    return g
+
+
+def job(name: str, *, schedule: bool):
+    g = burner_graph(name, seed=3, ms={"a": 0.02, "b": 2.0}, samples=4000)
     if schedule:
         g.mix(schedule=[(0, {"a": 0.98, "b": 0.02}), (SHIFT, {"a": 0.1, "b": 0.9})])
     else:

@@ -83,6 +83,31 @@ def sockdir():
     shutil.rmtree(d, ignore_errors=True)
 
 
+_STARTED: list[ServerProc] = []  # the server processes the running test started (their logs join its failure)
+_LOG_TAIL = 60  # lines of each server's log shown under a failed test
+
+
+@pytest.fixture(autouse=True)
+def _servers_of_this_test():
+    _STARTED.clear()
+    yield
+    _STARTED.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed (a timeout too) shows the end of each server log it made: CI keeps only its output,
+    and the temp directories holding the logs are gone by then."""
+    outcome = yield
+    rep = outcome.get_result()
+    if call.when != "call" or not rep.failed:
+        return
+    for srv in list(_STARTED):
+        tail = srv.log().splitlines()[-_LOG_TAIL:]
+        if tail:
+            rep.sections.append((f"server log {srv.dir} (last {len(tail)} lines)", "\n".join(tail)))
+
+
 class ServerProc:
     """A real `msdata-server serve` subprocess, awaited through its readiness line."""
 
@@ -123,6 +148,8 @@ class ServerProc:
             ]
         with open(os.path.join(self.dir, "server.log"), "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=str(ROOT))
+        if self not in _STARTED:
+            _STARTED.append(self)
         line = _readline(self.proc, timeout)
         if not line:
             raise RuntimeError(f"server did not become ready; log:\n{self.log()}")

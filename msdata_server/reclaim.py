@@ -8,19 +8,42 @@ server), which can take several runs: every restarted run then left its predeces
 and the allocator's high-water mark grew with the most runs ever waiting at once.
 
 ``collect_soon()`` schedules one full collection on the event loop, after the closing coroutine and its
-callers have dropped their references (a few tens of milliseconds, once per closed run).
+callers have dropped their references (a few tens of milliseconds, once per closed run), then hands the
+allocator's free pages back to the system (glibc's ``malloc_trim``: without it the freed megabytes stay in
+the heap's arenas, counted in the server's memory until some later allocation reuses them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
+from collections.abc import Callable
 
-__all__ = ["collect_soon"]
+__all__ = ["collect", "collect_soon"]
 
 _DELAY = 1.0  # seconds: once the closing tasks (and those that heard of the close) have finished
 
 
+def _find_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS): then only gc runs."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _find_trim()
+
+
+def collect() -> int:
+    """One full collection, then the free pages of every malloc arena back to the system; the objects freed."""
+    freed = gc.collect()
+    if _TRIM is not None:
+        _TRIM(0)
+    return freed
+
+
 def collect_soon() -> asyncio.TimerHandle:
-    """Schedule ``gc.collect()`` on the running loop (call it from the loop thread when a run closed)."""
-    return asyncio.get_running_loop().call_later(_DELAY, gc.collect)
+    """Schedule ``collect()`` on the running loop (call it from the loop thread when a run closed)."""
+    return asyncio.get_running_loop().call_later(_DELAY, collect)

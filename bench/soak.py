@@ -10,7 +10,14 @@ descriptors and threads, the bytes of this server's segments in /dev/shm, and th
 reports the growth per hour; a PNG plot of the series goes to bench/out/soak.png.
 
 Targets: server PSS growth under 2 % per hour after warm-up in the 30-minute run; fds and /dev/shm flat.
-The last line is one JSON object (``pss_growth_pct_per_hour``, ``fd_growth``, ``shm_growth_bytes``, ...).
+The last line is one JSON object (``pss_growth_pct_per_hour``, ``fd_growth``, ``shm_growth_bytes``, ...);
+the series goes to bench/out/soak_series.json.
+
+Reading the figures: PSS splits each shared-library page over every process mapping it, so the server's file
+share (``Pss_File``, about a fifth of its PSS) moves whenever ranks, workers or unrelated processes on the
+machine start and stop, by megabytes and in steps. The anonymous part (``Pss_Anon``) is the server's own
+memory: a leak shows there. Each growth is given twice: the least-squares slope, and the Theil-Sen slope (the
+median of the slopes between every two samples), which a few steps of the file share cannot tilt.
 """
 
 from __future__ import annotations
@@ -112,6 +119,7 @@ def sample(server: subprocess.Popen, prefix: str, socket: str) -> dict:
     return {
         "pss": me.get("Pss", 0),
         "pss_anon": me.get("Pss_Anon", 0),  # what the server allocated, without shared library pages
+        "pss_file": me.get("Pss_File", 0),  # its share of the library pages: moves with other processes
         "uss": me.get("Private_Clean", 0) + me.get("Private_Dirty", 0),
         "workers_pss": sum(w.get("Pss", 0) for w in workers),
         "fds": len(os.listdir(f"/proc/{pid}/fd")),
@@ -131,6 +139,15 @@ def slope_per_hour(ts: list[float], ys: list[float]) -> float:
     return 3600 * sum((t - mt) * (y - my) for t, y in zip(ts, ys)) / var if var else 0.0
 
 
+def robust_slope_per_hour(ts: list[float], ys: list[float]) -> float:
+    """Theil-Sen slope of ys over ts (seconds), per hour: the median of the slopes between every two samples."""
+    slopes = sorted((ys[j] - ys[i]) / (ts[j] - ts[i]) for i in range(len(ts)) for j in range(i + 1, len(ts)))
+    if not slopes:
+        return 0.0
+    mid = len(slopes) // 2
+    return 3600 * (slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -140,7 +157,8 @@ def plot(rows: list[dict], path: Path) -> None:
     t = [r["t"] / 60 for r in rows]
     fig, ax = plt.subplots(2, 2, figsize=(9, 5.5))
     ax[0][0].plot(t, [r["pss"] / 2**20 for r in rows], label="server PSS")
-    ax[0][0].plot(t, [r["uss"] / 2**20 for r in rows], label="server USS")
+    ax[0][0].plot(t, [r["pss_anon"] / 2**20 for r in rows], label="server PSS, anonymous")
+    ax[0][0].plot(t, [r["pss_file"] / 2**20 for r in rows], label="server PSS, library pages")
     ax[0][0].plot(t, [r["workers_pss"] / 2**20 for r in rows], label="workers PSS")
     ax[0][0].set_ylabel("MiB")
     ax[0][0].legend(fontsize=7)
@@ -245,24 +263,30 @@ def main() -> None:
     steady = [r for r in rows if r["t"] >= warm]
     ts = [r["t"] for r in steady]
 
-    def growth(key: str) -> float:
+    def growth(key: str, fit=slope_per_hour) -> float:
         ys = [r[key] for r in steady]
-        return slope_per_hour(ts, ys) if ys else 0.0
+        return fit(ts, ys) if ys else 0.0
+
+    def pct(key: str, fit=slope_per_hour) -> float | None:
+        """Growth per hour as a percentage of the server's mean PSS (one denominator: the parts add up)."""
+        return round(100 * growth(key, fit) / mean_pss, 2) if mean_pss else None
 
     mean_pss = sum(r["pss"] for r in steady) / max(len(steady), 1)
     out = {
         "minutes": minutes,
         "samples": len(rows),
         "restarts": restarts,
-        "pss_growth_pct_per_hour": round(100 * growth("pss") / mean_pss, 2) if mean_pss else None,
-        "uss_growth_pct_per_hour": round(100 * growth("uss") / max(1, sum(r["uss"] for r in steady) / len(steady)), 2)
+        "pss_growth_pct_per_hour": pct("pss"),
+        "pss_growth_robust_pct_per_hour": pct("pss", robust_slope_per_hour),
+        "pss_anon_growth_pct_per_hour": pct("pss_anon"),
+        "pss_anon_growth_robust_pct_per_hour": pct("pss_anon", robust_slope_per_hour),
+        "pss_file_mib_range": [
+            round(min(r["pss_file"] for r in steady) / 2**20, 1),
+            round(max(r["pss_file"] for r in steady) / 2**20, 1),
+        ]
         if steady
         else None,
-        # PSS counts file pages (shared libraries) by how many processes map them: on a shared machine it moves
-        # as other processes come and go; the anonymous part is the server's own memory
-        "pss_anon_growth_pct_per_hour": round(
-            100 * growth("pss_anon") / max(1, sum(r["pss_anon"] for r in steady) / len(steady)), 2
-        )
+        "uss_growth_pct_per_hour": round(100 * growth("uss") / max(1, sum(r["uss"] for r in steady) / len(steady)), 2)
         if steady
         else None,
         "workers_pss_growth_mib_per_hour": round(growth("workers_pss") / 2**20, 2),
@@ -275,6 +299,8 @@ def main() -> None:
         "shm_left_after_stop": len(left),
     }
     if rows:
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "soak_series.json").write_text(json.dumps(rows))
         plot(rows, OUT / "soak.png")
         print(f"plot: {OUT / 'soak.png'}")
     print(json.dumps(out))

@@ -184,6 +184,8 @@ def main() -> None:
     ap.add_argument("--mix-every", type=float, default=60.0)
     ap.add_argument("--restart-every", type=float, default=300.0)
     args = ap.parse_args()
+    # a soak stopped with SIGTERM (kill, a CI timeout) still stops its ranks and server (the finally below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     minutes = 3.0 if args.quick else args.minutes
     base = Path(tempfile.mkdtemp(prefix="mssoak-", dir="/tmp"))
     prefix = "sk" + secrets.token_hex(3)

@@ -158,6 +158,22 @@ def test_order_is_a_bijection_per_epoch(units, window, seed, epoch):
     assert np.array_equal(again.locate(np.arange(epoch * n, (epoch + 1) * n))[2][::-1], r[::-1])
 
 
+def test_order_window_cache_stays_bounded_over_a_long_walk():
+    """A long run walks window after window: the order keeps the newest _WINDOW_CACHE permutations, as int32
+    (16 KiB per 4096-row window), so a source's order cache tops out near 0.5 MiB however long the run."""
+    from msdata_server.sources import order as order_mod
+
+    order = Order.from_units(seed=3, name="long", units=[np.array([400_000])], window=4096)
+    rows = []
+    for lo in range(0, 400_000, 5_000):
+        rows.append(order.locate(np.arange(lo, lo + 5_000))[2])
+    assert np.array_equal(np.sort(np.concatenate(rows)), np.arange(400_000)), "one epoch is not a bijection"
+    cached = list(order._windows.values())
+    assert len(cached) == order_mod._WINDOW_CACHE
+    assert all(a.dtype == np.int32 for a in cached)
+    assert sum(a.nbytes for a in cached) <= order_mod._WINDOW_CACHE * 4096 * 4
+
+
 def test_window_starts_follow_units():
     assert window_starts(np.array([10, 10, 10, 10]), target=20).tolist() == [0, 20]
     assert window_starts(np.array([50]), target=20).tolist() == [0, 20, 40]

@@ -128,7 +128,7 @@ class Order:
         key = (epoch, f, w)
         got = self._windows.get(key)
         if got is None:
-            # int32 halves the cache (32 KiB, not 64, per 4096-row window; up to _WINDOW_CACHE per source)
+            # int32 halves the cache (16 KiB, not 32, per 4096-row window; up to _WINDOW_CACHE per source)
             got = make_rng(self.seed, self.name, epoch, f, w).permutation(size).astype(np.int32)
             self._windows[key] = got
             if len(self._windows) > _WINDOW_CACHE:

@@ -36,14 +36,18 @@ def _positive(v: str) -> float:
     return x
 
 
-def _lean_arrow() -> None:
+def _lean_memory() -> None:
     """Arrow's jemalloc pool returns freed decode buffers to the OS (the default kept 75-100 MiB of them);
-    it must be chosen before pyarrow is first imported. An explicit setting wins."""
+    it must be chosen before pyarrow is first imported (an explicit setting wins). glibc's heap keeps to
+    small objects (reclaim.tune_allocator)."""
     os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "jemalloc")
+    from .reclaim import tune_allocator
+
+    tune_allocator()  # glibc: big transient buffers mapped on their own, not fragmenting the heap
 
 
 def _cmd_serve(args) -> int:
-    _lean_arrow()
+    _lean_memory()
     import uvloop
 
     from .node import NodeServer
@@ -232,7 +236,7 @@ def _cmd_cleanup(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    _lean_arrow()
+    _lean_memory()
     configure_logging(args.log_level or "WARNING", "text")
     if args.vlm:  # a small image-text job (generated images; needs Pillow)
         from .demo_vlm import run_vlm_demo

@@ -11,6 +11,13 @@ and the allocator's high-water mark grew with the most runs ever waiting at once
 callers have dropped their references (a few tens of milliseconds, once per closed run), then hands the
 allocator's free pages back to the system (glibc's ``malloc_trim``: without it the freed megabytes stay in
 the heap's arenas, counted in the server's memory until some later allocation reuses them).
+
+``tune_allocator()`` (the server calls it once at start) fixes glibc's mmap threshold at 16 KiB. By default
+the threshold is dynamic: each freed mapped block raises it (up to 32 MiB), after which the server's transient
+buffers (batches being built, shuffle windows, read-ahead payloads) are carved from the heap between
+long-lived objects, and the holes they leave are too small to give back. Blocks of 16 KiB and more are then
+mapped and unmapped on their own. In the soak, side by side, the heap's free fragments halved (1.8 against
+3.6-3.9 MiB resident) and the server's anonymous memory was 2 MiB lower.
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ import ctypes
 import gc
 from collections.abc import Callable
 
-__all__ = ["collect", "collect_soon"]
+__all__ = ["collect", "collect_soon", "tune_allocator"]
 
 _DELAY = 1.0  # seconds: once the closing tasks (and those that heard of the close) have finished
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+MMAP_THRESHOLD = 16 * 1024  # bytes: blocks this large are mapped on their own, never carved from the heap
 
 
 def _find_trim() -> Callable[[int], int] | None:
@@ -34,6 +43,15 @@ def _find_trim() -> Callable[[int], int] | None:
 
 
 _TRIM = _find_trim()
+
+
+def tune_allocator(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold (which also stops its dynamic growth); False where there is no glibc."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
 
 
 def collect() -> int:

@@ -78,3 +78,36 @@ print(before - rss())
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     given_back = int(out)
     assert given_back > 32 * 2**20, f"collect() gave back only {given_back / 2**20:.1f} MiB of 48 MiB freed"
+
+
+def test_tune_allocator_keeps_big_transient_blocks_off_the_heap():
+    """glibc raises its mmap threshold each time a mapped block is freed, so later buffers of that size are
+    carved from the heap (where the holes they leave fragment it). After ``tune_allocator()`` a freed 1 MiB
+    block leaves the threshold at 16 KiB: 64 KiB blocks are still mapped on their own. The same code without
+    the call is the control, in a fresh interpreter each."""
+    import subprocess
+    import sys
+
+    code = """
+import ctypes, sys
+from msdata_server import reclaim
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "tuned":
+    assert reclaim.tune_allocator(), "mallopt refused the threshold"
+big = bytearray(1 << 20)  # mapped, then freed: glibc would raise its threshold past 1 MiB
+del big
+before = libc.mallinfo2().hblkhd
+blocks = [bytearray(64 * 1024) for _ in range(64)]  # 4 MiB
+print(libc.mallinfo2().hblkhd - before)
+"""
+
+    def mapped(mode: str) -> int:
+        run = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True)
+        return int(run.stdout)
+
+    assert mapped("tuned") >= 4 * 2**20, "after tune_allocator() 64 KiB blocks should be mapped on their own"
+    assert mapped("default") < 2**20, "control: glibc's dynamic threshold should have put them on the heap"

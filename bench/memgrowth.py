@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -70,7 +71,7 @@ class Arm:
         cfg.write_text(
             textwrap.dedent(f"""\
             [node]
-            id = "{name}"
+            id = "{re.sub(r"[^A-Za-z0-9_.-]", "_", name)}"
             socket = "{self.socket}"
             shm_prefix = "mg{secrets.token_hex(3)}"
             workers = 2
@@ -88,7 +89,9 @@ class Arm:
         )
         line = self.server.stdout.readline()
         if not line:
-            raise SystemExit(f"{name}: the server did not start; see {self.dir / 'server.log'}")
+            # the run's directory is removed on the way out: quote the log's end, not its path
+            tail = (self.dir / "server.log").read_text(errors="replace").strip().splitlines()[-5:]
+            raise SystemExit(f"{name}: the server did not start:\n" + "\n".join(tail))
         self.ranks = [
             subprocess.Popen(
                 [sys.executable, "-c", RANK, str(JOB), self.socket, str(r), str(steps), str(deadline)],

@@ -34,24 +34,21 @@ _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 MMAP_THRESHOLD = 16 * 1024  # bytes: blocks this large are mapped on their own, never carved from the heap
 
 
-def _find_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none (musl, macOS): then only gc runs."""
+def _libc(name: str) -> Callable[..., int] | None:
+    """A glibc allocator function, or None where the C library has none (musl, macOS)."""
     try:
-        return ctypes.CDLL(None).malloc_trim
+        return getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
 
 
-_TRIM = _find_trim()
+_TRIM = _libc("malloc_trim")  # None: only gc runs
 
 
 def tune_allocator(threshold: int = MMAP_THRESHOLD) -> bool:
     """Fix glibc's mmap threshold (which also stops its dynamic growth); False where there is no glibc."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+    mallopt = _libc("mallopt")
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))
 
 
 def collect() -> int:

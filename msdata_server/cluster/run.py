@@ -113,7 +113,9 @@ class Run:
         # received so far (their server restarted while the run went on), the leader's replay of the steps
         # between comes next (``catchup``) and must not be dropped as old
         self.next_step = self.start_step
-        self._skip_held()
+        for s in [s for s in self.early if s < self.next_step]:
+            del self.early[s]  # never counted (behind these ranks: never their turn)
+        self._take_turns()
         self.fed_step = self.start_step - 1
         self.feed_next = self.start_step
 
@@ -142,6 +144,15 @@ class Run:
             )
             return
         self.early[plan.step] = (plan, state, parts)  # a later step may overtake a re-sent one: keep it till its turn
+        self._take_turns()
+
+    def _take_turns(self) -> None:
+        """The plans kept early from ``next_step`` on take their turn, in step order (the steps already held
+        are passed): counted, their states kept. Called when a plan arrives and when the node's ranks say
+        where they are (plans that came before, with a run this node heard of without ranks, wait for that)."""
+        self._skip_held()
+        if self.next_step not in self.early:
+            return
         while self.next_step in self.early:
             plan, state, parts = self.early.pop(self.next_step)
             self.plans[plan.step] = plan

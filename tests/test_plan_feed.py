@@ -1,0 +1,143 @@
+"""A node's PlanFeed (``cluster.run.Run``): plans from the leader taken in step order, whatever order they come
+in and whenever the node's ranks say where they are. No processes: the run, its shard's reference counts and
+the planner are the real ones; the node around them is a small host."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from msdata_server.cluster.run import Run
+from msdata_server.planner import Mixture, Planner, PlannerConfig
+from msdata_server.tasks import TaskSet
+
+from .e2e_util import small_job
+
+NODES = ["node-0", "node-1", "node-2"]
+
+
+class _Host:
+    """What a Run asks of its node's ClusterJobs; ``needs`` records what it told the leader it lacks."""
+
+    node_id = "node-1"
+    pool = None
+    probe = 0.05
+
+    def __init__(self):
+        self.tasks = TaskSet("test")
+        self.runs: dict[str, Run] = {}
+        self.needs: list[int] = []
+        self.acks: list[int] = []
+
+    def live_nodes(self) -> list[str]:
+        return list(NODES)
+
+    def need(self, run: Run) -> None:
+        self.needs.append(run.next_step)
+
+    def ack(self, run: Run) -> None:
+        self.acks.append(run.fed_step)
+
+    async def rebalance(self, run: Run) -> None:
+        return None
+
+
+class _View:
+    def lengths(self, source, start, count):
+        return np.random.default_rng(source * 1000003 + start).integers(1, 24, size=count).astype(np.int64)
+
+
+class _Job:
+    """The node's registration of the job: its inst and the ranks connected here."""
+
+    inst = "inst-1"
+
+    class ranks:
+        conns = {1: object()}
+
+
+def _plans(steps: int):
+    cfg = PlannerConfig(
+        sources=("a", "b"), seq_len=64, dp=3, micro_batches=2, rows=1, mixture=Mixture.constant({"a": 0.4, "b": 0.6})
+    )
+    planner = Planner(cfg)
+    out = []
+    for _ in range(steps):
+        state = planner.state_dict()
+        out.append((planner.plan_step(_View()), state))
+    return out
+
+
+def _start_frame(spec) -> dict:
+    """The run as the leader tells it a node that restarted without ranks (``CatchUp.relink``: positions of the
+    run's start, no registrations)."""
+    return {
+        "run": "r1",
+        "start_step": 0,
+        "positions": {str(r): [0, 0] for r in range(3)},
+        "rank_nodes": {str(r): NODES[r] for r in range(3)},
+        "nparts": 3,
+    }
+
+
+def test_plans_that_came_before_the_ranks_said_where_they_are_take_their_turn():
+    """A follower restarted mid-run: the leader tells it the run (no ranks yet) and re-sends the plans its rank
+    lacks, and only then do the rank's registration and position arrive (steps 6..7, from step 6). The plans
+    kept early are the ones the feed needs: they take their turn when the position comes, and a re-send of
+    them (ignored as a duplicate) is not needed for that. Before the fix the feed waited forever, asking the
+    leader every probe period for plans it already held (a hang on CI)."""
+    spec = small_job("feed", dp=3, samples=400, seed=5, prefetch=1)
+    plans = _plans(8)
+
+    async def main():
+        host = _Host()
+        run = Run(host, spec, "digest", _start_frame(spec))
+        for plan, state in plans[6:8]:  # the re-send of steps 6..7 crosses the rank's start
+            run.add_plan(plan, state)
+        assert run.next_step == 0 and sorted(run.early) == [6, 7]
+        run.adopt(_Job(), {"0": [8, 0], "1": [6, 0], "2": [8, 0]})
+        assert run.next_step == 8 and not run.early
+        fed = []
+        for _ in range(2):
+            plan, _epoch = await asyncio.wait_for(run.next(), 2)
+            run.fed(plan)
+            fed.append(plan.step)
+        assert fed == [6, 7] and host.acks == [6, 7] and host.needs == []
+        assert run.states[6] == plans[6][1]
+        # a duplicate after the turn is ignored; the next step is asked for when it does not come
+        run.add_plan(*plans[7])
+        waiting = asyncio.ensure_future(run.next())
+        while not host.needs:
+            await asyncio.sleep(host.probe)
+        assert host.needs[0] == 8 and not waiting.done()
+        waiting.cancel()
+
+    asyncio.run(main())
+
+
+def test_plans_behind_the_ranks_are_dropped_and_later_ones_wait_their_turn():
+    """Plans kept early for steps behind the position the ranks give are never their turn: dropped, and never
+    counted. Plans after a gap wait for it; the gap filled, all take their turn in order."""
+    spec = small_job("feed", dp=3, samples=400, seed=5, prefetch=1)
+    plans = _plans(8)
+
+    async def main():
+        host = _Host()
+        run = Run(host, spec, "digest", _start_frame(spec))
+        for i in (2, 3, 6):
+            run.add_plan(*plans[i])
+        run.adopt(_Job(), {"1": [4, 0]})
+        assert run.next_step == 4 and sorted(run.early) == [6], "plans behind the ranks were kept"
+        assert len(run.shard.refs) == 0, "a plan that never took its turn was counted"
+        run.add_plan(*plans[5])
+        run.add_plan(*plans[4])
+        assert run.next_step == 7 and not run.early and len(run.shard.refs) > 0
+        fed = []
+        for _ in range(3):
+            plan, _epoch = await asyncio.wait_for(run.next(), 2)
+            run.fed(plan)
+            fed.append(plan.step)
+        assert fed == [4, 5, 6]
+
+    asyncio.run(main())

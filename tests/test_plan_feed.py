@@ -8,7 +8,7 @@ import asyncio
 
 import numpy as np
 
-from msdata_server.cluster.run import Run
+from msdata_server.cluster.run import KEEP_STATES, Run
 from msdata_server.planner import Mixture, Planner, PlannerConfig
 from msdata_server.tasks import TaskSet
 
@@ -139,5 +139,32 @@ def test_plans_behind_the_ranks_are_dropped_and_later_ones_wait_their_turn():
             run.fed(plan)
             fed.append(plan.step)
         assert fed == [4, 5, 6]
+
+    asyncio.run(main())
+
+
+def test_a_node_that_only_owns_data_keeps_the_plans_of_recent_steps_only():
+    """A node with no ranks of the run counts every plan's payload references but no feed takes its plans: it
+    keeps those of the last KEEP_STATES steps (before, one per step of the run: memory that grew for as long as
+    the run went on). A mixture change still takes back the references of the plans it cuts."""
+    spec = small_job("feed", dp=3, samples=400, seed=5, prefetch=1)
+    steps = KEEP_STATES + 200
+    plans = _plans(steps)
+
+    async def main():
+        host = _Host()
+        run = Run(host, spec, "digest", _start_frame(spec))
+        counted = []
+        for plan, state in plans:
+            run.add_plan(plan, state)
+            counted.append(len(run.shard.refs))
+        assert run.next_step == steps and not run.early
+        assert sorted(run.plans) == list(range(steps - KEEP_STATES, steps)), "a data owner kept old plans"
+        assert len(run.states) <= KEEP_STATES
+        # every plan was counted as it took its turn, the trimmed ones too
+        assert counted[-1] > counted[KEEP_STATES] > 0
+        run.cut(steps - 3, (0, 1))
+        assert sorted(run.plans)[-1] == steps - 4 and run.next_step == steps - 3
+        assert len(run.shard.refs) < counted[-1], "the cut plans' references were not taken back"
 
     asyncio.run(main())

@@ -168,7 +168,18 @@ class Run:
             if self.shard.where.table.ended:
                 retire(self.shard)
             self._skip_held()
+            if self.inst is None:
+                self._forget_old(plan.step - KEEP_STATES)
         self.arrived.set()
+
+    def _forget_old(self, step: int) -> None:
+        """A node without ranks of the run (it only owns data) has no feed to take its plans: it keeps those of
+        the last KEEP_STATES steps (a cut or ranks that join take none older), not one per step of the run."""
+        while self.plans:
+            first = next(iter(self.plans))  # insertion order: the oldest step first (after a cut, nearly)
+            if first > step:
+                return
+            del self.plans[first]
 
     def repartition(self, parts: list | None) -> None:
         """The leader's partition table, with a plan or a resumed run's start (``cluster.parts``; None: none

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from .e2e_util import run_ranks, small_job
+from .e2e_util import batch_record, run_ranks, small_job
 from .etcd_fixture import etcd_server, fresh_etcd  # noqa: F401  (fixtures)
 from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
 
@@ -58,8 +58,6 @@ def _node_ranks(
     every rank read its n batches (a training run's ranks end at one collective). Returns (got, errs, go,
     threads)."""
     import msdata_client as msd
-
-    from .e2e_util import batch_record
 
     node_of = node_of or {r: r for r in range(NODES)}
     got: dict[int, list] = {r: [] for r in range(NODES)}
@@ -373,7 +371,6 @@ def test_a_new_run_waits_for_the_old_runs_last_rank_and_starts_from_its_states(
     when rank 0 of run 1 leaves, from the states it brought, with the batches of the same resume on one node."""
     import msdata_client as msd
 
-    from .e2e_util import batch_record
     from .test_multinode import node_status
 
     spec = small_job("rerun", dp=3, samples=400, seed=5)
@@ -632,3 +629,55 @@ def test_a_lost_mixture_cut_reaches_its_node_late_and_tp_peers_stay_identical(
         grp = spec.mesh.group_of(r, spec.distribute)
         peers = [q for q in range(world) if spec.mesh.group_of(q, spec.distribute) == grp]
         assert all(got[q] == got[r] for q in peers), f"rank {r} and its TP peers {peers} disagree"
+
+
+@pytest.mark.timeout(300)  # a leader's lease expiring and a new leader taking the run over: slow on 2 busy cores
+def test_leader_dies_after_the_other_ranks_left_the_rank_behind_gets_the_rest(
+    etcd_server,
+    cluster_factory,
+    server_factory,  # noqa: F811
+):
+    """Two ranks read the whole run and leave (their nodes close the job); the third is still far behind when
+    the leader's process is killed. The leader planned every step before it died (it plans at most a window
+    past the slowest node's constructors), so the new leader has nothing left to plan, and the rank behind
+    reads the rest from its ring and its node: exactly the batches of an uninterrupted run."""
+    import msdata_client as msd
+
+    spec = small_job("lag", dp=3, samples=400, seed=5, prefetch=1)
+    n, pause = 10 * spec.micro_batches, 3 * spec.micro_batches
+    want = run_ranks(spec, server_factory().start().socket, n)
+    c = cluster_factory(etcd_server.url).start()
+    leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
+    lag = next(r for r in range(NODES) if f"node-{r}" != leader)
+    got: dict[int, list] = {r: [] for r in range(NODES)}
+    errs: dict[int, BaseException] = {}
+    paused, go = threading.Event(), threading.Event()
+
+    def body(r):
+        try:
+            dc = msd.DataClient(spec, endpoint=c.nodes[f"node-{r}"].socket, rank=r, world_size=NODES)
+            for i in range(n):
+                if r == lag and i == pause:
+                    paused.set()
+                    go.wait(120)
+                got[r].append(batch_record(next(dc)))
+            dc.close()
+        except BaseException as e:  # reported to the test
+            errs[r] = e
+
+    threads = {r: threading.Thread(target=body, args=(r,), daemon=True) for r in range(NODES)}
+    for t in threads.values():
+        t.start()
+    assert paused.wait(90), "the rank to hold back never got to its pause"
+    for r, t in threads.items():
+        if r != lag:
+            t.join(120)
+            assert not t.is_alive(), f"rank {r} hung while rank {lag} was held back"
+    assert not errs, errs
+    c.nodes[leader].kill()
+    go.set()
+    threads[lag].join(120)
+    assert not threads[lag].is_alive(), "the rank behind hung after the leader died"
+    assert not errs, errs
+    for r in range(NODES):
+        assert got[r] == want[r], f"rank {r} saw other batches than an uninterrupted run"

@@ -28,6 +28,7 @@ class _Host:
         self.tasks = TaskSet("test")
         self.runs: dict[str, Run] = {}
         self.needs: list[int] = []
+        self.asked = asyncio.Event()
         self.acks: list[int] = []
 
     def live_nodes(self) -> list[str]:
@@ -35,6 +36,7 @@ class _Host:
 
     def need(self, run: Run) -> None:
         self.needs.append(run.next_step)
+        self.asked.set()
 
     def ack(self, run: Run) -> None:
         self.acks.append(run.fed_step)
@@ -108,8 +110,7 @@ def test_plans_that_came_before_the_ranks_said_where_they_are_take_their_turn():
         # a duplicate after the turn is ignored; the next step is asked for when it does not come
         run.add_plan(*plans[7])
         waiting = asyncio.ensure_future(run.next())
-        while not host.needs:
-            await asyncio.sleep(host.probe)
+        await asyncio.wait_for(host.asked.wait(), 5)
         assert host.needs[0] == 8 and not waiting.done()
         waiting.cancel()
 

@@ -63,6 +63,16 @@ log = logging.getLogger(__name__)
 KEEP_STATES = 256  # planner states kept per run for state_dict() (kilobytes each)
 
 
+def _forget_through(by_step: dict, step: int) -> None:
+    """Drop the entries of steps <= ``step`` from a dict filled in step order (after a cut: nearly; a later
+    call takes what one left)."""
+    while by_step:
+        first = next(iter(by_step))
+        if first > step:
+            return
+        del by_step[first]
+
+
 class Run:
     """One job run on this node: the shard, the plans received, the states that came with them."""
 
@@ -160,26 +170,16 @@ class Run:
                 self.states[plan.step] = state
                 self.shard.cursor = state.get("cursor")
                 self.shard.state = state
-                for old in [s for s in self.states if s <= plan.step - KEEP_STATES]:
-                    del self.states[old]
+                _forget_through(self.states, plan.step - KEEP_STATES)
             self.repartition(parts)
             self.next_step = plan.step + 1
             self.shard.add_refs(plan, self.group_nodes)
             if self.shard.where.table.ended:
                 retire(self.shard)
             self._skip_held()
-            if self.inst is None:
-                self._forget_old(plan.step - KEEP_STATES)
+            if self.inst is None:  # no ranks here (the node only owns data): no feed takes the plans
+                _forget_through(self.plans, plan.step - KEEP_STATES)  # a cut or joining ranks take none older
         self.arrived.set()
-
-    def _forget_old(self, step: int) -> None:
-        """A node without ranks of the run (it only owns data) has no feed to take its plans: it keeps those of
-        the last KEEP_STATES steps (a cut or ranks that join take none older), not one per step of the run."""
-        while self.plans:
-            first = next(iter(self.plans))  # insertion order: the oldest step first (after a cut, nearly)
-            if first > step:
-                return
-            del self.plans[first]
 
     def repartition(self, parts: list | None) -> None:
         """The leader's partition table, with a plan or a resumed run's start (``cluster.parts``; None: none

@@ -221,7 +221,9 @@ def test_plans_lost_on_a_broken_link_are_sent_again(
     uninterrupted run."""
     monkeypatch.setenv("MSDATA_TEST_FAULTS", "1")
     spec = small_job("relink", dp=3, samples=400, seed=3, prefetch=1)
-    n, before = 12 * spec.micro_batches, 3 * spec.micro_batches
+    # the leader has planned 4-8 steps past the pause when the fault lands (on CI once 9, and a 12-step run ended
+    # before 4 plans went out): the run goes on long enough after it for the 4 plans to be sent and lost
+    n, before = 24 * spec.micro_batches, 3 * spec.micro_batches
     want = run_ranks(spec, server_factory().start().socket, n)
 
     c = cluster_factory(etcd_server.url).start()

@@ -29,5 +29,12 @@ def test_set_mixture_reallocates_at_once(server_factory):
     d = moved[0]
     assert d["reason"].startswith(f"job mix: mixture changed from step {cut}")
     assert d["ahead"]["b"] == pytest.approx(0.9), d  # decided on the new mixture, before its first step is planned
-    assert d["size_to"] == 2 and d["workers_to"]["b"] == 2 > d["workers_from"].get("b", 0), a["decisions"]
     assert srv.log().count(d["message"]) == 1  # logged once
+    # The change wakes the autoscaler at once. A periodic decision (every 0.1 s here) can still fall between the
+    # planner taking the new weights and that wake: the state write between them yields. That decision then moves
+    # the workers, on the new mixture, and the mixture's own finds them moved (seen once on a loaded machine).
+    # Either way the first decision on the new mixture moves them, and it comes no later than d.
+    decs = a["decisions"]
+    first = next(x for x in decs if x["ahead"].get("b", 0) == pytest.approx(0.9))
+    assert decs.index(first) <= decs.index(d), decs
+    assert first["size_to"] == 2 and first["workers_to"]["b"] == 2 > first["workers_from"].get("b", 0), decs

@@ -71,7 +71,7 @@ def _plans(steps: int):
     return out
 
 
-def _start_frame(spec) -> dict:
+def _start_frame() -> dict:
     """The run as the leader tells it a node that restarted without ranks (``CatchUp.relink``: positions of the
     run's start, no registrations)."""
     return {
@@ -94,7 +94,7 @@ def test_plans_that_came_before_the_ranks_said_where_they_are_take_their_turn():
 
     async def main():
         host = _Host()
-        run = Run(host, spec, "digest", _start_frame(spec))
+        run = Run(host, spec, "digest", _start_frame())
         for plan, state in plans[6:8]:  # the re-send of steps 6..7 crosses the rank's start
             run.add_plan(plan, state)
         assert run.next_step == 0 and sorted(run.early) == [6, 7]
@@ -125,7 +125,7 @@ def test_plans_behind_the_ranks_are_dropped_and_later_ones_wait_their_turn():
 
     async def main():
         host = _Host()
-        run = Run(host, spec, "digest", _start_frame(spec))
+        run = Run(host, spec, "digest", _start_frame())
         for i in (2, 3, 6):
             run.add_plan(*plans[i])
         run.adopt(_Job(), {"1": [4, 0]})
@@ -154,7 +154,7 @@ def test_a_node_that_only_owns_data_keeps_the_plans_of_recent_steps_only():
 
     async def main():
         host = _Host()
-        run = Run(host, spec, "digest", _start_frame(spec))
+        run = Run(host, spec, "digest", _start_frame())
         counted = []
         for plan, state in plans:
             run.add_plan(plan, state)

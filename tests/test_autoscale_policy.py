@@ -74,6 +74,22 @@ def test_an_unmeasured_demand_holds_the_workers():
     assert pol.size == 3
 
 
+def test_a_source_drawn_before_its_cost_was_measured_is_drawn_again_once_it_is():
+    """Two sources arrive; a cheap one's cost is not measured yet (its need counts as 0), so the costly one gets
+    the whole pool. When the cheap one's cost comes in it is drawn again, however small its need (less than the
+    drift band: before, it stayed at 0 workers for good, and a mixture change later found the costly source
+    already holding everything, as a loaded CI machine showed). Only the first measurement redraws."""
+    pol = Policy(PolicyConfig(min_workers=1, max_workers=2, cooldown_s=600.0), 2)
+    unknown = SourceDemand(name="a", samples_s=600.0, worker_s_per_sample=None, share_now=0.98, share_ahead=0.98)
+    dec = pol.decide(0.0, {"a": unknown, "b": demand("b", 0.05, 0.02)})
+    assert dec is not None and pol.workers == {"a": 0, "b": 2}
+    cheap = demand("a", 0.03, 0.98)  # well inside the band (0.15 of a worker) of its need of 0 so far
+    dec = pol.decide(0.1, {"a": cheap, "b": demand("b", 0.05, 0.02)})
+    assert dec is not None and pol.workers == {"a": 1, "b": 1} and dec.changes() == {"a": (0, 1), "b": (2, 1)}
+    assert dec.reason == "source a's cost is measured"
+    assert pol.decide(0.2, {"a": demand("a", 0.031, 0.98), "b": demand("b", 0.05, 0.02)}) is None
+
+
 def test_apportion_is_largest_remainder_and_sums_to_the_total():
     assert apportion(3, {"a": 1.6, "b": 0.9, "c": 0.5}) == {"a": 2, "b": 1, "c": 0}
     assert apportion(4, {"a": 0.0, "b": 0.0}) == {"a": 2, "b": 2}

@@ -7,7 +7,8 @@ rise the mixture look-ahead announced must be met before its first step. Going d
 cooldown before: a demand that wobbles around a threshold goes up once and stays. Sources share the pool by
 weight (their fractional need): the pool schedules by them (``WorkerPool.set_quotas``), and their whole-worker
 apportionment (largest remainder, summing to the pool size) is what ``status`` shows; it is redrawn when the
-size changes, a source comes or goes, or a need drifts by more than ``band`` of a worker.
+size changes, a source comes or goes, a source's cost is first measured (until then its need counts as 0), or a
+need drifts by more than ``band`` of a worker.
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ class Policy:
         self.weights: dict[str, float] = {}
         self._basis: dict[str, float] = {}  # needs at the last apportionment
         self._ahead: dict[str, float] = {}  # each source's share ahead at the last decision
+        self._measured: set[str] = set()  # sources whose cost was known at the last decision
 
     @property
     def size(self) -> int:
@@ -195,7 +197,10 @@ class Policy:
         reason = self._size.update(now, need, hold=hold, known=known) or ""
         size = self._size.value
         self.weights = {n: d.workers for n, d in demands.items()}
-        redraw = size != before or set(demands) != set(self.workers) or self._drifted(demands) or bool(why)
+        # a source drawn while its cost was unknown (need 0) is drawn again once it is known, however small
+        measured = {n for n, d in demands.items() if d.worker_s_per_sample is not None}
+        came, self._measured = measured - self._measured, measured
+        redraw = size != before or set(demands) != set(self.workers) or bool(came or why) or self._drifted(demands)
         if not redraw:
             return None
         workers = apportion(size, {n: d.workers for n, d in demands.items()})
@@ -211,7 +216,7 @@ class Policy:
             workers_from=dict(self.workers),
             workers_to=workers,
             need=need,
-            reason="; ".join(r for r in (why, reason) if r) or _moved(self.workers, workers),
+            reason="; ".join(r for r in (why, reason) if r) or _moved(self.workers, workers, came),
             demands=dict(demands),
         )
         self.workers = workers
@@ -222,8 +227,9 @@ class Policy:
         return any(abs(d.workers - self._basis.get(n, 0.0)) > self.cfg.band for n, d in demands.items())
 
 
-def _moved(old: Mapping[str, int], new: Mapping[str, int]) -> str:
-    """Why the apportionment changed when the size did not."""
+def _moved(old: Mapping[str, int], new: Mapping[str, int], measured: set[str]) -> str:
+    """Why the apportionment changed when the size did not (``measured``: sources whose cost is newly known)."""
     came, left = sorted(set(new) - set(old)), sorted(set(old) - set(new))
     parts = [f"source {n} has demand" for n in came] + [f"source {n} has none (its job left)" for n in left]
+    parts += [f"source {n}'s cost is measured" for n in sorted(measured - set(came))]
     return "; ".join(parts) or "the sources' needs moved"

@@ -51,12 +51,13 @@ def _node_ranks(
     connect_timeout: dict[int, float] | None = None,
     gone: int | None = None,
     together: bool = False,
+    held: int | None = None,
 ):
     """One rank per node (rank r on node-{node_of[r]}, by default node-r), each in a thread reading n batches
     and pausing after ``pause_at`` of them until ``go`` is set. ``rank0(dc, i)`` runs before rank 0 reads
     batch i; rank ``gone`` stops at the pause (its node is about to die); ``together``: no rank leaves before
-    every rank read its n batches (a training run's ranks end at one collective). Returns (got, errs, go,
-    threads)."""
+    every rank read its n batches (a training run's ranks end at one collective); ``held``: only that rank
+    pauses (the others read on). Returns (got, errs, go, threads)."""
     import msdata_client as msd
 
     node_of = node_of or {r: r for r in range(NODES)}
@@ -77,7 +78,7 @@ def _node_ranks(
             for i in range(n):
                 if rank0 is not None and r == 0:
                     rank0(dc, i)
-                if i == pause_at:
+                if i == pause_at and held in (None, r):
                     go.wait(120)
                     if r == gone:
                         return
@@ -643,38 +644,18 @@ def test_leader_dies_after_the_other_ranks_left_the_rank_behind_gets_the_rest(
     the leader's process is killed. The leader planned every step before it died (it plans at most a window
     past the slowest node's constructors), so the new leader has nothing left to plan, and the rank behind
     reads the rest from its ring and its node: exactly the batches of an uninterrupted run."""
-    import msdata_client as msd
-
     spec = small_job("lag", dp=3, samples=400, seed=5, prefetch=1)
     n, pause = 10 * spec.micro_batches, 3 * spec.micro_batches
     want = run_ranks(spec, server_factory().start().socket, n)
     c = cluster_factory(etcd_server.url).start()
     leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
     lag = next(r for r in range(NODES) if f"node-{r}" != leader)
-    got: dict[int, list] = {r: [] for r in range(NODES)}
-    errs: dict[int, BaseException] = {}
-    paused, go = threading.Event(), threading.Event()
-
-    def body(r):
-        try:
-            dc = msd.DataClient(spec, endpoint=c.nodes[f"node-{r}"].socket, rank=r, world_size=NODES)
-            for i in range(n):
-                if r == lag and i == pause:
-                    paused.set()
-                    go.wait(120)
-                got[r].append(batch_record(next(dc)))
-            dc.close()
-        except BaseException as e:  # reported to the test
-            errs[r] = e
-
-    threads = {r: threading.Thread(target=body, args=(r,), daemon=True) for r in range(NODES)}
-    for t in threads.values():
-        t.start()
-    assert paused.wait(90), "the rank to hold back never got to its pause"
-    for r, t in threads.items():
+    got, errs, go, threads = _node_ranks(c, spec, n, pause, held=lag)
+    for r, t in enumerate(threads):
         if r != lag:
             t.join(120)
             assert not t.is_alive(), f"rank {r} hung while rank {lag} was held back"
+    wait_for(lambda: len(got[lag]) == pause or errs, 90, "the rank held back at its pause")
     assert not errs, errs
     c.nodes[leader].kill()
     go.set()

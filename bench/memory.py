@@ -53,7 +53,7 @@ sys.path.insert(0, HERE)
 
 from progress import bar, say  # noqa: E402
 
-from msdata_server.metrics import proc_memory  # noqa: E402  (stdlib only)
+from msdata_server.ops.memory import proc_memory  # noqa: E402  (stdlib only)
 
 MIB = 2**20
 SEED = 1234
@@ -618,7 +618,7 @@ def _server_breakdown(server_pid: int, srv: dict[int, int], status: dict) -> dic
             continue
         if _ppid(pid) == server_pid and "zygote" in _cmdline(pid):
             out["zygote"] += v  # the pool's forkserver; workers are its children (spawned ones the server's)
-        elif "msdata_server._worker" in _cmdline(pid):
+        elif "msdata_server.pool.worker" in _cmdline(pid):
             out["workers"].append(v)
         else:
             out["other"] += v

@@ -13,9 +13,9 @@ import orjson
 
 from msdata_client._paths import ENDPOINT_ENV, default_endpoint
 
-from .config import ROLES, load_config
+from .config import LOG_FORMATS, LOG_LEVELS, ROLES, load_config
 from .errors import MsdataError
-from .ops.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
+from .ops.logs import configure_logging
 
 __all__ = ["main"]
 
@@ -167,7 +167,7 @@ def _stage_figures(j: dict) -> str:
 
 
 def _format_status(st: dict) -> str:
-    from .autoscale.table import autoscale_table
+    from .ops.scaletable import autoscale_table
 
     mem = st.get("memory", {})
     lines = [

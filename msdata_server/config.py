@@ -7,11 +7,11 @@ import os
 import socket
 import tomllib
 from dataclasses import dataclass, field, fields
+from typing import Literal, get_args
 
 from msdata_client._paths import default_endpoint
 
 from .errors import ConfigError
-from .ops.logs import LOG_FORMATS, LOG_LEVELS
 
 __all__ = [
     "AutoscaleConfig",
@@ -24,6 +24,9 @@ __all__ = [
     "parse_host_port",
 ]
 
+LogFormat = Literal["text", "json"]
+LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)  # [node] log_format
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # [node] log_level
 ROLES = ("leader", "follower", "single")  # what `status` reports as "role"; "single": no [cluster]
 
 

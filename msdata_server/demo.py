@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from .config import NodeConfig, ServerConfig
-from .metrics import tree_memory
+from .ops.memory import tree_memory
 
 __all__ = ["make_dataset", "run_demo", "serve_in_thread", "server_status", "stop_server"]
 

@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable
 
 from msdata_client.wire import FrameReader, encode
 
-from ._clientframes import check_frame
-from ._peerprocess import PeerProcess
+from .clientframes import check_frame
 from .errors import ClosedError, ConfigError
+from .peerprocess import PeerProcess
 
 __all__ = ["ClientConn", "UnixEndpoint"]
 

@@ -18,10 +18,10 @@ from .config import ServerConfig
 from .endpoint import ClientConn, UnixEndpoint
 from .errors import ClosedError, ConfigError, MsdataError, ProtocolError
 from .job import Job, RankPosition
-from .job.local import LocalStarter
 from .job.rings import RingConfig
 from .job.table import JobStarter, JobTable
-from .metrics import proc_memory, tree_memory
+from .local.starter import LocalStarter
+from .ops.memory import proc_memory, tree_memory
 from .ops.prometheus import start_metrics_server
 from .ops.sdnotify import Notifier
 from .shm import cleanup
@@ -30,7 +30,7 @@ from .tasks import TaskSet
 if TYPE_CHECKING:
     from .autoscale import Autoscaler
     from .cluster.jobs import ClusterJobs
-    from .cluster.runtime import ClusterNode
+    from .cluster.net.runtime import ClusterNode
     from .pool import WorkerPool
 
 __all__ = ["NodeServer"]
@@ -98,7 +98,7 @@ class NodeServer:
             self.tasks.spawn(self.autoscaler.run(), name="autoscale")
         if self.config.cluster is not None:
             from .cluster.jobs import ClusterJobs
-            from .cluster.runtime import ClusterNode
+            from .cluster.net.runtime import ClusterNode
 
             self.cluster = ClusterNode(self.config, on_fatal=self.fatal)
             await self._unless_stopped(self.cluster.start())  # waits while etcd is unreachable

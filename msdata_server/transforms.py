@@ -24,6 +24,7 @@ from msdata_client.choices import TRANSFORM_NAME
 from msdata_client.spec import IMAGE_TOKEN_ID
 
 from ._imports import import_callable
+from .document import VlmSample
 from .errors import BadSampleError, ConfigError
 from .sources.base import BadSample
 from .sources.order import make_rng
@@ -31,10 +32,8 @@ from .sources.order import make_rng
 __all__ = [
     "EOS",
     "IMAGE_TOKEN",
-    "VlmSample",
     "byte_tokens",
     "check_image_fits",
-    "cut_piece",
     "hf_tokenizer",
     "identity",
     "image_patches",
@@ -152,51 +151,6 @@ def image_patches(record, *, rng, patch: int = 16, grid: tuple[int, int] = (16, 
     img = img.resize((gw * patch, gh * patch), Image.Resampling.BILINEAR, box=(x0, y0, x0 + cw, y0 + ch))
     a = np.asarray(img, dtype=np.uint8).reshape(gh, patch, gw, patch, 3)
     return np.ascontiguousarray(a.transpose(0, 2, 1, 3, 4)).reshape(gh * gw, patch * patch * 3)
-
-
-@dataclass(frozen=True, slots=True)
-class VlmSample:
-    """A picture document: ``tokens`` int32 (each image's placeholders, then the text, then EOS),
-    ``pixel_values`` uint8 ``[n_patches, 3 * patch * patch]`` (images in order, patches in Qwen2-VL order)
-    and ``image_grid_thw`` int64 ``[n_images, 3]`` (t, h, w in patches). ``len()`` is the token count."""
-
-    tokens: np.ndarray
-    pixel_values: np.ndarray
-    image_grid_thw: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def nbytes(self) -> int:
-        return self.tokens.nbytes + self.pixel_values.nbytes + self.image_grid_thw.nbytes
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays by batch key (how a result buffer carries them; ``from_arrays`` rebuilds the sample)."""
-        return {"tokens": self.tokens, "pixel_values": self.pixel_values, "image_grid_thw": self.image_grid_thw}
-
-    @classmethod
-    def from_arrays(cls, arrays: Mapping[str, np.ndarray]) -> VlmSample:
-        return cls(arrays["tokens"], arrays["pixel_values"], arrays["image_grid_thw"])
-
-    def piece(self, offset: int, length: int) -> VlmSample:
-        """The piece of ``length`` tokens from ``offset`` (a document longer than seq_len is split): the images
-        go with the first piece (offset 0), which holds their placeholders; later pieces carry none. Pieces are
-        cut at multiples of seq_len and the placeholders lead the tokens, so the first piece holds all of them
-        whenever they number at most seq_len, which ``vlm(seq_len=...)`` makes sure of (a document with more is
-        a bad sample, ``image_tokens_exceed_seq_len``)."""
-        if offset == 0:
-            return VlmSample(self.tokens[:length], self.pixel_values, self.image_grid_thw)
-        return VlmSample(
-            self.tokens[offset : offset + length], self.pixel_values[:0], self.image_grid_thw[:0].reshape(0, 3)
-        )
-
-
-def cut_piece(doc: np.ndarray | VlmSample, offset: int, length: int) -> np.ndarray | VlmSample:
-    """The piece of a document a plan names: a token slice, or for a picture document ``VlmSample.piece``."""
-    if isinstance(doc, VlmSample):
-        return doc.piece(offset, length)
-    return doc[offset : offset + length]
 
 
 MAX_ASPECT = 200  # Qwen2-VL refuses images whose long side is more than 200 times the short one

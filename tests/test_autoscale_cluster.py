@@ -167,8 +167,8 @@ def test_a_node_applies_the_targets_through_its_policy_and_pool_and_keeps_them(t
     import secrets
 
     from msdata_server.autoscale import Autoscaler
-    from msdata_server.autoscale.table import autoscale_table
     from msdata_server.config import AutoscaleConfig
+    from msdata_server.ops.scaletable import autoscale_table
     from msdata_server.pool import WorkerPool
 
     from .aio import run

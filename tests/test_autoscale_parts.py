@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import msdata_client as msd
-from msdata_server.job.payloads import LocalPayloads
 from msdata_server.job.view import ThreadView
 from msdata_server.loader import SourceLoader
+from msdata_server.local.payloads import LocalPayloads
 from msdata_server.planner import Planner
 from msdata_server.planner.spec import planner_config
 from msdata_server.sources import open_source

@@ -203,7 +203,7 @@ def test_policy_config_bounds():
 
 
 def test_status_table_shows_every_source():
-    from msdata_server.autoscale.table import autoscale_table
+    from msdata_server.ops.scaletable import autoscale_table
 
     a = {
         "enabled": True,

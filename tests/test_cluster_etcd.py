@@ -434,7 +434,7 @@ def test_closing_leader_hands_over_at_once(etcd_server):
 def test_a_failing_role_callback_is_fatal_not_ignored(etcd_server):
     """A role callback that raises must not leave the node half-way into a role: the failure goes to the
     node's fatal hook (the server stops and its supervisor restarts it clean), never only to a log line."""
-    from msdata_server.cluster.election import run_callbacks
+    from msdata_server.cluster.net.election import run_callbacks
 
     async def main():
         p = prefix()

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from msdata_server.cluster import AuthError, PeerLink, PeerServer, load_token
-from msdata_server.cluster.peers import CHUNK
+from msdata_server.cluster.net.peers import CHUNK
 from msdata_server.errors import PeerLostError, ProtocolError
 
 from .aio import LOOPS, run
@@ -89,7 +89,7 @@ def test_control_and_payload_round_trip(loop):
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_wrong_token_is_rejected_both_ways(loop, caplog):
-    caplog.set_level(logging.WARNING, logger="msdata_server.cluster.peers")
+    caplog.set_level(logging.WARNING, logger="msdata_server.cluster.net.peers")
 
     async def main():
         inbox = Inbox()
@@ -130,7 +130,7 @@ def test_wrong_token_is_rejected_both_ways(loop, caplog):
     ],
 )
 def test_unauthenticated_peers_are_dropped(data, why, caplog):
-    caplog.set_level(logging.WARNING, logger="msdata_server.cluster.peers")
+    caplog.set_level(logging.WARNING, logger="msdata_server.cluster.net.peers")
 
     async def main():
         inbox = Inbox()
@@ -162,7 +162,7 @@ def test_unauthenticated_peers_are_dropped(data, why, caplog):
     ],
 )
 def test_malformed_frames_close_only_their_link(bad, why, caplog):
-    caplog.set_level(logging.WARNING, logger="msdata_server.cluster.peers")
+    caplog.set_level(logging.WARNING, logger="msdata_server.cluster.net.peers")
 
     async def main():
         inbox = Inbox()

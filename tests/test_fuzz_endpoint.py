@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import msdata_client as msd
 from msdata_client.wire import MAX_FRAME, FrameReader, encode, recv_into_reader
-from msdata_server._clientframes import FRAME_TYPES
+from msdata_server.clientframes import FRAME_TYPES
 from msdata_server.errors import ProtocolError
 
 from .conftest import ServerProc

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 from msdata_client.wire import decode, encode
 from msdata_server.cluster import PeerLink
-from msdata_server.cluster._framing import FrameDecoder
-from msdata_server.cluster._handshake import AuthError, Handshake
+from msdata_server.cluster.net.framing import FrameDecoder
+from msdata_server.cluster.net.handshake import AuthError, Handshake
 from msdata_server.errors import ProtocolError
 
 from .etcd_fixture import etcd_server  # noqa: F401  (fixture)

@@ -21,9 +21,9 @@ import torch
 import msdata_client as msd
 from msdata_client.lineage import COLUMNS, FIXED_COLUMNS, from_wire, to_pylist
 from msdata_client.wire import request
-from msdata_server.lineage.accounting import accounting
 from msdata_server.lineage.command import offline
 from msdata_server.lineage.query import Query
+from msdata_server.planner.accounting import accounting
 
 from .conftest import ServerProc
 

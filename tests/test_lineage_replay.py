@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from msdata_server.errors import CheckpointError
-from msdata_server.lineage.accounting import accounting
-from msdata_server.lineage.replay import held_window, replay
+from msdata_server.lineage.replay import replay
 from msdata_server.lineage.rows import plan_columns
 from msdata_server.planner import Mixture, Planner, PlannerConfig
+from msdata_server.planner.accounting import accounting
 from msdata_server.planner.deferred import Deferred, Insert
-from msdata_server.planner.history import StateHistory
+from msdata_server.planner.history import StateHistory, held_window
 
 
 class Lengths:

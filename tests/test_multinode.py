@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from msdata_client.wire import request
-from msdata_server.cluster.peers import AuthError, PeerLink
+from msdata_server.cluster.net.peers import AuthError, PeerLink
 from msdata_server.cluster.placement import place, place_sources
 from msdata_server.errors import ConfigError
 
@@ -415,7 +415,7 @@ def test_malformed_plan_frames_are_protocol_errors(mutate, why):
 # ---- planner states in etcd, fenced ----------------------------------------------------------------------
 def test_state_store_keeps_a_window_and_only_the_leader_writes(etcd_server):  # noqa: F811
     from msdata_server.cluster import Etcd, LeaderElection, Membership
-    from msdata_server.cluster.statestore import EtcdStateStore
+    from msdata_server.cluster.leader.statestore import EtcdStateStore
 
     prefix = "/t" + secrets.token_hex(4)
 
@@ -462,8 +462,8 @@ def test_state_store_keeps_a_window_and_only_the_leader_writes(etcd_server):  # 
     [
         "msdata_server.cluster.placement",
         "msdata_server.cluster.planwire",
-        "msdata_server.cluster.runtime",
-        "msdata_server.cluster.statestore",
+        "msdata_server.cluster.net.runtime",
+        "msdata_server.cluster.leader.statestore",
     ],
 )
 def test_new_cluster_modules_all_sorted_and_torch_free(name):

@@ -199,7 +199,7 @@ def _send_peer_frame(srv, token: str, frame: dict) -> None:
     """Connect to a node's peer port as an outside peer holding the token, send one frame, leave."""
     import asyncio
 
-    from msdata_server.cluster.peers import PeerLink
+    from msdata_server.cluster.net.peers import PeerLink
 
     host, _, port = srv.ready["listen"].rpartition(":")
 
@@ -297,7 +297,11 @@ def test_job_layer_modules_all_sorted_and_torch_free():
     import sys
     from pathlib import Path
 
-    for name in ("msdata_server.cluster.coordinator", "msdata_server.cluster.jobs", "msdata_server.cluster.shard"):
+    for name in (
+        "msdata_server.cluster.leader.coordinator",
+        "msdata_server.cluster.jobs",
+        "msdata_server.cluster.shard",
+    ):
         code = (
             f"import sys, {name} as m; names = list(m.__all__); assert names == sorted(names), names; "
             "assert all(hasattr(m, n) for n in names); assert 'torch' not in sys.modules, 'torch was imported'"

@@ -467,7 +467,11 @@ def test_many_files_keep_few_handles_open(tmp_path, monkeypatch):
         "sources.synthetic",
         "transforms",
         "pool",
-        "_worker",
+        "pool.worker",
+        "pool.pool",
+        "loader.loader",
+        "local",
+        "document",
         "loader",
     ],
 )

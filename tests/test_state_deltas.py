@@ -192,7 +192,7 @@ def test_a_delta_names_its_base_and_its_base_crc():
 
 def test_etcd_store_composes_deltas_and_reads_version_1_values(etcd_server):  # noqa: F811
     from msdata_server.cluster import Etcd, LeaderElection, Membership
-    from msdata_server.cluster.statestore import EtcdStateStore
+    from msdata_server.cluster.leader.statestore import EtcdStateStore
 
     prefix = "/t" + secrets.token_hex(4)
     states = _planner_states(12)

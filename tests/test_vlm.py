@@ -16,11 +16,12 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from msdata_server.document import VlmSample
 from msdata_server.errors import BadSampleError, ConfigError
 from msdata_server.planner import vlm_cost
 from msdata_server.planner.vlm_cost import StageImbalance, VlmCost, stage_imbalance, stage_loads
 from msdata_server.sources import BadSample, open_source
-from msdata_server.transforms import IMAGE_TOKEN, VlmSample, load_transform, run_transform, smart_resize, vlm
+from msdata_server.transforms import IMAGE_TOKEN, load_transform, run_transform, smart_resize, vlm
 
 from .test_webdataset import COLOURS, NAMES, colour_of, encode, spec
 

@@ -22,10 +22,10 @@ from msdata_server.batch import (
 )
 from msdata_server.cluster.docwire import pack_docs, split_docs
 from msdata_server.cluster.shardmeta import _in_order
+from msdata_server.document import VlmSample, cut_piece
 from msdata_server.errors import ProtocolError
 from msdata_server.loader import SourceLoader
 from msdata_server.sources import open_source
-from msdata_server.transforms import VlmSample, cut_piece
 
 from .aio import run
 

@@ -12,7 +12,7 @@ there before the first step of a shift is planned, and they stay until its last 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..planner.mixture import Mixture
@@ -163,7 +163,3 @@ def merge_demands(parts: Sequence[SourceDemand]) -> dict[str, SourceDemand]:
             share_ahead=max(o.share_ahead, d.share_ahead),
         )
     return out
-
-
-def total_workers(demands: Mapping[str, SourceDemand]) -> float:
-    return sum(d.workers for d in demands.values())

@@ -3,9 +3,9 @@
 Used only with a [cluster] table in node.toml; a single node is its own leader and never imports etcd code.
 """
 
-from .election import Fence, LeaderElection, Membership
-from .etcd import KV, Compare, Etcd, EtcdError, EtcdUnavailable, Event, Op, TxnResult
-from .peers import AuthError, PeerLink, PeerServer, load_token
+from .net.election import Fence, LeaderElection, Membership
+from .net.etcd import KV, Compare, Etcd, EtcdError, EtcdUnavailable, Event, Op, TxnResult
+from .net.peers import AuthError, PeerLink, PeerServer, load_token
 
 __all__ = [
     "AuthError",

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..document import VlmSample
 from ..errors import ProtocolError
-from ..transforms import VlmSample
 
 __all__ = ["pack_docs", "split_docs"]
 

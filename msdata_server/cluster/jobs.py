@@ -43,11 +43,11 @@ from ..errors import MsdataError, PeerLostError, ProtocolError
 from ..job import Job
 from ..ops.logs import Once
 from ..tasks import TaskSet
-from .coordinator import Coordinator
+from .leader.coordinator import Coordinator
 from .mixing import MixtureRelay
+from .net.rpc import PeerRpc, error_reply
 from .planwire import decode_plan
 from .report import LeaderReports
-from .rpc import PeerRpc, error_reply
 from .run import Run
 from .shard import ShardPayloads, answer
 

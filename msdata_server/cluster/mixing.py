@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError, MsdataError, PeerLostError
-from .rpc import error_reply
+from .net.rpc import error_reply
 
 __all__ = ["MixtureRelay"]
 

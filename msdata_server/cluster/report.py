@@ -14,7 +14,7 @@ from contextlib import suppress
 
 from ..errors import PeerLostError
 from ..tasks import TaskSet
-from .rpc import PeerRpc
+from .net.rpc import PeerRpc
 
 __all__ = ["LeaderReports"]
 

@@ -23,8 +23,8 @@ from msdata_client.spec import JobSpec
 from ..autoscale.cluster import placement_costs
 from ..errors import CheckpointError, PeerLostError
 from ..job.seams import CutLog, Steps
-from ..lineage.replay import held_window
 from ..planner import StepPlan
+from ..planner.history import held_window
 from ..tasks import TaskSet
 from .shard import JobShard, repartition, retire
 

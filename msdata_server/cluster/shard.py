@@ -24,13 +24,12 @@ import logging
 
 import numpy as np
 
+from ..document import cut_piece
 from ..errors import BadSampleError, PeerLostError
 from ..job.images import source_transform
-from ..job.payloads import loader_figures
 from ..job.pieces import PieceRefs, hold_figures
 from ..loader import SourceLoader
 from ..sources import Source, open_source
-from ..transforms import cut_piece
 from .docwire import pack_docs, split_docs
 from .placement import PartitionLayout, partition_costs
 from .shardmeta import BLOCK, ShardMetadata, retryable
@@ -315,7 +314,7 @@ class JobShard:
         out = {}
         for s, sp in enumerate(self.spec.sources):
             lds = [ld for (si, _), ld in sorted(self.loaders.items()) if si == s]
-            figs = [loader_figures(ld) for ld in lds]
+            figs = [ld.statistics().figures() for ld in lds]
             keys = ("samples_done", "bytes_read", "tokens_read", "read_s", "errors", "inflight")  # read_s..: autoscale
             summed = {k: sum(f[k] for f in figs) for k in keys}
             out[sp.name] = {

@@ -19,9 +19,9 @@ from msdata_client.ring import FieldLayout, layout_fields
 from msdata_client.spec import JobSpec
 
 from ..batch import ImageShape, MicroBatchPieces, build_micro_batch, count_segments, field_specs, image_shape
+from ..document import VlmSample
 from ..planner import StepPlan
 from ..tasks import TaskSet
-from ..transforms import VlmSample
 from .images import image_keys
 from .ranks import RankPosition, RankRegistry
 from .rings import ServerRing, round_slot

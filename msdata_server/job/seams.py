@@ -76,7 +76,7 @@ class PlanFeed(Protocol):
         ...
 
     def saved_states(self, start: int, stop: int) -> tuple[tuple[int, dict] | None, dict[int, dict]]:
-        """For lineage (``lineage.replay.held_window``): the newest planner state held here at or before
+        """For lineage (``planner.history.held_window``): the newest planner state held here at or before
         ``start`` (step, state), and those held at steps in (start, stop)."""
         ...
 

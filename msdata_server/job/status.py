@@ -11,9 +11,9 @@ from typing import Protocol
 from msdata_client.mesh import ClientPlaceTree
 from msdata_client.spec import JobSpec
 
-from ..lineage.accounting import accounting
 from ..ops.waits import WaitStats
 from ..planner import PlanStats
+from ..planner.accounting import accounting
 from .ranks import RankRegistry
 from .seams import PayloadSource, PlanFeed
 from .steps import Group

@@ -58,9 +58,6 @@ class Query:
         assert start is not None and stop is not None
         return cls(start=start, stop=stop, group=_int(frame, "group", 0, True), sample=_int(frame, "sample", 0, True))
 
-    def to_frame(self) -> dict:
-        return {"start": self.start, "stop": self.stop, "group": self.group, "sample": self.sample}
-
 
 def _skipped(step: int, skips: Sequence[Sequence[int]]) -> bool:
     return any(a <= step < b for a, b in skips)

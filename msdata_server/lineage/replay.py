@@ -42,12 +42,3 @@ def replay(
         plan = planner.plan_step(view)
         if plan.step >= start:
             yield plan
-
-
-def held_window(states: Mapping[int, dict], start: int, stop: int) -> tuple[tuple[int, dict] | None, dict[int, dict]]:
-    """From states by step: the newest at or before ``start``, and those at steps in (start, stop) (what a
-    replay of [start, stop) may follow). The one rule for every plan feed's ``saved_states``."""
-    steps = list(states)  # a copy: the loop may record a state meanwhile
-    before = [s for s in steps if s <= start]
-    base = (max(before), states[max(before)]) if before else None
-    return base, {s: states[s] for s in steps if start < s < stop}

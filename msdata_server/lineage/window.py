@@ -16,12 +16,12 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..batch import BATCH_FIELDS, MicroBatchPieces, build_micro_batch, count_segments, field_specs
+from ..document import cut_piece
 from ..errors import ConfigError, MsdataError
 from ..job.images import image_keys
 from ..job.view import ThreadView
 from ..planner import StepPlan
 from ..planner.spec import planner_config
-from ..transforms import cut_piece
 from .data import DataView
 from .replay import replay
 from .serve import job_states, serve_lineage, target

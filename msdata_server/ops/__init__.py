@@ -2,8 +2,7 @@
 statistics, log formats and the `status --watch` screen. Each module is self-contained (no node or job imports).
 The watch loop is ``msdata_server.ops.watch.watch`` (not re-exported: the name is its module's).
 
-Names load on first use (PEP 562): a `msdata-server health` probe or `config.py` (which takes the log formats
-from ``ops.logs``) does not pay for importing prometheus_client.
+Names load on first use (PEP 562): a `msdata-server health` probe does not pay for importing prometheus_client.
 """
 
 from __future__ import annotations

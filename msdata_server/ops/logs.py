@@ -11,15 +11,14 @@ import sys
 from collections import OrderedDict
 from collections.abc import Hashable
 from datetime import UTC, datetime
-from typing import IO, Literal, get_args
+from typing import IO
 
 import orjson
 
+from ..config import LOG_FORMATS, LOG_LEVELS, LogFormat
+
 __all__ = ["LOG_FORMATS", "LOG_LEVELS", "JsonFormatter", "LogFormat", "Once", "configure_logging"]
 
-LogFormat = Literal["text", "json"]
-LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

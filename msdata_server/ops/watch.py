@@ -83,7 +83,7 @@ def _header(st: Mapping[str, Any]) -> list[str]:
         )
     a = st.get("autoscale")
     if isinstance(a, Mapping) and a.get("sources"):
-        from ..autoscale.table import autoscale_table
+        from .scaletable import autoscale_table
 
         lines.extend(autoscale_table(a))
     return lines

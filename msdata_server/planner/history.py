@@ -12,7 +12,7 @@ from msdata_server.errors import CheckpointError
 
 from .planner import Planner
 
-__all__ = ["StateHistory"]
+__all__ = ["StateHistory", "held_window"]
 
 
 class StateHistory:
@@ -56,3 +56,12 @@ class StateHistory:
             del self.states[s]
         self.states[cut] = rebased.state_dict()
         return rebased
+
+
+def held_window(states: Mapping[int, dict], start: int, stop: int) -> tuple[tuple[int, dict] | None, dict[int, dict]]:
+    """From states by step: the newest at or before ``start``, and those at steps in (start, stop) (what a
+    replay of [start, stop) may follow). The one rule for every plan feed's ``saved_states``."""
+    steps = list(states)  # a copy: the loop may record a state meanwhile
+    before = [s for s in steps if s <= start]
+    base = (max(before), states[max(before)]) if before else None
+    return base, {s: states[s] for s in steps if start < s < stop}

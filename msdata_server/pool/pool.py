@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._dispatch import Dispatcher, SourceUsage
-from ._launch import LAUNCHERS, STOP_TIMEOUT, kill
-from ._workerproc import Worker
-from .errors import ClosedError, ConfigError, MsdataError
-from .sources.base import BadSample
-from .transforms import load_transform, run_transform
+from ..errors import ClosedError, ConfigError, MsdataError
+from ..sources.base import BadSample
+from ..transforms import load_transform, run_transform
+from .dispatch import Dispatcher, SourceUsage
+from .launch import LAUNCHERS, STOP_TIMEOUT, kill
+from .workerproc import Worker
 
 __all__ = ["PoolStats", "WorkerPool"]
 

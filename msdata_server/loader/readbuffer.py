@@ -12,9 +12,9 @@ import dataclasses
 
 import numpy as np
 
-from ._ordinals import Partition
-from .sources.base import BadSample
-from .transforms import VlmSample
+from ..document import VlmSample
+from ..sources.base import BadSample
+from .ordinals import Partition
 
 __all__ = ["ReadBatch", "ReadBuffer"]
 

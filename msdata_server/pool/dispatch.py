@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._workerproc import Task, Worker
-from .errors import ClosedError, ConfigError, MsdataError
-from .sources.base import BadSample
-from .transforms import VlmSample
+from ..document import VlmSample
+from ..errors import ClosedError, ConfigError, MsdataError
+from ..sources.base import BadSample
+from .workerproc import Task, Worker
 
 __all__ = ["Dispatcher", "SourceUsage"]
 

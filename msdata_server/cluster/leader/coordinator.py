@@ -16,20 +16,20 @@ import uuid
 
 from msdata_client.spec import JobSpec
 
-from ..autoscale.cluster import RunView, Scaler, run_view, start_costs
-from ..autoscale.controller import SPINUP_S
-from ..checkpoint import RankStart, start_point
-from ..errors import CheckpointError, ClosedError, MsdataError, PeerLostError
-from ..job.view import ThreadView
-from ..lineage.skip import skip_ahead
-from ..planner import Planner
-from ..planner.history import StateHistory
-from ..planner.spec import planner_config
-from ..tasks import TaskSet
+from ...autoscale.cluster import RunView, Scaler, run_view, start_costs
+from ...autoscale.controller import SPINUP_S
+from ...checkpoint import RankStart, start_point
+from ...errors import CheckpointError, ClosedError, MsdataError, PeerLostError
+from ...job.view import ThreadView
+from ...lineage.skip import skip_ahead
+from ...planner import Planner
+from ...planner.history import StateHistory
+from ...planner.spec import planner_config
+from ...tasks import TaskSet
+from ..parts import PartsTable, RunParts, longest
+from ..placement import partition_costs, place_split
+from ..planwire import encode_plan
 from .catchup import CatchUp
-from .parts import PartsTable, RunParts, longest
-from .placement import partition_costs, place_split
-from .planwire import encode_plan
 from .statestore import EtcdStateStore
 
 __all__ = ["Coordinator", "JobCoordinator"]

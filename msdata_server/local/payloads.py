@@ -4,24 +4,18 @@ the autoscaler splits a source), and their piece references."""
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 
 import numpy as np
 
+from ..document import cut_piece
+from ..job.pieces import PieceRefs, hold_figures
 from ..loader import SourceLoader
 from ..planner import StepPlan
-from ..transforms import cut_piece
 from .parts import SourceParts
-from .pieces import PieceRefs, hold_figures
 
-__all__ = ["LocalPayloads", "loader_figures", "merged_figures"]
+__all__ = ["LocalPayloads", "merged_figures"]
 
 log = logging.getLogger(__name__)
-
-
-def loader_figures(ld: SourceLoader) -> dict:
-    """A loader's statistics as status JSON (scalars and tables only)."""
-    return {k: v for k, v in asdict(ld.statistics()).items() if isinstance(v, (int, float, str, dict, type(None)))}
 
 
 _SUMMED_NOT = frozenset({"buffer_fill", "cursor"})  # figures of a source's partitions that do not add up
@@ -30,7 +24,7 @@ _SUMMED_NOT = frozenset({"buffer_fill", "cursor"})  # figures of a source's part
 def merged_figures(loaders: list[SourceLoader], partitions: int) -> dict:
     """The figures of one source's loaders as one: counts and rates summed, the fill averaged, the cursor the
     furthest; ``partitions`` is how many it reads with now (older loaders may still drain)."""
-    figs = [loader_figures(ld) for ld in loaders]
+    figs = [ld.statistics().figures() for ld in loaders]
     out = dict(figs[-1])
     for k, v in out.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _SUMMED_NOT:

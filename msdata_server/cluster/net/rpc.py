@@ -12,8 +12,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 
-from .. import errors
-from ..errors import MsdataError, PeerLostError, RemoteError
+from ... import errors
+from ...errors import MsdataError, PeerLostError, RemoteError
 
 __all__ = ["PeerRpc", "error_reply"]
 

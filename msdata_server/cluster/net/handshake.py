@@ -13,7 +13,7 @@ import hmac
 import os
 import struct
 
-from ..errors import ProtocolError
+from ...errors import ProtocolError
 
 __all__ = ["AuthError", "Handshake", "Refusal", "check_token", "load_token"]
 

@@ -10,7 +10,7 @@ from collections import Counter, deque
 
 import numpy as np
 
-from .sources.base import BadDataLog, BadSample, Source
+from ..sources.base import BadDataLog, BadSample, Source
 
 __all__ = ["ReadCounts"]
 

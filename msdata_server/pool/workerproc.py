@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import MsdataError
-from .shm import Segment, create_segment
+from ..errors import MsdataError
+from ..shm import Segment, create_segment
 
 if TYPE_CHECKING:
-    from ._launch import Spawner
+    from .launch import Spawner
 
 __all__ = ["Task", "Worker"]
 

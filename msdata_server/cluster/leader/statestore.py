@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import CheckpointError
-from ..planner.delta import DeltaWriter, expired, newest
-from .election import LeaderElection
-from .etcd import Etcd, Op
+from ...errors import CheckpointError
+from ...planner.delta import DeltaWriter, expired, newest
+from ..net.election import LeaderElection
+from ..net.etcd import Etcd, Op
 
 __all__ = ["EtcdStateStore"]
 

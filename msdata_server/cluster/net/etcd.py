@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from ..errors import ClosedError, ConfigError, MsdataError
+from ...errors import ClosedError, ConfigError, MsdataError
 
 __all__ = ["Compare", "Etcd", "EtcdError", "EtcdUnavailable", "Event", "KV", "Op", "TxnResult", "prefix_end"]
 

@@ -23,9 +23,9 @@ from typing import Any, cast
 
 from msdata_client.wire import encode
 
-from ..errors import ClosedError, PeerLostError, ProtocolError
-from ._framing import CHUNK, FrameDecoder, payload_frame
-from ._handshake import AuthError, Handshake, Refusal, check_token, load_token
+from ...errors import ClosedError, PeerLostError, ProtocolError
+from .framing import CHUNK, FrameDecoder, payload_frame
+from .handshake import AuthError, Handshake, Refusal, check_token, load_token
 
 __all__ = ["AuthError", "CHUNK", "HIGH_WATER", "MAX_PAYLOAD", "PeerLink", "PeerServer", "Traffic", "load_token"]
 

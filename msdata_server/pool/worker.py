@@ -1,4 +1,4 @@
-"""The transform worker process and its forkserver (``python -m msdata_server._worker``): numpy/pyarrow only.
+"""The transform worker process and its forkserver (``python -m msdata_server.pool.worker``): numpy/pyarrow only.
 
 Workers are started as fresh interpreters (spawn) or forked from a per-pool zygote that preloaded the
 imports (forkserver); never from the server's own process image, and the server's ``__main__`` is never
@@ -36,8 +36,8 @@ ALIGN = 64
 
 def pack_results(results: list, mm: mmap.mmap | None, start: int) -> list[tuple]:
     """Encode results: big numeric arrays are copied into mm from ``start`` on, the rest go inline."""
-    from .sources.base import BadSample
-    from .transforms import VlmSample
+    from ..document import VlmSample
+    from ..sources.base import BadSample
 
     items: list[tuple] = []
     off = [start]
@@ -67,7 +67,7 @@ def _pack_array(r: np.ndarray, mm: mmap.mmap | None, off: list[int]) -> tuple:
 
 def worker_main(conn, seg_fd: int, seg_size: int, data_start: int) -> None:
     """Serve tasks until told to stop or until the parent goes away."""
-    from .transforms import load_transform, run_transform
+    from ..transforms import load_transform, run_transform
 
     mm = None
     if seg_fd >= 0:
@@ -107,7 +107,7 @@ def zygote_main(sock_fd: int) -> None:
     Request: ``b"F <seg_size> <data_start>"`` with the worker's socket and segment descriptors (SCM_RIGHTS);
     reply: ``b"P <pid>"``. Exits when the pool closes its end.
     """
-    from . import transforms  # noqa: F401  (preload: forked workers start warm)
+    from .. import transforms  # noqa: F401  (preload: forked workers start warm)
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps our children
     sock = socket.socket(fileno=sock_fd)
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> None:
     elif argv[0] == "zygote":
         zygote_main(int(argv[1]))
     else:
-        raise SystemExit(f"usage: python -m msdata_server._worker worker|zygote ...; got {argv!r}")
+        raise SystemExit(f"usage: python -m msdata_server.pool.worker worker|zygote ...; got {argv!r}")
 
 
 if __name__ == "__main__":

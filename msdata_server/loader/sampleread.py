@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .sources.base import Source
-from .sources.order import stable_seed
-from .transforms import load_transform, parse_transform_name, run_transform
+from ..sources.base import Source
+from ..sources.order import stable_seed
+from ..transforms import load_transform, parse_transform_name, run_transform
 
 if TYPE_CHECKING:
-    from .pool import WorkerPool
+    from ..pool import WorkerPool
 
 __all__ = ["SampleReader"]
 

@@ -18,20 +18,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._ordinals import Partition
-from ._readbuffer import ReadBatch, ReadBuffer
-from ._readcounts import ReadCounts
-from ._sampleread import SampleReader
-from .errors import BadSampleError, ClosedError, ConfigError, MsdataError
-from .sources.base import BadSample, Source
+from ..errors import BadSampleError, ClosedError, ConfigError, MsdataError
+from ..sources.base import BadSample, Source
+from .ordinals import Partition
+from .readbuffer import ReadBatch, ReadBuffer
+from .readcounts import ReadCounts
+from .sampleread import SampleReader
 
 if TYPE_CHECKING:
-    from .pool import WorkerPool
+    from ..pool import WorkerPool
 
 __all__ = ["LoaderStats", "SourceLoader"]
 
@@ -61,6 +61,10 @@ class LoaderStats:
     held_ahead: int  # of ``ready``: payloads beyond the highest ordinal asked for; at most ``readahead``
     readahead: int  # the read-ahead bound, in samples of this partition
     readahead_bytes: int  # ...and in bytes of payloads held (past the highest ordinal asked for)
+
+    def figures(self) -> dict:
+        """These statistics as status JSON (scalars and tables only)."""
+        return {k: v for k, v in asdict(self).items() if isinstance(v, (int, float, str, dict, type(None)))}
 
 
 def _int_at_least(what: str, value: object, low: int) -> None:

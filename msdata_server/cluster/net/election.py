@@ -22,8 +22,8 @@ from typing import Literal
 
 import orjson
 
-from ..errors import ClosedError, ConfigError
-from ..tasks import TaskSet
+from ...errors import ClosedError, ConfigError
+from ...tasks import TaskSet
 from .etcd import KV, Compare, Etcd, EtcdError, EtcdUnavailable, Op
 
 __all__ = ["Fence", "LeaderElection", "Membership", "run_callbacks"]

@@ -15,13 +15,13 @@ from typing import Any, Protocol
 
 from msdata_client.spec import JobSpec
 
-from ..errors import PeerLostError
-from ..job.view import ThreadView
-from ..planner import Planner
-from ..planner.spec import planner_config
-from ..tasks import TaskSet
-from .parts import RunParts
-from .planwire import encode_plan
+from ...errors import PeerLostError
+from ...job.view import ThreadView
+from ...planner import Planner
+from ...planner.spec import planner_config
+from ...tasks import TaskSet
+from ..parts import RunParts
+from ..planwire import encode_plan
 from .statestore import EtcdStateStore
 
 __all__ = ["CatchUp", "RunPlans"]

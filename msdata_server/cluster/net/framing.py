@@ -13,7 +13,7 @@ import struct
 
 from msdata_client.wire import MAX_FRAME, decode, encode
 
-from ..errors import ProtocolError
+from ...errors import ProtocolError
 
 __all__ = ["CHUNK", "FrameDecoder", "payload_frame"]
 

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 
-from .errors import MsdataError
+from ..errors import MsdataError
 
 __all__ = ["DATA_START", "LAUNCHERS", "STOP_TIMEOUT", "Spawner", "Zygote", "kill"]
 
@@ -47,7 +47,7 @@ class Spawner:
     def _popen(self, sock_fd: int, seg_fd: int, seg_size: int) -> subprocess.Popen:
         fds = (sock_fd,) if seg_fd < 0 else (sock_fd, seg_fd)
         args = ["worker", str(sock_fd), str(seg_fd), str(seg_size), str(DATA_START)]
-        cmd = [sys.executable, "-m", "msdata_server._worker", *args]
+        cmd = [sys.executable, "-m", "msdata_server.pool.worker", *args]
         return subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.DEVNULL, env=_child_env())
 
     async def launch(self, sock_fd: int, seg_fd: int, seg_size: int) -> int:
@@ -85,7 +85,7 @@ class Zygote(Spawner):
         try:
             self.proc = await asyncio.to_thread(
                 subprocess.Popen,
-                [sys.executable, "-m", "msdata_server._worker", "zygote", str(theirs.fileno())],
+                [sys.executable, "-m", "msdata_server.pool.worker", "zygote", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 env=_child_env(),

@@ -14,13 +14,12 @@ from contextlib import aclosing, suppress
 
 import orjson
 
-from ..errors import PeerLostError, ProtocolError
-from ..ops.logs import Once
-from ..tasks import TaskSet
+from ...errors import PeerLostError, ProtocolError
+from ...ops.logs import Once
+from ...tasks import TaskSet
 from .election import Fence, LeaderElection, Membership
 from .etcd import Etcd, EtcdError
 from .peers import AuthError, PeerLink, PeerServer, Traffic, load_token
-from .placement import place
 
 __all__ = ["ClusterNode"]
 
@@ -117,10 +116,6 @@ class ClusterNode:
         log.info("node %s: role %s (leader %s, token %s)", self.node_id, role, leader_id, token)
         if token is not None:
             self.fence.admit(int(token))
-
-    def placement(self, n_partitions: int) -> list[str]:
-        """Partition -> node id over the live members (a pure function of the member set)."""
-        return place(n_partitions, sorted(self.members) or [self.node_id])
 
     def status(self) -> dict:
         e = self.election

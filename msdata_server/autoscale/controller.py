@@ -17,7 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .cluster import LeaderTargets
 from .demand import ConsumptionMeter, SourceDemand, job_demands, merge_demands
@@ -27,6 +27,7 @@ from .signals import JobSignals, job_signals
 
 if TYPE_CHECKING:
     from ..config import AutoscaleConfig
+    from ..job import Job
     from ..pool import WorkerPool
 
 __all__ = ["Autoscaler", "initial_size"]
@@ -57,7 +58,7 @@ class Autoscaler:
         self,
         pool: WorkerPool,
         cfg: AutoscaleConfig,
-        jobs: Callable[[], Iterable[Any]],
+        jobs: Callable[[], Iterable[Job]],
         *,
         clock: Callable[[], float] = time.monotonic,
         cluster: bool = False,
@@ -182,9 +183,8 @@ class Autoscaler:
                 d.samples_s if d else 0.0,
             )
             for job in self._jobs():
-                split = getattr(job.payloads, "set_partitions", None)  # one node: LocalPayloads
-                if split is not None and name in (s.name for s in job.spec.sources):
-                    await split(name, b)
+                if job.payloads is not None and name in (s.name for s in job.spec.sources):
+                    await job.payloads.repartition(name, b)  # a cluster's answer False: its leader splits
 
     def _figures(self, name: str) -> tuple[float | None, float | None]:
         """(tokens per sample, worker seconds per sample) of a source here; None while unmeasured."""

@@ -1,30 +1,20 @@
 """What the autoscaler reads of a running job, through public seams only: the ranks' pulls (``job.waits``),
-the planner's cursor and mixture (the plan feed: its planner where it plans here, else the newest planner
-state it holds), the step shape, and its loaders' counters (``job.payloads.status``)."""
+the planner's cursor and mixture (``PlanFeed.position``), the step shape, and its loaders' counters
+(``job.payloads.status``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from ..planner.mixture import Mixture
 from ..planner.spec import planner_config
-from ..planner.state import K_MIXTURE, K_STEP
+
+if TYPE_CHECKING:
+    from ..job import Job
+    from ..planner.mixture import Mixture
 
 __all__ = ["JobSignals", "job_signals"]
-
-
-class _JobLike(Protocol):
-    name: str
-    inst: str
-    state: str
-    spec: Any
-    waits: Any
-    feed: Any
-    payloads: Any
-    started_at: float | None
-    start_step: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,19 +33,12 @@ class JobSignals:
     started: tuple[float, int] | None = None  # (monotonic time, step) the job started at: the pace's first point
 
 
-def job_signals(job: _JobLike) -> JobSignals | None:
+def job_signals(job: Job) -> JobSignals | None:
     """The signals of a running job; None while it is not running."""
     if job.state != "running" or job.feed is None or job.payloads is None:
         return None
     cfg = planner_config(job.spec)
-    step, mixture = 0, cfg.mixture
-    planner = getattr(job.feed, "planner", None)  # LocalPlanFeed plans here: its planner is the newest word
-    if planner is not None:
-        step, mixture = planner.step, planner.mixture
-    else:
-        state = job.feed.newest_state()
-        if state is not None:
-            step, mixture = int(state[K_STEP]) + 1, Mixture.from_dict(state[K_MIXTURE])
+    step, mixture = job.feed.position() or (0, cfg.mixture)
     ranks = job.waits.snapshot()
     rank_step, waited = None, 0.0
     for r in sorted(ranks, key=int):

@@ -23,8 +23,9 @@ from msdata_client.spec import JobSpec
 from ..autoscale.cluster import placement_costs
 from ..errors import CheckpointError, PeerLostError
 from ..job.seams import CutLog, Steps
-from ..planner import StepPlan
+from ..planner import Mixture, StepPlan
 from ..planner.history import held_window
+from ..planner.state import K_MIXTURE, K_STEP
 from ..tasks import TaskSet
 from .shard import JobShard, repartition, retire
 
@@ -262,6 +263,10 @@ class Run:
 
     def newest_state(self) -> dict | None:
         return self.states[max(self.states)] if self.states else None
+
+    def position(self) -> tuple[int, Mixture] | None:
+        state = self.newest_state()  # the leader plans: the newest state it sent is what this node knows
+        return None if state is None else (int(state[K_STEP]) + 1, Mixture.from_dict(state[K_MIXTURE]))
 
     def saved_states(self, start: int, stop: int) -> tuple[tuple[int, dict] | None, dict[int, dict]]:
         return held_window(self.states, start, stop)

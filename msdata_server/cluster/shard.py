@@ -393,5 +393,8 @@ class ShardPayloads:
         self.sample_ids = shard.sample_ids
         self.status = shard.status
 
+    async def repartition(self, source: str, n: int) -> bool:
+        return False  # the leader splits and merges a run's partitions (``Scaler.repartition``)
+
     async def aclose(self) -> None:
         """Nothing to close here: ``ClusterJobs`` closes the shard when the run ends."""

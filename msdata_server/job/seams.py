@@ -4,7 +4,7 @@ A ``Job`` (registry, rings, constructors) depends on a ``PlanFeed`` (the plans o
 ``PayloadSource`` (the documents those plans name). Each has one implementation per mode:
 
 =============  ==========================================  ==============================================
-seam           one node (``job.local``)                    cluster (``cluster.run``, ``cluster.shard``)
+seam           one node (``local/``)                       cluster (``cluster.run``, ``cluster.shard``)
 =============  ==========================================  ==============================================
 PlanFeed       ``LocalPlanFeed``: plans here, in a thread  ``Run``: the leader's plans over the peer links
 PayloadSource  ``LocalPayloads``: this node's loaders      ``ShardPayloads``: the owners of each partition
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from ..planner import StepPlan
+    from ..planner import Mixture, StepPlan
 
 __all__ = ["CutLog", "PayloadSource", "PlanFeed", "Steps"]
 
@@ -39,7 +39,10 @@ class Steps(Protocol):
 
 
 class PlanFeed(Protocol):
-    """The plans of a job's steps, in step order, and the planner states and mixture changes that go with them."""
+    """The plans of a job's steps, in step order, and the planner states and mixture changes that go with them.
+
+    Size: one member per thing the job, its constructors, lineage and the autoscaler ask of the plans; each mode
+    answers all of them, so splitting the protocol would only split what every implementation must provide."""
 
     start_step: int
 
@@ -75,6 +78,11 @@ class PlanFeed(Protocol):
         """The planner state at the start of the newest step planned (or received) here."""
         ...
 
+    def position(self) -> tuple[int, Mixture] | None:
+        """The next step to be planned and its mixture, as this node knows them (None: nothing planned or
+        received yet). One node: its planner; a cluster: the newest planner state the leader sent."""
+        ...
+
     def saved_states(self, start: int, stop: int) -> tuple[tuple[int, dict] | None, dict[int, dict]]:
         """For lineage (``planner.history.held_window``): the newest planner state held here at or before
         ``start`` (step, state), and those held at steps in (start, stop)."""
@@ -89,7 +97,7 @@ class PayloadSource(Protocol):
     """The documents plans name: fetched for building, skipped when nobody reads them; ids and figures."""
 
     async def fetch(self, source: np.ndarray, ordinal: np.ndarray, offset: np.ndarray, length: np.ndarray) -> list:
-        """The pieces, in order (each counted done): token slices, or picture pieces (``transforms.VlmSample``)."""
+        """The pieces, in order (each counted done): token slices, or picture pieces (``document.VlmSample``)."""
         ...
 
     async def skip(self, source: np.ndarray, ordinal: np.ndarray) -> None:
@@ -102,6 +110,11 @@ class PayloadSource(Protocol):
 
     def status(self, newest_state: dict | None) -> dict[str, dict]:
         """Per source name: its loaders' figures here and the held-payload bound."""
+        ...
+
+    async def repartition(self, source: str, n: int) -> bool:
+        """Read ``source`` in ``n`` partitions from here on (the autoscaler's split or merge). False where this
+        node does not decide its partitions (a cluster: the leader repartitions each run's sources)."""
         ...
 
     async def aclose(self) -> None:

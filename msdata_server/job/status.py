@@ -64,7 +64,9 @@ class PlanLog:
 
 
 class JobView(Protocol):
-    """What ``job_status`` reads of a ``Job`` (job.py calls it; this module does not import job.py)."""
+    """What ``job_status`` reads of a ``Job`` (job.py calls it; this module does not import job.py).
+
+    Size: the fields one status object shows, read-only; a protocol only so that status.py need not import job.py."""
 
     spec: JobSpec
     name: str

@@ -14,7 +14,7 @@ from ..checkpoint import StateStore
 from ..errors import CheckpointError
 from ..job.seams import CutLog, Steps
 from ..job.view import ThreadView
-from ..planner import Planner, StepPlan
+from ..planner import Mixture, Planner, StepPlan
 from ..planner.history import StateHistory, held_window
 from .payloads import LocalPayloads
 
@@ -98,6 +98,9 @@ class LocalPlanFeed:
 
     def newest_state(self) -> dict | None:
         return self.history.newest()
+
+    def position(self) -> tuple[int, Mixture]:
+        return self.planner.step, self.planner.mixture  # it plans here: its planner is the newest word
 
     def saved_states(self, start: int, stop: int) -> tuple[tuple[int, dict] | None, dict[int, dict]]:
         base, held = held_window(self.history.states, start, stop)

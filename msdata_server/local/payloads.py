@@ -62,6 +62,10 @@ class LocalPayloads:
                 return await p.set_partitions(n)
         raise KeyError(f"no source {source!r} in this job; its sources are {[p.name for p in self.parts]}")
 
+    async def repartition(self, source: str, n: int) -> bool:
+        await self.set_partitions(source, n)
+        return True
+
     # counted by the plan feed as plans are made, or taken back when a mixture change cuts them
     def planned(self, plan: StepPlan) -> None:
         self._free(self.refs.plan(plan.source, plan.ordinal, plan.last))

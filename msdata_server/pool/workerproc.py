@@ -106,8 +106,9 @@ class Worker:
         assert self.writer is not None, "a task goes only to a launched worker"
         self.writer.write(_frame(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)))
 
-    async def receive(self):
+    async def receive(self) -> tuple:
         """Its next message: ``("ready", pid)`` or ``(task_id, items, cpu_s, wall_s)``."""
+        assert self.reader is not None, "a message comes only from a launched worker"
         return pickle.loads(await _read_frame(self.reader))
 
     def stop(self) -> None:

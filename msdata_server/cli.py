@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -16,6 +17,11 @@ from msdata_client._paths import ENDPOINT_ENV, default_endpoint
 from .config import LOG_FORMATS, LOG_LEVELS, ROLES, load_config
 from .errors import MsdataError
 from .ops.logs import configure_logging
+
+if TYPE_CHECKING:
+    from msdata_client.spec import JobSpec, SourceSpec
+
+    from .sources.base import Source
 
 __all__ = ["main"]
 
@@ -199,6 +205,9 @@ def _format_status(st: dict) -> str:
     return "\n".join(lines)
 
 
+_PROBE_RECORDS = 8  # records of each source validate --job transforms
+
+
 def _cmd_validate(args) -> int:
     cfg = load_config(args.config)
     print(f"node config OK: id={cfg.node.id} socket={cfg.node.socket} role={cfg.role}")
@@ -220,9 +229,30 @@ def _cmd_validate(args) -> int:
             src = open_source(s, seed=spec.seed)
             try:
                 print(f"  source {s.name} ({s.format}): {src.num_samples} samples")
+                _probe_source(spec, s, src)
             finally:
                 src.close()
     return 0
+
+
+def _probe_source(spec: JobSpec, s: SourceSpec, src: Source) -> None:
+    """Push the first records of a source through its transform; an error when none comes out good."""
+    from .job.images import source_transform
+    from .loader.sampleread import probe
+    from .sources.base import BadSample
+
+    transform = source_transform(spec, s)
+    got = probe(src, transform, spec.seed, count=_PROBE_RECORDS)
+    bad = [(o, r) for o, r in got if isinstance(r, BadSample)]
+    print(f"    first {len(got)} records through transform {transform!r}: {len(got) - len(bad)} good")
+    for _, r in bad[:3]:
+        print(f"    bad ({r.reason}) at {r.location}: {r.detail}")
+    if got and len(bad) == len(got):
+        r = bad[0][1]
+        raise MsdataError(
+            f"source {s.name!r}: none of its first {len(got)} records is good ({r.reason} at {r.location}: "
+            f"{r.detail}); a job reading it would stop. Check its files, column and transform"
+        )
 
 
 def _cmd_cleanup(args) -> int:

@@ -98,6 +98,7 @@ class Job:
         *,
         client: str | None = None,
         held: list | tuple = (),
+        latest: dict | None = None,
     ) -> None:
         """Register a rank (checked with ``ranks.check_rank``/``check_state``); a running job welcomes it. A rank
         that comes back to a running job continues at ``position``: the notices kept for it from there on are
@@ -105,7 +106,7 @@ class Job:
         first reader of a group here after the start gets the group built here from its position (``late``)."""
         if self.late is not None and (grp := self.groups[self.spec.group_of(rank)]).rings is None:
             await self.late.activate(grp, rank, position)
-        self.ranks.add(conn, rank, position, state, resume, client)
+        self.ranks.add(conn, rank, position, state, resume, client, latest)
         conn.job, conn.rank = self, rank
         if self.state == "running":
             back = self.ranks.rejoin(rank, position, held)

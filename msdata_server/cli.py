@@ -32,6 +32,16 @@ def _endpoint(args) -> str:
     return args.endpoint or os.environ.get(ENDPOINT_ENV) or default_endpoint()
 
 
+def _at_least_one(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{v!r} must be an integer >= 1")
+    return n
+
+
 def _positive(v: str) -> float:
     try:
         x = float(v)
@@ -286,9 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", choices=LOG_FORMATS, help="override [node] log_format")
     s.set_defaults(fn=_cmd_serve)
     d = sub.add_parser("demo", help="run the embedded default job end to end and print a summary")
-    d.add_argument("--steps", type=int, default=None, help="training steps to run (default 200; 30 with --vlm)")
+    d.add_argument(
+        "--steps", type=_at_least_one, default=None, help="training steps to run (default 200; 30 with --vlm)"
+    )
     d.add_argument("--vlm", action="store_true", help="an image-text job instead (generated images; needs Pillow)")
-    d.add_argument("--ranks", type=int, default=4, help="simulated trainer ranks")
+    d.add_argument("--ranks", type=_at_least_one, default=4, help="simulated trainer ranks")
     d.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, help="log level (default WARNING)")
     d.set_defaults(fn=_cmd_demo)
     st = sub.add_parser("status", help="show a running server's jobs, ranks, rates and memory")

@@ -146,6 +146,7 @@ class DataClient:
         self._closed = False
         self._loaded: dict | None = None  # the state given to load_state_dict, until the first batch
         self._received = False  # a batch arrived: reconnects continue from our position (resume)
+        self._latest: dict | None = None  # the newest state this rank knows: a reconnect carries it to the server
         self._pending: deque[dict] = deque()  # batch notices that arrived while waiting for a reply
         self._req_id = 0
         # Release notices wake the server: send them in small groups (a quarter of the ring), and always
@@ -215,7 +216,8 @@ class DataClient:
                 return dict(self._loaded)
             return self._state(None)
         reply = self._request({"t": "state", "step": self._step}, "state")
-        return self._state(reply["planner"])
+        self._latest = self._state(reply["planner"])
+        return dict(self._latest)
 
     def _state(self, planner: dict | None) -> dict:
         return {
@@ -265,6 +267,7 @@ class DataClient:
         if layout != self.spec.layout():
             micro = 0  # another layout: the step restarts under the new partition (see README: resharding)
         self._loaded = dict(state)
+        self._latest = dict(state)
         self._step, self._micro = step, micro
 
     def set_mixture(self, weights: dict) -> int:
@@ -286,7 +289,9 @@ class DataClient:
             self._iterating = True  # registering now is what makes the rank part of the job
         if self._sock is None:
             self._connect()
-        return int(self._request({"t": "mixture", "weights": dict(weights)}, "mixture")["step"])
+        cut = int(self._request({"t": "mixture", "weights": dict(weights)}, "mixture")["step"])
+        self._latest = self._state(self._request({"t": "state", "step": cut}, "state")["planner"])  # carried
+        return cut
 
     def lineage(self, step: int):
         """The document pieces of this rank's micro-batches of ``step`` (replayed by the server, nothing stored):
@@ -538,6 +543,7 @@ class DataClient:
             "resume": self._received or self._gen > 0,  # a reconnect continues this client's run
             "client": self._token,
             "held": [[t.ring, t.slot] for t in self._carry],
+            "latest": self._latest if self._received or self._gen > 0 else None,
         }
         with self._send_lock:
             s.sendall(encode(hello))

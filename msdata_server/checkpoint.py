@@ -13,7 +13,16 @@ from msdata_client.lineage import check_skip
 from .errors import CheckpointError, ConfigError
 from .statedir import StateStore
 
-__all__ = ["RankStart", "StartPoint", "StateStore", "skip_of", "start_from_states", "start_point"]
+__all__ = [
+    "Carried",
+    "RankStart",
+    "StartPoint",
+    "StateStore",
+    "carried_start",
+    "skip_of",
+    "start_from_states",
+    "start_point",
+]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +83,7 @@ class RankStart:
     position: tuple[int, int]
     state: dict | None = None
     resume: bool = False
+    latest: dict | None = None  # reconnecting: the newest state the rank knows (it carries it; see carried_start)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,3 +116,39 @@ def start_point(ranks: Mapping[int, RankStart], layout: dict) -> StartPoint:
         positions = {k: (r.position[0], r.position[1]) if r.resume else (low[0], 0) for k, r in ranks.items()}
         return StartPoint(positions=positions, load_at=low[0])
     return StartPoint(positions={k: (0, 0) for k in ranks}, clear=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Carried:
+    """A resumed run's start from the states its ranks carry (when the node stored none): the state to plan
+    from (None: the beginning) with the skip it asks for, and the mixture changes of later steps to apply."""
+
+    planner: dict | None
+    skip: int = 0
+    defer: bool = False
+    overrides: tuple[tuple[int, dict], ...] = ()
+
+
+def carried_start(ranks: Mapping[int, RankStart], step: int) -> Carried | None:
+    """Where ranks that resume at ``step`` continue when the node has no stored state (no ``state_dir``, or a
+    fresh one): from the newest state they carry that starts at or before ``step`` (skip included), with the
+    mixture changes the newest state of all records from there on (set_mixture calls after it). None when no
+    rank carries a state."""
+    carried = [r.latest for r in ranks.values() if r.latest is not None and isinstance(r.latest.get("planner"), dict)]
+    if not carried:
+        return None
+
+    def begins(st: dict) -> int:
+        return int(st["planner"]["step"]) + skip_of(st)[0]
+
+    fits = [st for st in carried if begins(st) <= step]
+    base = max(fits, key=begins) if fits else None
+    newest = max(carried, key=lambda st: int(st["planner"]["step"]))
+    since = begins(base) if base is not None else 0
+    overrides = tuple(
+        (int(s), dict(w)) for s, w in (newest["planner"].get("mixture") or {}).get("overrides", ()) if int(s) >= since
+    )
+    if base is None:
+        return Carried(None, overrides=overrides)
+    skip, defer = skip_of(base)
+    return Carried(base["planner"], skip, defer, overrides)

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import orjson
 
@@ -17,6 +18,11 @@ from .config import LOG_FORMATS, LOG_LEVELS, ROLES, load_config
 from .errors import MsdataError
 from .ops.logs import configure_logging
 
+if TYPE_CHECKING:
+    from msdata_client.spec import JobSpec, SourceSpec
+
+    from .sources.base import Source
+
 __all__ = ["main"]
 
 log = logging.getLogger("msdata_server")
@@ -24,6 +30,16 @@ log = logging.getLogger("msdata_server")
 
 def _endpoint(args) -> str:
     return args.endpoint or os.environ.get(ENDPOINT_ENV) or default_endpoint()
+
+
+def _at_least_one(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{v!r} must be an integer >= 1")
+    return n
 
 
 def _positive(v: str) -> float:
@@ -199,6 +215,9 @@ def _format_status(st: dict) -> str:
     return "\n".join(lines)
 
 
+_PROBE_RECORDS = 8  # records of each source validate --job transforms
+
+
 def _cmd_validate(args) -> int:
     cfg = load_config(args.config)
     print(f"node config OK: id={cfg.node.id} socket={cfg.node.socket} role={cfg.role}")
@@ -220,9 +239,30 @@ def _cmd_validate(args) -> int:
             src = open_source(s, seed=spec.seed)
             try:
                 print(f"  source {s.name} ({s.format}): {src.num_samples} samples")
+                _probe_source(spec, s, src)
             finally:
                 src.close()
     return 0
+
+
+def _probe_source(spec: JobSpec, s: SourceSpec, src: Source) -> None:
+    """Push the first records of a source through its transform; an error when none comes out good."""
+    from .job.images import source_transform
+    from .loader.sampleread import probe
+    from .sources.base import BadSample
+
+    transform = source_transform(spec, s)
+    got = probe(src, transform, spec.seed, count=_PROBE_RECORDS)
+    bad = [(o, r) for o, r in got if isinstance(r, BadSample)]
+    print(f"    first {len(got)} records through transform {transform!r}: {len(got) - len(bad)} good")
+    for _, r in bad[:3]:
+        print(f"    bad ({r.reason}) at {r.location}: {r.detail}")
+    if got and len(bad) == len(got):
+        r = bad[0][1]
+        raise MsdataError(
+            f"source {s.name!r}: none of its first {len(got)} records is good ({r.reason} at {r.location}: "
+            f"{r.detail}); a job reading it would stop. Check its files, column and transform"
+        )
 
 
 def _cmd_cleanup(args) -> int:
@@ -256,9 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", choices=LOG_FORMATS, help="override [node] log_format")
     s.set_defaults(fn=_cmd_serve)
     d = sub.add_parser("demo", help="run the embedded default job end to end and print a summary")
-    d.add_argument("--steps", type=int, default=None, help="training steps to run (default 200; 30 with --vlm)")
+    d.add_argument(
+        "--steps", type=_at_least_one, default=None, help="training steps to run (default 200; 30 with --vlm)"
+    )
     d.add_argument("--vlm", action="store_true", help="an image-text job instead (generated images; needs Pillow)")
-    d.add_argument("--ranks", type=int, default=4, help="simulated trainer ranks")
+    d.add_argument("--ranks", type=_at_least_one, default=4, help="simulated trainer ranks")
     d.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, help="log level (default WARNING)")
     d.set_defaults(fn=_cmd_demo)
     st = sub.add_parser("status", help="show a running server's jobs, ranks, rates and memory")

@@ -58,6 +58,7 @@ FRAME_TYPES: dict[str, dict[str, tuple[bool, Check, str]]] = {
         "resume": (False, lambda v: isinstance(v, bool), "true or false"),
         "client": (False, _optional(lambda v: isinstance(v, str) and len(v) <= 64), "a string of at most 64"),
         "held": (False, _pairs, "a list of [ring, slot] pairs"),
+        "latest": (False, _optional(lambda v: isinstance(v, dict)), "an object (the newest state_dict it knows)"),
     },
     "release": {
         "s": (False, _pairs, "a list of [ring, slot] pairs"),

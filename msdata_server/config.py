@@ -100,10 +100,12 @@ class NodeConfig:
         _int("node", "workers", self.workers, 0, 1024)
         _int("node", "ring_slots", self.ring_slots, 2, 1024)
         _int("node", "max_slot_mib", self.max_slot_mib, 1)
-        if not isinstance(self.drain_timeout, (int, float)) or self.drain_timeout < 0:
-            raise ConfigError(f"[node] drain_timeout = {self.drain_timeout!r} must be a number >= 0 (seconds)")
-        if not isinstance(self.reconnect_grace, (int, float)) or self.reconnect_grace < 0:
-            raise ConfigError(f"[node] reconnect_grace = {self.reconnect_grace!r} must be a number >= 0 (seconds)")
+        if not isinstance(self.drain_timeout, (int, float)) or not 0 <= self.drain_timeout < float("inf"):
+            raise ConfigError(f"[node] drain_timeout = {self.drain_timeout!r} must be a finite number >= 0 (seconds)")
+        if not isinstance(self.reconnect_grace, (int, float)) or not 0 <= self.reconnect_grace < float("inf"):
+            raise ConfigError(
+                f"[node] reconnect_grace = {self.reconnect_grace!r} must be a finite number >= 0 (seconds)"
+            )
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"[node] log_level = {self.log_level!r} must be one of {', '.join(LOG_LEVELS)}")
         if self.log_format not in LOG_FORMATS:

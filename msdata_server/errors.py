@@ -12,6 +12,7 @@ from msdata_client.errors import (
 
 __all__ = [
     "BadSampleError",
+    "BadSourceError",
     "CheckpointError",
     "ClosedError",
     "ConfigError",
@@ -40,3 +41,12 @@ class BadSampleError(MsdataError):
         super().__init__(message)
         self.source = source
         self.location = location
+
+
+class BadSourceError(MsdataError):
+    """Every recent sample of a source is bad (planner.lengths.BAD_WINDOW): its job stops with this error, naming
+    the source; the job adds the reason most of its bad samples had. Other jobs are unaffected."""
+
+    def __init__(self, message: str, *, source: str):
+        super().__init__(message)
+        self.source = source

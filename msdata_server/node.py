@@ -215,6 +215,7 @@ class NodeServer:
             state = frame.get("state")
             resume = bool(frame.get("resume", False))
             client, held = frame.get("client"), frame.get("held", [])  # one DataClient across its reconnects
+            latest = frame.get("latest") if resume else None  # the newest state a reconnecting rank carries
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, ConfigError):
                 raise
@@ -228,7 +229,8 @@ class NodeServer:
         job = await self.table.join(spec, digest, rank, world, resume=resume)
         job.ranks.check_rank(rank, world, client)
         job.ranks.check_state(state)
-        await job.attach(conn, rank, position, state=state, resume=resume, client=client, held=held)
+        job.ranks.check_state(latest)
+        await job.attach(conn, rank, position, state=state, resume=resume, client=client, held=held, latest=latest)
         if job.state == "waiting":
             await self.starter.ranks_changed(job)
 

@@ -19,10 +19,11 @@ from functools import partial
 
 from msdata_client.spec import JobSpec
 
-from ..errors import MsdataError
+from ..errors import BadSourceError, MsdataError
 from ..ops.waits import WaitStats
 from ..planner import StepPlan
 from ..reclaim import collect_soon
+from ..sources.base import dominant_reason
 from ..tasks import TaskSet
 from .constructor import Constructor, estimate_slot
 from .late import LateGroups, history_depth
@@ -97,6 +98,7 @@ class Job:
         *,
         client: str | None = None,
         held: list | tuple = (),
+        latest: dict | None = None,
     ) -> None:
         """Register a rank (checked with ``ranks.check_rank``/``check_state``); a running job welcomes it. A rank
         that comes back to a running job continues at ``position``: the notices kept for it from there on are
@@ -104,7 +106,7 @@ class Job:
         first reader of a group here after the start gets the group built here from its position (``late``)."""
         if self.late is not None and (grp := self.groups[self.spec.group_of(rank)]).rings is None:
             await self.late.activate(grp, rank, position)
-        self.ranks.add(conn, rank, position, state, resume, client)
+        self.ranks.add(conn, rank, position, state, resume, client, latest)
         conn.job, conn.rank = self, rank
         if self.state == "running":
             back = self.ranks.rejoin(rank, position, held)
@@ -295,8 +297,18 @@ class Job:
 
     # ---- failure and shutdown -----------------------------------------------------------------------------
     def _task_failed(self, task: asyncio.Task, exc: BaseException) -> None:
+        if isinstance(exc, BadSourceError):  # bad data, not a bug: no traceback; say why its samples were bad
+            message = f"{exc}; mostly {self._bad_reasons(exc.source)}"
+            log.error("job %s: %s", self.name, message)
+            self.fail(message, kind=type(exc).__name__)
+            return
         log.error("job %s: %s failed: %s", self.name, task.get_name(), exc, exc_info=exc)
         self.fail(f"{type(exc).__name__}: {exc}", kind=type(exc).__name__)
+
+    def _bad_reasons(self, source: str) -> str:
+        """The reason most bad samples of ``source`` read here had (its loaders' counts)."""
+        figures = self.payloads.status(None).get(source, {}) if self.payloads is not None else {}
+        return dominant_reason(figures.get("bad_samples") or {})
 
     def fail(self, message: str, kind: str = "MsdataError") -> None:
         """Tell every rank why the job stopped, then close it; other jobs are unaffected."""

@@ -75,6 +75,7 @@ class RankRegistry:
         self.conns: dict[int, Any] = {}  # rank -> ClientConn (msdata_server.endpoint)
         self.positions: dict[int, RankPosition] = {}
         self.states: dict[int, dict | None] = {}  # rank -> the state it brought (load_state_dict), if any
+        self.latest: dict[int, dict | None] = {}  # rank -> the newest state it carries when it reconnects
         self.resuming: dict[int, bool] = {}  # rank -> it reconnects mid-run (continue where it was)
         self.clients: dict[int, str | None] = {}  # rank -> its client's token (one DataClient across reconnects)
         self.sent: dict[int, dict[tuple[int, int], dict]] = {}  # rank -> (ring, slot) -> unreleased notice
@@ -143,7 +144,14 @@ class RankRegistry:
             )
 
     def add(
-        self, conn, rank: int, position: RankPosition, state: dict | None, resume: bool, client: str | None = None
+        self,
+        conn,
+        rank: int,
+        position: RankPosition,
+        state: dict | None,
+        resume: bool,
+        client: str | None = None,
+        latest: dict | None = None,
     ) -> None:
         old = self.conns.get(rank)
         if old is not None and old is not conn:
@@ -154,6 +162,7 @@ class RankRegistry:
         self.states[rank] = state
         self.resuming[rank] = resume
         self.clients[rank] = client
+        self.latest[rank] = latest
 
     # ---- ranks that lose their socket ----
     def hold(self, rank: int, conn, expire: Callable[[int], None]) -> bool:
@@ -217,7 +226,7 @@ class RankRegistry:
     def starts(self) -> dict[int, RankStart]:
         """What every registered rank brings to the start (see ``checkpoint.start_point``)."""
         return {
-            r: RankStart((p.step, p.micro), self.states.get(r), self.resuming.get(r, False))
+            r: RankStart((p.step, p.micro), self.states.get(r), self.resuming.get(r, False), self.latest.get(r))
             for r, p in self.positions.items()
         }
 

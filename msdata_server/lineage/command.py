@@ -19,7 +19,7 @@ from ..planner.spec import planner_config
 from .data import DataView
 from .query import Query, answer
 
-__all__ = ["format_table", "offline", "parse_steps", "planner_state", "run"]
+__all__ = ["format_table", "load_saved", "offline", "parse_steps", "planner_state", "run"]
 
 _SHOWN = ("step", "micro", "dp_rank", "row", "offset", "length", "source", "file", "file_row", "sample_id", "piece",
           "skipped")  # fmt: skip
@@ -50,6 +50,26 @@ def planner_state(saved: object) -> tuple[dict, list[list[int]]]:
         step = int(planner["step"])
         skips.append([step, step + int(pending["steps"])])
     return planner, skips
+
+
+def load_saved(path: str, spec: JobSpec) -> dict:
+    """A trainer's saved ``loader.state_dict()`` from a JSON file, checked to belong to ``spec``'s data identity
+    as ``DataClient.load_state_dict`` checks it (a bare planner state carries no identity and is taken as is)."""
+    try:
+        with open(path, "rb") as f:
+            saved = orjson.loads(f.read())
+    except orjson.JSONDecodeError as e:
+        raise CheckpointError(
+            f"--state {path!r} is not JSON ({e}); it is cut off or not a saved state_dict()"
+        ) from None
+    except OSError as e:
+        raise CheckpointError(f"--state {path!r} cannot be read: {e.strerror or e}") from None
+    if isinstance(saved, dict) and "planner" in saved and saved.get("data_digest") != spec.data_digest():
+        raise CheckpointError(
+            f"--state {path!r} was saved by job {saved.get('job')!r} with another data identity than "
+            f"{spec.name!r} (name, seed, sources, transforms, mixture or cost differ); give the state of this job"
+        )
+    return saved
 
 
 async def offline(spec: JobSpec, query: Query, saved: Mapping | None) -> dict:
@@ -92,8 +112,7 @@ def run(args) -> int:
             query = Query(start=start, stop=stop, group=group, sample=args.sample)
             saved = None
             if args.state:
-                with open(args.state, "rb") as f:
-                    saved = orjson.loads(f.read())
+                saved = load_saved(args.state, spec)
             frame = asyncio.run(offline(spec, query, saved))
             frame = orjson.loads(orjson.dumps(frame, option=orjson.OPT_SERIALIZE_NUMPY))
         else:
@@ -113,7 +132,11 @@ def run(args) -> int:
         print(f"msdata-server lineage: {e}", file=sys.stderr)
         return 2
     if args.out:
-        rows_io.write_parquet(cols, args.out)
+        try:
+            rows_io.write_parquet(cols, args.out)
+        except OSError as e:  # pyarrow's errors on a bad path are OSErrors too
+            print(f"msdata-server lineage: cannot write --out {args.out!r}: {e}", file=sys.stderr)
+            return 2
         print(f"{cols['step'].size} rows written to {args.out}")
     else:
         print(format_table(cols))

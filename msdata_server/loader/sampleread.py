@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..sources.base import Source
+from ..sources.base import BadSample, Source
 from ..sources.order import stable_seed
 from ..transforms import load_transform, parse_transform_name, run_transform
 
 if TYPE_CHECKING:
     from ..pool import WorkerPool
 
-__all__ = ["SampleReader"]
+__all__ = ["SampleReader", "probe"]
 
 
 class SampleReader:
@@ -70,3 +70,19 @@ class SampleReader:
         records, nbytes, ids = self._read(ords)
         fn = self._fn if self._fn is not None else load_transform(self.transform)  # the pool has no workers
         return records, run_transform(fn, records, seed=self._tseed, sample_ids=ids), nbytes
+
+
+def probe(source: Source, transform: str | None, seed: int, count: int = 8) -> list[tuple[int, object]]:
+    """The first ``count`` ordinals of a source read and transformed here, as the loader would (``validate
+    --job``): (ordinal, sample or BadSample, located in the source's files)."""
+    ords = np.arange(min(count, source.num_samples), dtype=np.int64)
+    if not ords.size:
+        return []
+    reader = SampleReader(source, None, transform, seed)
+    records, results, _ = reader._read_transform(ords)
+    out: list[tuple[int, object]] = []
+    for o, rec, r in zip(ords.tolist(), records, results):
+        if isinstance(r, BadSample) and r is not rec:  # found by the transform: say where in the files
+            r = BadSample(r.reason, source.location(o), r.detail)
+        out.append((o, r))
+    return out

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from msdata_client.spec import JobSpec
 
-from ..checkpoint import StateStore, start_point
+from ..checkpoint import Carried, StateStore, carried_start, start_point
 from ..job import Job
 from ..job.images import source_transform
 from ..lineage.skip import skip_ahead
@@ -47,10 +47,12 @@ class LocalStarter:
     async def _prepare(self, job: Job) -> tuple[LocalPlanFeed, LocalPayloads, dict]:
         spec = job.spec
         store = StateStore(self.state_dir, spec.name, job.digest)
-        sp = start_point(job.ranks.starts(), spec.layout())
+        starts = job.ranks.starts()
+        sp = start_point(starts, spec.layout())
         if sp.clear:
             store.clear()  # a new run (or one from the ranks' states): what the node remembers does not apply
-        state = sp.planner
+        state, skip, defer = sp.planner, sp.skip, sp.defer
+        carried: Carried | None = None
         if sp.load_at is not None:
             found = store.load_at_or_before(sp.load_at)
             if found is not None:
@@ -61,17 +63,32 @@ class LocalStarter:
                     sp.load_at,
                 )
                 state = found[1]
+            elif (carried := carried_start(starts, sp.load_at)) is not None:
+                state, skip, defer = carried.planner, carried.skip, carried.defer
+                log.info(
+                    "job %s: no checkpoint at or before step %d here; continuing from the state the ranks carry "
+                    "(step %s, %d later mixture change(s))",
+                    spec.name,
+                    sp.load_at,
+                    state["step"] if state is not None else 0,
+                    len(carried.overrides),
+                )
             else:
                 log.warning(
                     "job %s: no checkpoint at or before step %d; replaying from the beginning", spec.name, sp.load_at
                 )
         planner = Planner(planner_config(spec), state=state)  # a state that does not fit fails before any I/O
-        if sp.skip:  # loader.skip: plan the skipped steps, deliver from the step after them
-            state, skipped = await skip_ahead(spec, state, sp.skip, self.pool, defer=sp.defer)
+        if skip:  # loader.skip: plan the skipped steps, deliver from the step after them
+            state, skipped = await skip_ahead(spec, state, skip, self.pool, defer=defer)
             for step, st in skipped.items():
                 await store.persist(step, st)  # lineage replays the skipped steps from these
             planner = Planner(planner_config(spec), state=state)
-            log.info("job %s: skipped steps %d..%d (loader.skip)", spec.name, planner.step - sp.skip, planner.step - 1)
+            log.info("job %s: skipped steps %d..%d (loader.skip)", spec.name, planner.step - skip, planner.step - 1)
+        if carried is not None:  # set_mixture calls the ranks' carried state records after its step
+            for at, weights in carried.overrides:
+                if at >= planner.step:
+                    planner.set_mixture(at, weights)
+            state = planner.state_dict()
         loaders = await self._open_loaders(spec, state)
         job.source_sizes = {ld.name: ld.source.num_samples for ld in loaders}  # status: epochs completed
         payloads = LocalPayloads(loaders)

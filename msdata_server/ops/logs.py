@@ -52,6 +52,7 @@ def configure_logging(level: str | int = "INFO", fmt: str = "text", *, stream: I
     handler = logging.StreamHandler(sys.stderr if stream is None else stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+    logging.captureWarnings(True)  # Python warnings (a library's DeprecationWarning, Pillow's) as log records too
 
 
 class Once:

@@ -30,12 +30,13 @@ def _address(env: Mapping[str, str]) -> str | None:
     return path
 
 
-def _send(sock: socket.socket, addr: str, msg: str) -> bool:
+def _send(sock: socket.socket, addr: str, msg: str, *, warn: bool = True) -> bool:
     try:
         sock.sendto(msg.encode(), addr)
         return True
     except OSError as e:  # a full or vanished socket must never take the server down
-        log.warning("sd_notify %r to %r failed: %s", msg.split("\n", 1)[0], addr, e)
+        level = logging.WARNING if warn else logging.DEBUG
+        log.log(level, "sd_notify %r to %r failed: %s", msg.split("\n", 1)[0], addr, e)
         return False
 
 
@@ -65,6 +66,7 @@ class Notifier:
         if self._addr is not None:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         self.watchdog_usec = _watchdog_usec(env)
+        self._failing = False  # the last send failed: a warning was logged, repeats go to debug until one succeeds
 
     @property
     def enabled(self) -> bool:
@@ -80,7 +82,13 @@ class Notifier:
     def send(self, msg: str) -> bool:
         if self._sock is None or self._addr is None:
             return False
-        return _send(self._sock, self._addr, msg)
+        sent = _send(self._sock, self._addr, msg, warn=not self._failing)
+        if not sent and not self._failing:
+            log.warning(
+                "sd_notify: further failures to reach %r are logged at debug level until one succeeds", self._addr
+            )
+        self._failing = not sent
+        return sent
 
     def ready(self, status: str | None = None) -> bool:
         """The server accepts clients (after binding its socket and starting its pool)."""

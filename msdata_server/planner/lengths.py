@@ -19,14 +19,19 @@ from typing import Protocol
 
 import numpy as np
 
-from msdata_server.errors import BadSampleError, ProtocolError
+from msdata_server.errors import BadSourceError, ProtocolError
 
 from .pack import LongDocs
 
-__all__ = ["LengthReader", "MetadataView", "VisionView", "moments"]
+__all__ = ["BAD_WINDOW", "LengthReader", "MetadataView", "VisionView", "moments"]
 
 MIN_CHUNK, MAX_CHUNK = 64, 1 << 16  # ordinals per MetadataView.lengths call (the loaders hold what was asked)
-MAX_SKIPPED = 1 << 20  # consecutive empty (bad) samples before a source is declared broken
+# A source is broken when no good sample is among its last BAD_WINDOW reads: that many consecutive empty (bad)
+# samples in its order, counted across epochs (ordinals run on through them), so a source of
+# 20 samples that are all bad fails after some 200 epochs, within a second or so, and a large one after reading
+# BAD_WINDOW samples. A run of bad samples shorter than this (a corrupt row group, a damaged file) is skipped
+# and counted. The window is a pure function of the lengths: every planner of the job fails at the same read.
+BAD_WINDOW = 4096
 
 
 class MetadataView(Protocol):
@@ -78,9 +83,11 @@ class LengthReader:
         cur = start
         got: list[np.ndarray] = []
         have = 0
-        empty_run = 0
+        run = 0  # empty samples in a row up to cur (a draw ends on a good one: runs never span draws)
         while True:
             count = int(min(MAX_CHUNK, max(MIN_CHUNK, 1.1 * (deficit - have) / self._mean_len[s] + 16)))
+            if run:  # reading through bad samples: check the window before reading far on
+                count = min(count, max(MIN_CHUNK, BAD_WINDOW - run))
             cols = self._read(view, s, cur, count, ingest)
             arr = cols[0] if self._vision else cols
             used = np.minimum(arr, self._seq_len) if self._mode is LongDocs.TRUNCATE else arr
@@ -89,15 +96,7 @@ class LengthReader:
             nonzero = int(np.count_nonzero(arr))
             if nonzero:
                 self._mean_len[s] = max(1.0, float(ends[-1]) / nonzero)
-                empty_run = 0
-            else:
-                empty_run += arr.size
-                if empty_run >= MAX_SKIPPED:
-                    raise BadSampleError(
-                        f"source {self._sources[s]!r} gave {empty_run} empty (bad) samples in a row up to ordinal"
-                        f" {cur + arr.size - 1}; check its files and transform",
-                        source=self._sources[s],
-                    )
+            run = self._bad_run(s, cur, arr[: j + 1], run)
             if j < arr.size:
                 got.append(cols[..., : j + 1])
                 self._ahead[s] = (cur + j + 1, cols[..., j + 1 :])
@@ -105,6 +104,23 @@ class LengthReader:
             got.append(cols)
             have += int(ends[-1])
             cur += arr.size
+
+    def _bad_run(self, s: int, start: int, lens: np.ndarray, run: int) -> int:
+        """Lengths of ordinals [start, start+len) of source s were taken after ``run`` empty ones: the empty ones in
+        a row at their end, or BadSourceError if BAD_WINDOW of them are empty in a row (the window rule)."""
+        good = np.flatnonzero(lens)
+        gaps = np.diff(np.concatenate([[-1 - run], good, [lens.size]])) - 1  # empty runs between good samples
+        worst = int(gaps.max())
+        if worst >= BAD_WINDOW:
+            at = int(np.argmax(gaps >= BAD_WINDOW))
+            bad, last = int(gaps[at]), start + (int(good[at]) if at < good.size else lens.size) - 1
+            raise BadSourceError(
+                f"source {self._sources[s]!r} has no good sample among its last {bad} reads (ordinals"
+                f" {last - bad + 1}..{last}, epochs included; the limit is {BAD_WINDOW}): its data is all bad;"
+                f" check its files, column and transform (`msdata-server validate --job` reads a few)",
+                source=self._sources[s],
+            )
+        return int(gaps[-1])
 
     def _read(self, view: MetadataView, s: int, start: int, count: int, ingest: list[float]) -> np.ndarray:
         """Lengths of [start, start+count) of source s, from the look-ahead or the view."""

@@ -29,6 +29,7 @@ __all__ = [
     "ReadResult",
     "Source",
     "SourceStats",
+    "dominant_reason",
     "selected_columns",
 ]
 
@@ -47,6 +48,17 @@ BAD_REASONS = (
     "transform_error",  # the transform raised on this sample
     "worker_crash",  # the sample killed transform workers repeatedly
 )
+
+
+def dominant_reason(bad: Mapping[str, int]) -> str:
+    """The reason most of these bad samples (counts by reason) had, with its share: for error messages."""
+    total = sum(bad.values())
+    if not total:
+        return "no bad sample counted here yet"
+    reason, n = max(bad.items(), key=lambda kv: (kv[1], kv[0]))
+    return f"{reason} ({n} of {total} bad samples read)"
+
+
 TRANSIENT_ERRNOS = frozenset(
     {errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.EBUSY, errno.ESTALE, errno.ECONNRESET}
 )

@@ -205,10 +205,10 @@ def _cmd_validate(args) -> int:
     d = os.path.dirname(cfg.node.socket)
     if os.path.exists(d) and not os.access(d, os.W_OK):
         raise MsdataError(f"socket directory {d!r} is not writable by this user; choose another [node] socket")
-    if cfg.cluster is not None and not os.path.exists(cfg.cluster.token_file):
-        raise MsdataError(
-            f"[cluster] token_file {cfg.cluster.token_file!r} does not exist; create it with a shared secret"
-        )
+    if cfg.cluster is not None:
+        from .cluster.net.handshake import load_token
+
+        load_token(cfg.cluster.token_file)  # exists, holds a secret, and only this user may read it
     if args.job:
         from msdata_client.graph import DGraph
 

@@ -4,12 +4,18 @@ weights."""
 
 from __future__ import annotations
 
+import math
 import secrets
 import subprocess
 import sys
 import textwrap
 
+import pytest
+
+import msdata_client as msd
+from msdata_client.errors import ConfigError
 from tests.conftest import ROOT
+from tests.e2e_util import small_job
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -41,3 +47,57 @@ def test_a_token_file_others_may_read_is_refused_by_validate_and_serve(tmp_path,
     token.chmod(0o600)
     out = cli("validate", "--config", str(node))
     assert out.returncode == 0, out.stderr
+
+
+# ---- item 9: weights a float cannot sum, NaN, inf and partial dicts are refused at the call; the job goes on -
+BAD_WEIGHTS = [
+    ({"a": 1e308, "b": 1e308}, "sum to more than a float holds"),
+    ({"a": math.nan, "b": 1.0}, r"\['a'\]=(nan|None) must be a finite number >= 0"),
+    ({"a": math.inf, "b": 1.0}, r"\['a'\]=(inf|None) must be a finite number >= 0"),
+    ({"a": 1.0}, r"set_mixture weights lack source\(s\) \['b'\]; give every source of the job a weight"),
+]
+
+
+def test_bad_mixture_weights_are_refused_by_client_and_server_and_the_job_goes_on(server_factory):
+    srv = server_factory().start()
+    spec = small_job("mixbad", dp=1)
+    with msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1, connect_timeout=30) as dc:
+        assert int(next(dc)["step"]) == 0
+        for weights, reason in BAD_WEIGHTS:
+            with pytest.raises(ConfigError, match=reason):
+                dc.set_mixture(weights)
+            with pytest.raises(ConfigError, match=reason):  # the server's own check, past the client's
+                dc._request({"t": "mixture", "weights": weights}, "mixture")
+        assert dc.set_mixture({"a": 1e300, "b": 1e300}) >= 1  # huge but summable: only the ratio counts
+        steps = [int(next(dc)["step"]) for _ in range(6)]
+        assert steps[-1] >= 2
+    assert srv.proc is not None and srv.proc.poll() is None
+    assert "Traceback" not in srv.log() and "OverflowError" not in srv.log()
+
+
+def test_a_mix_table_a_float_cannot_sum_is_a_clear_validate_error(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text(
+        textwrap.dedent("""\
+        [job]
+        name = "huge"
+        seq_len = 512
+        [mesh]
+        dp = 1
+        [[source]]
+        name = "a"
+        format = "synthetic"
+        samples = 10
+        [[source]]
+        name = "b"
+        format = "synthetic"
+        samples = 10
+        [mix]
+        weights = { a = 1e308, b = 1e308 }
+        """)
+    )
+    node = tmp_path / "node.toml"
+    node.write_text(f'[node]\nsocket = "{tmp_path}/s.sock"\n')
+    out = cli("validate", "--config", str(node), "--job", str(job))
+    assert out.returncode == 2 and "sum to more than a float holds" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

@@ -4,13 +4,18 @@ weights."""
 
 from __future__ import annotations
 
+import fcntl
 import math
+import mmap
+import os
 import secrets
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
+import torch
 
 import msdata_client as msd
 from msdata_client.errors import ConfigError
@@ -101,3 +106,46 @@ def test_a_mix_table_a_float_cannot_sum_is_a_clear_validate_error(tmp_path):
     out = cli("validate", "--config", str(node), "--job", str(job))
     assert out.returncode == 2 and "sum to more than a float holds" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
+
+
+# ---- item 3: ranks get read-only ring descriptors --------------------------------------------------------
+def _ring_fds(prefix: str) -> list[int]:
+    """This process's descriptors of the server's (unlinked) ring segments, found in /proc/self/fd."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith(f"/dev/shm/{prefix}-") and "-ring-" in target:
+            out.append(int(name))
+    return out
+
+
+def test_a_rank_cannot_map_its_ring_shared_and_writable(server_factory):
+    srv = server_factory().start()
+    spec = small_job("ro", dp=1, tp=2)
+    with (
+        msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=2, connect_timeout=30) as r0,
+        msd.DataClient(spec, endpoint=srv.socket, rank=1, world_size=2, connect_timeout=30) as r1,
+    ):
+        got: dict[int, dict] = {}
+        t = threading.Thread(target=lambda: got.__setitem__(1, next(r1)))
+        t.start()
+        b0 = next(r0)
+        t.join(60)
+        fds = _ring_fds(srv.prefix)
+        assert fds, "the ranks hold no ring descriptors"
+        for fd in fds:
+            assert os.fstat(fd).st_size > 0
+            assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(OSError):
+                os.pwrite(fd, b"x", 0)
+        # the rank's own tensors stay writable, copy-on-write: its peer's batch does not change
+        b1 = got[1]
+        before = b1["tokens"].clone()
+        b0["tokens"].fill_(7)
+        assert torch.equal(b1["tokens"], before) and bool((b0["tokens"] == 7).all())
+        del b0, b1

@@ -20,6 +20,7 @@ import torch
 
 from . import lineage as _lineage
 from ._paths import ENDPOINT_ENV, default_endpoint
+from ._peercred import check_server_uid
 from .errors import (
     CheckpointError,
     ClosedError,
@@ -517,6 +518,7 @@ class DataClient:
                     ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+        check_server_uid(s, self.endpoint)  # the server's uid is the socket's, before any batch is trusted
         self._sock = s
         self._reader = FrameReader()
         hello = {

@@ -205,6 +205,10 @@ def _cmd_validate(args) -> int:
     d = os.path.dirname(cfg.node.socket)
     if os.path.exists(d) and not os.access(d, os.W_OK):
         raise MsdataError(f"socket directory {d!r} is not writable by this user; choose another [node] socket")
+    if os.path.exists(d):
+        from .endpoint import check_socket_dir
+
+        check_socket_dir(d)
     if cfg.cluster is not None:
         from .cluster.net.handshake import load_token
 

@@ -149,3 +149,35 @@ def test_a_rank_cannot_map_its_ring_shared_and_writable(server_factory):
         b0["tokens"].fill_(7)
         assert torch.equal(b1["tokens"], before) and bool((b0["tokens"] == 7).all())
         del b0, b1
+
+
+# ---- item 2: the socket directory must be the server's own; the client checks whom it reached --------------
+def test_the_server_refuses_a_socket_directory_others_may_write(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # as another user's `mkdir /tmp/msdata-<uid>` with a permissive umask leaves it
+    node = tmp_path / "node.toml"
+    node.write_text(f'[node]\nsocket = "{shared}/msdata.sock"\nworkers = 0\n')
+    for cmd in ("validate", "serve"):
+        out = cli(cmd, "--config", str(node))
+        assert out.returncode == 2, (cmd, out.stdout, out.stderr)
+        assert f"socket directory {str(shared)!r} has mode 0777" in out.stderr and "chmod go-w" in out.stderr, cmd
+    assert not (shared / "msdata.sock").exists()
+    shared.chmod(0o750)  # group may search it (and use a socket chmod-ed for it), not write it
+    assert cli("validate", "--config", str(node)).returncode == 0
+    if os.geteuid() == 0:  # a directory another user made (only root can make one here for another user)
+        os.chown(shared, 65534, 65534)
+        out = cli("serve", "--config", str(node))
+        assert out.returncode == 2 and f"socket directory {str(shared)!r} belongs to uid 65534" in out.stderr
+
+
+def test_the_client_refuses_a_server_of_another_uid(server_factory, monkeypatch):
+    srv = server_factory().start()
+    spec = small_job("uid", dp=1)
+    monkeypatch.setenv("MSDATA_SERVER_UID", str(os.getuid() + 1))
+    with pytest.raises(ConfigError, match=rf"runs as uid {os.getuid()}, but \$MSDATA_SERVER_UID says uid"):
+        with msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1, connect_timeout=30) as dc:
+            next(dc)
+    monkeypatch.setenv("MSDATA_SERVER_UID", str(os.getuid()))
+    with msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1, connect_timeout=30) as dc:
+        assert int(next(dc)["step"]) == 0

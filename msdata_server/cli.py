@@ -216,9 +216,11 @@ def _cmd_validate(args) -> int:
     if args.job:
         from msdata_client.graph import DGraph
 
+        from .admission import check_job
         from .sources import open_source
 
         spec = DGraph.from_toml(args.job).spec
+        check_job(spec, cfg.node)  # [node] allow_transforms and data_roots, as the server checks a registering job
         print(f"job config OK: {spec.name} mesh {spec.mesh.to_dict()} seq_len {spec.seq_len}")
         for s in spec.sources:
             src = open_source(s, seed=spec.seed)

@@ -5,6 +5,7 @@ weights."""
 from __future__ import annotations
 
 import fcntl
+import json
 import math
 import mmap
 import os
@@ -14,6 +15,7 @@ import sys
 import textwrap
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,3 +183,106 @@ def test_the_client_refuses_a_server_of_another_uid(server_factory, monkeypatch)
     monkeypatch.setenv("MSDATA_SERVER_UID", str(os.getuid()))
     with msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1, connect_timeout=30) as dc:
         assert int(next(dc)["step"]) == 0
+
+
+# ---- item 1: the node's operator decides which functions a job may run and which files it may read ---------
+def shouted(record, **_) -> np.ndarray:
+    """A transform outside msdata_server (allowed only with [node] allow_transforms = ["tests"])."""
+    data = record.encode() if isinstance(record, str) else bytes(record)
+    return np.frombuffer(data.upper(), dtype=np.uint8).astype(np.int32)
+
+
+def _jsonl(path, n: int = 50) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": f"document {i} " * 8}) + "\n" for i in range(n)))
+    return str(path)
+
+
+def _file_job(name: str, paths: list[str], transform: str | None = None) -> msd.JobSpec:
+    g = msd.DGraph(name, seed=0)
+    kw = {} if transform is None else {"transform": transform}
+    g.source("f", "jsonl", paths, **kw).mix({"f": 1.0}).pack(256, micro_batches=1).mesh(dp=1)
+    return g.plan()
+
+
+def _first_batch(spec: msd.JobSpec, endpoint: str) -> dict:
+    with msd.DataClient(spec, endpoint=endpoint, rank=0, world_size=1, connect_timeout=30) as dc:
+        return {k: v.clone() for k, v in next(dc).items()}
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_transform_the_node_does_not_allow_is_refused_before_it_is_imported(server_factory, tmp_path, workers):
+    marker = tmp_path / "ran-as-the-server"
+    srv = server_factory(workers=workers).start()
+    data = _jsonl(tmp_path / "data" / "d.jsonl")
+    evil = _file_job("evil", [data], transform=f"os:system('touch {marker}')")
+    with pytest.raises(ConfigError, match=r"transform \"os:system.* is not allowed on this node.*allow_transforms"):
+        _first_batch(evil, srv.socket)
+    own = _file_job("own", [data], transform=f"{__name__}:shouted")
+    with pytest.raises(ConfigError, match=r"'tests\.test_security' \(or a package above it\) to allow_transforms"):
+        _first_batch(own, srv.socket)
+    assert not marker.exists()
+    assert "Traceback" not in srv.log() and "cannot import" not in srv.log()  # refused before any import
+    # the server goes on serving: the built-in transforms need no setting
+    assert int(_first_batch(_file_job("fine", [data]), srv.socket)["step"]) == 0
+    assert srv.proc is not None and srv.proc.poll() is None
+
+
+def test_allow_transforms_extends_the_built_ins(server_factory, tmp_path):
+    srv = server_factory(workers=1, extra='allow_transforms = ["tests"]\n').start()
+    data = _jsonl(tmp_path / "data" / "d.jsonl")
+    b = _first_batch(_file_job("own", [data], transform=f"{__name__}:shouted"), srv.socket)
+    t = b["tokens"]
+    assert bool((t == ord("D")).any()) and not bool(((t >= ord("a")) & (t <= ord("z"))).any())  # "DOCUMENT"
+    assert int(_first_batch(_file_job("fine", [data]), srv.socket)["step"]) == 0
+
+
+def test_data_roots_refuse_paths_outside_them_after_resolving_symlinks(server_factory, tmp_path):
+    roots = tmp_path / "data"
+    inside = _jsonl(roots / "ok.jsonl")
+    secret = _jsonl(tmp_path / "secret" / "s.jsonl")
+    (roots / "link.jsonl").symlink_to(secret)
+    (roots / "linkdir").symlink_to(tmp_path / "secret")
+    srv = server_factory(extra=f'data_roots = ["{roots}"]\n').start()
+    for paths in (
+        [secret],
+        [str(roots / "link.jsonl")],
+        [str(roots / "linkdir")],
+        [f"{roots}/*/../../secret/*.jsonl"],
+        [str(roots)],  # a directory under the root holding a symlink out of it
+    ):
+        with pytest.raises(ConfigError, match=r"lies outside \[node\] data_roots"):
+            _first_batch(_file_job("out", paths), srv.socket)
+    (roots / "link.jsonl").unlink()
+    (roots / "linkdir").unlink()
+    assert int(_first_batch(_file_job("in", [inside]), srv.socket)["step"]) == 0
+    assert int(_first_batch(_file_job("dir", [str(roots)]), srv.socket)["step"]) == 0
+    assert srv.proc is not None and srv.proc.poll() is None
+
+
+def test_validate_checks_a_job_against_the_nodes_settings(tmp_path):
+    data = _jsonl(tmp_path / "data" / "d.jsonl")
+    job = tmp_path / "job.toml"
+    job.write_text(_file_job("v", [data], transform="os:system('id')").to_toml())
+    node = tmp_path / "node.toml"
+    node.write_text(f'[node]\nsocket = "{tmp_path}/s.sock"\n')
+    out = cli("validate", "--config", str(node), "--job", str(job))
+    assert out.returncode == 2 and "is not allowed on this node" in out.stderr and "allow_transforms" in out.stderr
+    node.write_text(f'[node]\nsocket = "{tmp_path}/s.sock"\ndata_roots = ["{tmp_path}/elsewhere"]\n')
+    job.write_text(_file_job("v", [data]).to_toml())
+    out = cli("validate", "--config", str(node), "--job", str(job))
+    assert out.returncode == 2 and "lies outside [node] data_roots" in out.stderr, out.stderr
+    node.write_text(f'[node]\nsocket = "{tmp_path}/s.sock"\ndata_roots = ["data"]\n')  # relative: to node.toml
+    out = cli("validate", "--config", str(node), "--job", str(job))
+    assert out.returncode == 0, out.stderr
+
+
+def test_node_config_names_bad_admission_settings():
+    from msdata_server.config import parse_config
+
+    with pytest.raises(ConfigError, match=r"\[node\] allow_transforms = 'tests' must be a list"):
+        parse_config({"node": {"allow_transforms": "tests"}})
+    with pytest.raises(ConfigError, match=r"allow_transforms entry 'os:system\(1\)' must be a module prefix"):
+        parse_config({"node": {"allow_transforms": ["os:system(1)"]}})
+    with pytest.raises(ConfigError, match=r"data_roots entry 'data' must be an absolute path"):
+        parse_config({"node": {"data_roots": ["data"]}})

@@ -121,7 +121,7 @@ def check_keys(table: str, d: Any, allowed: Sequence[str]) -> Mapping[str, Any]:
     return d
 
 
-def check_weights(where: str, value: Any) -> FrozenMap:
+def check_weights(where: str, value: Any, *, all_zero_ok: bool = False) -> FrozenMap:
     if not isinstance(value, Mapping) or not value:
         raise ConfigError(f"{where}={value!r} must be a non-empty table of source = weight (e.g. {{ web = 0.7 }})")
     out: dict[str, float] = {}
@@ -140,7 +140,7 @@ def check_weights(where: str, value: Any) -> FrozenMap:
         raise ConfigError(
             f"{where}={dict(out)!r} sum to more than a float holds; scale the weights down (only their ratios count)"
         )
-    if total <= 0:
+    if total <= 0 and not all_zero_ok:
         raise ConfigError(
             f"{where}={dict(out)!r} sums to 0 (all weights are zero); give at least one source a weight > 0"
         )

@@ -62,6 +62,7 @@ BAD_WEIGHTS = [
     ({"a": math.nan, "b": 1.0}, r"\['a'\]=(nan|None) must be a finite number >= 0"),
     ({"a": math.inf, "b": 1.0}, r"\['a'\]=(inf|None) must be a finite number >= 0"),
     ({"a": 1.0}, r"set_mixture weights lack source\(s\) \['b'\]; give every source of the job a weight"),
+    ({"a": 0.0, "b": 0.0}, "must not all be 0"),  # refused by the planner, as before
 ]
 
 

@@ -160,6 +160,7 @@ class Server:
             shm_prefix = "as{secrets.token_hex(3)}"
             workers = {workers}
             state_dir = "{self.dir / "state"}"
+            allow_transforms = ["_autoscale_tf"]
             [autoscale]
             enabled = {"true" if autoscale else "false"}
             min_workers = 1

@@ -113,6 +113,7 @@ def failover(ttl: float, rounds: int) -> list[float]:
     socks: dict[str, str] = {}
     token = base / "token"
     token.write_text(secrets.token_hex(24))
+    token.chmod(0o600)  # the server refuses a token others may read
     cfgs = {}
     for i in range(3):
         nid = f"node-{i}"

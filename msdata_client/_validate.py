@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from msdata_client.choices import DEFAULT_TRANSFORM, is_import_path, is_transform_name
@@ -24,6 +24,7 @@ __all__ = [
     "check_str_tuple",
     "check_transform",
     "check_weights",
+    "finite_sum",
     "resolve_path",
 ]
 
@@ -120,7 +121,7 @@ def check_keys(table: str, d: Any, allowed: Sequence[str]) -> Mapping[str, Any]:
     return d
 
 
-def check_weights(where: str, value: Any) -> FrozenMap:
+def check_weights(where: str, value: Any, *, all_zero_ok: bool = False) -> FrozenMap:
     if not isinstance(value, Mapping) or not value:
         raise ConfigError(f"{where}={value!r} must be a non-empty table of source = weight (e.g. {{ web = 0.7 }})")
     out: dict[str, float] = {}
@@ -134,11 +135,25 @@ def check_weights(where: str, value: Any) -> FrozenMap:
                 f"{where}[{key!r}]={w!r} is a negative weight; weights must be >= 0 (0 leaves a source out)"
             )
         out[key] = float(w)
-    if math.fsum(out.values()) <= 0:
+    total = finite_sum(out.values())
+    if total is None:
+        raise ConfigError(
+            f"{where}={dict(out)!r} sum to more than a float holds; scale the weights down (only their ratios count)"
+        )
+    if total <= 0 and not all_zero_ok:
         raise ConfigError(
             f"{where}={dict(out)!r} sums to 0 (all weights are zero); give at least one source a weight > 0"
         )
     return FrozenMap(out)
+
+
+def finite_sum(values: Iterable[float]) -> float | None:
+    """The exact sum of finite floats, or None when it overflows (math.fsum raises OverflowError then)."""
+    try:
+        total = math.fsum(values)
+    except OverflowError:
+        return None
+    return total if math.isfinite(total) else None
 
 
 def resolve_path(path: str, base_dir: str | None) -> str:

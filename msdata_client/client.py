@@ -20,6 +20,7 @@ import torch
 
 from . import lineage as _lineage
 from ._paths import ENDPOINT_ENV, default_endpoint
+from ._peercred import check_server_uid
 from .errors import (
     CheckpointError,
     ClosedError,
@@ -31,6 +32,7 @@ from .errors import (
     RemoteError,
 )
 from .graph import DGraph, JobSpec
+from .mix import check_mixture_change
 from .ring import RingMap
 from .wire import PROTOCOL_VERSION, FrameReader, encode, recv_into_reader
 
@@ -277,14 +279,7 @@ class DataClient:
         """
         if self._window is not None:
             raise ConfigError("a replay=(A, B) client is read-only: set_mixture from a rank of the running job")
-        names = set(self.spec.source_names())
-        if not isinstance(weights, dict) or not weights:
-            raise ConfigError(f"weights must be a non-empty dict of source -> weight, got {weights!r}")
-        unknown = sorted(set(weights) - names)
-        if unknown:
-            raise ConfigError(f"set_mixture names unknown source(s) {unknown}; this job has {sorted(names)}")
-        if any((not isinstance(v, (int, float))) or isinstance(v, bool) or v < 0 for v in weights.values()):
-            raise ConfigError(f"set_mixture weights must be numbers >= 0, got {weights!r}")
+        weights = check_mixture_change(weights, self.spec.source_names())
         if not self._iterating:
             self._iterating = True  # registering now is what makes the rank part of the job
         if self._sock is None:
@@ -528,6 +523,7 @@ class DataClient:
                     ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+        check_server_uid(s, self.endpoint)  # the server's uid is the socket's, before any batch is trusted
         self._sock = s
         self._reader = FrameReader()
         hello = {

@@ -12,7 +12,7 @@ from msdata_client._validate import FrozenMap, check_int, check_keys, check_weig
 from msdata_client.choices import Interpolate
 from msdata_client.errors import ConfigError
 
-__all__ = ["MixSpec", "schedule_points"]
+__all__ = ["MixSpec", "check_mixture_change", "schedule_points"]
 
 _POINT_KEYS = ("step", "weights")
 
@@ -25,6 +25,24 @@ def _normalise(weights: Mapping[str, float]) -> dict[str, float]:
 def _check_list(schedule: Any) -> None:
     if isinstance(schedule, (str, Mapping)) or not isinstance(schedule, Sequence):
         raise ConfigError(f"mix schedule={schedule!r} must be a list of (step, weights) points")
+
+
+def check_mixture_change(weights: Any, sources: Sequence[str]) -> dict[str, float]:
+    """The weights of a ``set_mixture``, checked as ``[mix]`` checks its own (one rule on both sides of the
+    socket): a finite weight >= 0 for every source of the job, summing to a finite number > 0."""
+    if not isinstance(weights, Mapping) or not weights:
+        raise ConfigError(f"set_mixture weights must be a non-empty dict of source -> weight, got {weights!r}")
+    unknown = sorted(set(weights) - set(sources))
+    if unknown:
+        raise ConfigError(f"set_mixture names unknown source(s) {unknown}; this job has {sorted(sources)}")
+    missing = [s for s in sources if s not in weights]
+    if missing:
+        raise ConfigError(
+            f"set_mixture weights lack source(s) {missing}; give every source of the job a weight, as [mix] "
+            f"does (0 leaves a source out)"
+        )
+    # all zero goes on to the planner (the leader's, in a cluster), which refuses it: "must not all be 0"
+    return dict(check_weights("set_mixture weights", weights, all_zero_ok=True))
 
 
 def schedule_points(schedule: Any) -> tuple[Any, ...]:

@@ -224,16 +224,22 @@ def _cmd_validate(args) -> int:
     d = os.path.dirname(cfg.node.socket)
     if os.path.exists(d) and not os.access(d, os.W_OK):
         raise MsdataError(f"socket directory {d!r} is not writable by this user; choose another [node] socket")
-    if cfg.cluster is not None and not os.path.exists(cfg.cluster.token_file):
-        raise MsdataError(
-            f"[cluster] token_file {cfg.cluster.token_file!r} does not exist; create it with a shared secret"
-        )
+    if os.path.exists(d):
+        from .endpoint import check_socket_dir
+
+        check_socket_dir(d)
+    if cfg.cluster is not None:
+        from .cluster.net.handshake import load_token
+
+        load_token(cfg.cluster.token_file)  # exists, holds a secret, and only this user may read it
     if args.job:
         from msdata_client.graph import DGraph
 
+        from .admission import check_job
         from .sources import open_source
 
         spec = DGraph.from_toml(args.job).spec
+        check_job(spec, cfg.node)  # [node] allow_transforms and data_roots, as the server checks a registering job
         print(f"job config OK: {spec.name} mesh {spec.mesh.to_dict()} seq_len {spec.seq_len}")
         for s in spec.sources:
             src = open_source(s, seed=spec.seed)

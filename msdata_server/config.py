@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Literal, get_args
 
 from msdata_client._paths import default_endpoint
+from msdata_client.choices import is_import_path
 
 from .errors import ConfigError
 
@@ -62,6 +64,7 @@ def parse_host_port(v: str, key: str = "listen") -> tuple[str, int]:
 
 
 _EXAMPLE_PORT = {"listen": 7460, "metrics": 9460}
+_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +84,10 @@ class NodeConfig:
     log_level: str = "INFO"
     log_format: str = "text"  # "text" or "json" (one object per line)
     metrics: str = ""  # "HOST:PORT" serves Prometheus text at /metrics; "" = off
+    # module prefixes (or "module:function") whose functions a job may name as transform or cost, beyond
+    # msdata_server's own; and path/URI prefixes jobs may read (empty: any). Checked as a job registers.
+    allow_transforms: tuple[str, ...] = ()
+    data_roots: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not self.id or not all(c.isalnum() or c in "-_." for c in self.id):
@@ -108,6 +115,18 @@ class NodeConfig:
             )
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"[node] log_level = {self.log_level!r} must be one of {', '.join(LOG_LEVELS)}")
+        for a in self.allow_transforms:
+            if not isinstance(a, str) or not (_MODULE_RE.fullmatch(a) or is_import_path(a)):
+                raise ConfigError(
+                    f'[node] allow_transforms entry {a!r} must be a module prefix like "mypkg.transforms" '
+                    f'or one function "mypkg.transforms:tokenize"'
+                )
+        for r in self.data_roots:
+            if not isinstance(r, str) or not (os.path.isabs(r) or "://" in r):
+                raise ConfigError(
+                    f"[node] data_roots entry {r!r} must be an absolute path (relative ones resolve against "
+                    f'node.toml\'s directory) or a URI prefix like "s3://bucket/"'
+                )
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(
                 f"[node] log_format = {self.log_format!r} must be one of {', '.join(map(repr, LOG_FORMATS))}"
@@ -205,6 +224,14 @@ def parse_config(doc: dict, *, base_dir: str | None = None) -> ServerConfig:
         v = node_t.get(key)
         if isinstance(v, str) and v and base_dir and not os.path.isabs(v):
             node_t[key] = os.path.join(base_dir, v)
+    for key in ("allow_transforms", "data_roots"):
+        if key in node_t:
+            v = node_t[key]
+            if isinstance(v, str) or not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+                raise ConfigError(f"[node] {key} = {v!r} must be a list of non-empty strings")
+            if key == "data_roots" and base_dir:
+                v = [x if os.path.isabs(x) or "://" in x else os.path.join(base_dir, x) for x in v]
+            node_t[key] = tuple(v)
     for key, typ in (
         ("id", str),
         ("socket", str),

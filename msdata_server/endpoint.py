@@ -23,7 +23,7 @@ from .clientframes import check_frame
 from .errors import ClosedError, ConfigError
 from .peerprocess import PeerProcess
 
-__all__ = ["ClientConn", "UnixEndpoint"]
+__all__ = ["ClientConn", "UnixEndpoint", "check_socket_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +188,25 @@ def _peer_pid(sock: socket.socket) -> int | None:
         return None
 
 
+def check_socket_dir(d: str) -> None:
+    """ConfigError unless the socket's directory belongs to this user (or root) and no group or other user may
+    write it: whoever can write it can replace the socket and serve the ranks (issue 25, item 2)."""
+    st = os.stat(d)
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise ConfigError(
+            f"socket directory {d!r} belongs to uid {st.st_uid}, not to this server's user (uid {me}): its owner "
+            f"could replace the socket. Remove it (another user made it), or set [node] socket to a path in a "
+            f"directory of your own"
+        )
+    if st.st_mode & 0o022:
+        raise ConfigError(
+            f"socket directory {d!r} has mode {stat.S_IMODE(st.st_mode):04o}: group or others may write it and "
+            f"replace the socket. Run `chmod go-w {d}` (group access to the socket needs only x on it), or set "
+            f"[node] socket to a path in a directory only this user can write"
+        )
+
+
 class UnixEndpoint:
     """Listening Unix socket for local clients; removes a stale socket file on start, its own on close."""
 
@@ -201,6 +220,7 @@ class UnixEndpoint:
     def bind(self) -> None:
         d = os.path.dirname(self.path) or "."
         os.makedirs(d, mode=0o700, exist_ok=True)
+        check_socket_dir(d)
         if os.path.exists(self.path):
             mode = os.lstat(self.path).st_mode
             if not stat.S_ISSOCK(mode):

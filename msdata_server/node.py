@@ -14,6 +14,7 @@ from msdata_client.graph import JobSpec
 from msdata_client.wire import PROTOCOL_VERSION
 
 from . import faults, shm
+from .admission import Admission
 from .config import ServerConfig
 from .endpoint import ClientConn, UnixEndpoint
 from .errors import ClosedError, ConfigError, MsdataError, ProtocolError
@@ -48,6 +49,7 @@ class NodeServer:
         self.jobs = self.table.jobs  # by name; the same dicts as the table's
         self.pending = self.table.pending  # a new run of a job whose previous run is still winding down
         self.endpoint = UnixEndpoint(config.node.socket, self._handle)
+        self.admission = Admission(config.node)  # [node] allow_transforms and data_roots
         self.pool: WorkerPool | None = None
         self.autoscaler: Autoscaler | None = None  # with a pool: sizes it and shares it out ([autoscale])
         self.cluster: ClusterNode | None = None  # when node.toml has [cluster]
@@ -226,6 +228,7 @@ class NodeServer:
                 f"job digest mismatch: client {frame.get('digest')!r}, server {digest!r} "
                 "(client and server msdata versions differ?)"
             )
+        await self.admission.check(spec, digest)  # before anything of the job is imported or opened
         job = await self.table.join(spec, digest, rank, world, resume=resume)
         job.ranks.check_rank(rank, world, client)
         job.ranks.check_state(state)

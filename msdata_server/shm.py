@@ -78,13 +78,17 @@ def owner_alive(info: dict) -> bool:
 
 @dataclass(slots=True, kw_only=True)
 class Segment:
-    """A created segment: the creator holds the descriptor and a shared mapping; it unlinks the name."""
+    """A created segment: the creator holds the descriptor and a shared mapping; it unlinks the name.
+
+    ``reader_fd`` (rings: -1 otherwise) is a read-only descriptor of the same memory, the one handed to ranks:
+    a rank can map it copy-on-write but never write into the batches its peers read (issue 25, item 3)."""
 
     name: str
     kind: str
     fd: int
     size: int
     mm: mmap.mmap
+    reader_fd: int = -1
     linked: bool = True
     closed: bool = field(default=False)
 
@@ -106,10 +110,12 @@ class Segment:
             self.mm.close()
         except BufferError:  # views still exported (a numpy array over it is alive): the GC unmaps later
             log.debug("segment %s still has views; leaving the unmap to the GC", self.name)
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+        for fd in (self.fd, self.reader_fd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
 
 def _shm_free_bytes() -> int | None:
@@ -119,8 +125,11 @@ def _shm_free_bytes() -> int | None:
         return None
 
 
-def create_segment(prefix: str, kind: str, size: int, *, info: dict | None = None, unlink: bool = True) -> Segment:
-    """Create, reserve and touch a 0600 segment of ``size`` bytes after a HEADER_SIZE header.
+def create_segment(
+    prefix: str, kind: str, size: int, *, info: dict | None = None, unlink: bool = True, reader_fd: bool = False
+) -> Segment:
+    """Create, reserve and touch a 0600 segment of ``size`` bytes after a HEADER_SIZE header; with
+    ``reader_fd`` also open a read-only descriptor of it (before the name is unlinked) for its readers.
 
     Fails at once with a ShmError naming the size and /dev/shm's free space when it cannot be reserved.
     """
@@ -163,6 +172,8 @@ def create_segment(prefix: str, kind: str, size: int, *, info: dict | None = Non
         record.update(info or {})
         write_header(mm, record)
         _touch(mm, total)
+        if reader_fd:
+            seg.reader_fd = os.open(SHM_DIR + name, os.O_RDONLY | os.O_CLOEXEC)
         if unlink:
             seg.unlink()
         return seg

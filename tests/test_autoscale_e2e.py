@@ -19,7 +19,7 @@ from .e2e_util import batch_record
 SHIFT = 80  # the schedule's shift to the expensive source
 STEPS = 110
 PACE_S = 0.01  # the simulated trainer's compute per step
-AUTOSCALE = """
+AUTOSCALE = """allow_transforms = ["tests"]
 [autoscale]
 enabled = {enabled}
 min_workers = 1

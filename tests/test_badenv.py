@@ -46,6 +46,7 @@ def test_etcd_unreachable_at_start_is_named_and_the_node_joins_when_it_comes_up(
     d = tempfile.mkdtemp(prefix="msd-")  # short: socket paths are limited
     token = tmp_path / "token"
     token.write_text(secrets.token_hex(24))
+    token.chmod(0o600)
     srv = ServerProc(
         d,
         extra=f"""

@@ -273,6 +273,10 @@ def test_slow_receiver_bounds_the_senders_memory(loop):
 def test_load_token(tmp_path):
     p = tmp_path / "token"
     p.write_bytes(b"  0123456789abcdef0123  \n")
+    p.chmod(0o644)
+    with pytest.raises(AuthError, match=r"mode 0644: group or others may read it; run `chmod 600 .*token`"):
+        load_token(str(p))
+    p.chmod(0o600)
     assert load_token(str(p)) == b"0123456789abcdef0123"
     p.write_bytes(b"short\n")
     with pytest.raises(AuthError, match="at least 16"):

@@ -56,6 +56,7 @@ class Cluster:
         self.prefix = "/t" + secrets.token_hex(4)
         self.token_file = base / "token"
         self.token_file.write_text(token or secrets.token_hex(24))
+        self.token_file.chmod(0o600)  # a token open to others is refused
         self.nodes: dict[str, ServerProc] = {}
         for i in range(n):
             nid = f"node-{i}"

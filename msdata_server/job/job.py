@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from functools import partial
 
+from msdata_client.mix import check_mixture_change
 from msdata_client.spec import JobSpec
 
 from ..errors import BadSourceError, MsdataError
@@ -282,6 +283,7 @@ class Job:
     # ---- requests from ranks ---------------------------------------------------------------------------------
     async def set_mixture(self, weights: dict) -> int:
         """Use these weights from the first step not yet taken up by any constructor (returned)."""
+        weights = check_mixture_change(weights, self.spec.source_names())  # the client's rule: refused here too
         await self._started.wait()
         assert self.feed is not None
         cut = await self.feed.set_mixture(weights)

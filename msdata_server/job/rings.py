@@ -99,6 +99,7 @@ class RingSet:
             "ring",
             self.cfg.slots * slot_size,
             info={"job": self.job, "group": self.group},
+            reader_fd=True,  # ranks get read-only descriptors: none can write into a batch its peers read
         )
         ring = ServerRing(next(self._ids), seg, self.cfg.slots, slot_size)
         self.rings[ring.id] = ring
@@ -111,7 +112,7 @@ class RingSet:
             old = self.current
             self.current = await self._new(round_slot(nbytes))
             log.info("job %s group %d: ring grown to %d KiB slots", self.job, self.group, self.current.slot_size >> 10)
-            self._announce({"t": "ring", "ring": self.current.describe(), "fds": 1}, [self.current.seg.fd])
+            self._announce({"t": "ring", "ring": self.current.describe(), "fds": 1}, [self.current.seg.reader_fd])
             self._retire(old)
         ring = self.current
         while (slot := ring.table.acquire()) is None:
@@ -144,7 +145,7 @@ class RingSet:
     def describe(self) -> tuple[list[dict], list[int]]:
         """The live rings and their descriptors (for a reader's welcome)."""
         rings = list(self.rings.values())
-        return [r.describe() for r in rings], [r.seg.fd for r in rings]
+        return [r.describe() for r in rings], [r.seg.reader_fd for r in rings]
 
     def status(self) -> list[dict]:
         return [

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from msdata_client._validate import finite_sum
 from msdata_client.choices import Interpolate
 from msdata_server.errors import ConfigError
 
@@ -41,7 +42,9 @@ def _normalise(weights: Mapping[str, float], where: str, *, exact: bool = False)
             raise ConfigError(f"{where}: weight of {name!r} must be finite and >= 0, got {w!r}")
         items.append((name, w))
     items.sort()
-    total = math.fsum(w for _, w in items)
+    total = finite_sum(w for _, w in items)
+    if total is None:
+        raise ConfigError(f"{where}: weights {dict(items)!r} sum to more than a float holds; scale them down")
     if total <= 0:
         raise ConfigError(f"{where}: weights must not all be 0, got {dict(items)!r}; give some source a share > 0")
     if exact:

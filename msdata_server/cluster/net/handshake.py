@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import stat
 import struct
 
 from ...errors import ProtocolError
 
-__all__ = ["AuthError", "Handshake", "Refusal", "check_token", "load_token"]
+__all__ = ["AuthError", "Handshake", "Refusal", "check_token", "check_token_mode", "load_token"]
 
 _PROTO = 1
 _LEN = struct.Struct(">I")
@@ -35,6 +36,7 @@ def load_token(path: str) -> bytes:
     """The shared secret from [cluster] token_file (surrounding whitespace ignored); refuses an empty one."""
     try:
         with open(path, "rb") as f:
+            check_token_mode(path, os.fstat(f.fileno()).st_mode)
             token = f.read().strip()
     except OSError as e:
         raise AuthError(f"cannot read [cluster] token_file {path!r}: {e}; create it with a shared secret") from None
@@ -44,6 +46,16 @@ def load_token(path: str) -> bytes:
             "(e.g. `head -c 32 /dev/urandom | base64 > token`)"
         )
     return token
+
+
+def check_token_mode(path: str, mode: int) -> None:
+    """AuthError when the token file is open to group or others (as ssh refuses such a key): its secret is the
+    only thing that makes a peer a member of the cluster."""
+    if mode & 0o077:
+        raise AuthError(
+            f"[cluster] token_file {path!r} has mode {stat.S_IMODE(mode):04o}: group or others may read it; "
+            f"run `chmod 600 {path}` (only the server's user may read the shared secret)"
+        )
 
 
 def check_token(token: bytes | str) -> bytes:

@@ -158,9 +158,6 @@ class ClusterJobs:
         yield from list(self.table.pending.values())
 
     # ---- membership and leadership ----------------------------------------------------------------------
-    def live_nodes(self) -> list[str]:
-        return self.ctx.live_nodes()
-
     def _on_role(self, role: Role, leader_id: str | None, token: int | None) -> None:
         self.reports.changed()
         if token is not None and token != self._leader_token:

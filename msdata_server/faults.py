@@ -13,6 +13,9 @@ A disk fault needs no frame: with ``MSDATA_TEST_DISK_FULL`` naming a flag file, 
 with ENOSPC while that file exists (``arm_disk``, called by ``statedir.StateStore``). Likewise
 ``MSDATA_TEST_SHM_FULL``: creating shared memory fails with ENOSPC while its flag file exists (``arm_shm``,
 called by the node server at start), as a full ``/dev/shm`` does.
+
+The cluster faults arm on the job layer's ``ClusterContext``: its RPC's ``send`` (every job-layer frame
+leaves by it) and its autoscaler's ``report`` are wrapped; the ``fault`` frame handler is added to the layer's.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ import asyncio
 import errno
 import logging
 import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Protocol
+
+from .tasks import TaskSet
 
 __all__ = ["DISK_FULL_ENV", "ENV", "SHM_FULL_ENV", "arm_disk", "arm_shm", "install"]
 
@@ -31,21 +38,56 @@ DISK_FULL_ENV = "MSDATA_TEST_DISK_FULL"
 SHM_FULL_ENV = "MSDATA_TEST_SHM_FULL"
 
 
+Handler = Callable[[str, dict, memoryview | None], Awaitable[None]]
+
+
+class _Rpc(Protocol):
+    async def send(self, nid: str, frame: dict, payload: Any = None) -> None: ...
+
+
+class _Scaler(Protocol):
+    def report(self) -> dict: ...
+
+
+class _Link(Protocol):
+    async def aclose(self) -> None: ...
+
+
+class FaultHost(Protocol):
+    """What the cluster faults arm on: ``cluster.context.ClusterContext`` (not imported: the state store, which
+    the cluster layer uses, arms its disk fault here)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def rpc(self) -> _Rpc: ...
+
+    @property
+    def tasks(self) -> TaskSet: ...
+
+    @property
+    def autoscaler(self) -> _Scaler | None: ...
+
+    def link(self, nid: str) -> _Link | None: ...
+
+
 class _Faults:
-    def __init__(self, jobs) -> None:
-        self.jobs = jobs
-        self.node_id = jobs.node_id
+    def __init__(self, ctx: FaultHost) -> None:
+        self.ctx = ctx
+        self.node_id = ctx.node_id
         self.drop: dict[tuple[str, str], int] = {}  # (frame type, node) -> frames still to lose
         self.stall_mix = False
         self.slow_reads = 1.0
         self.slow_source: str | None = None  # None: every source
-        self._send = jobs.rpc.send
-        scaler = getattr(jobs.node, "autoscaler", None)
+        self._send = ctx.rpc.send
+        self._report: Callable[[], dict] | None = None
+        scaler = ctx.autoscaler
         if scaler is not None:
             self._report = scaler.report
-            scaler.report = self.report
+            scaler.report = self.report  # type: ignore[method-assign]  # fault injection wraps the method
 
-    async def send(self, nid: str, frame: dict, payload=None) -> None:
+    async def send(self, nid: str, frame: dict, payload: Any = None) -> None:
         t = frame.get("t", "")
         if self.drop.get((t, nid), 0) > 0:
             self.drop[(t, nid)] -= 1
@@ -63,13 +105,15 @@ class _Faults:
 
     def report(self) -> dict:
         """The autoscaler's report to the leader, its read seconds scaled by ``slow_reads``."""
+        if self._report is None:
+            raise RuntimeError("no autoscaler report to scale (the node has no worker pool)")
         rep = self._report()
         for name, fig in rep["sources"].items():
             if fig.get("read_s_per_sample") and self.slow_source in (None, name):
                 fig["read_s_per_sample"] *= self.slow_reads
         return rep
 
-    async def on_fault(self, peer: str, frame: dict, payload) -> None:
+    async def on_fault(self, peer: str, frame: dict, payload: memoryview | None) -> None:
         if "slow_reads" in frame:
             self.slow_reads, self.slow_source = float(frame["slow_reads"]), frame.get("source")
             log.warning(
@@ -84,9 +128,9 @@ class _Faults:
         self.drop[("plan", nid)] = int(frame.get("drop_plans", 0))
         self.drop[("mixcut", nid)] = int(frame.get("drop_cuts", 0))
         self.stall_mix = bool(frame.get("stall_mix", False))
-        link = self.jobs.cluster.links.get(nid)
+        link = self.ctx.link(nid)
         if frame.get("close") and link is not None:
-            self.jobs.tasks.spawn(link.aclose(), name="fault-close")
+            self.ctx.tasks.spawn(link.aclose(), name="fault-close")
         log.warning(
             "node %s: test fault: next %d plan(s) to %s dropped%s",
             self.node_id,
@@ -96,14 +140,15 @@ class _Faults:
         )
 
 
-def install(jobs) -> bool:
-    """Arm fault injection on a node's job layer when the environment asks for it; True if it did."""
+def install(ctx: FaultHost, handlers: MutableMapping[str, Handler]) -> bool:
+    """Arm fault injection on a node's job layer (its context, its frame handlers) when the environment asks
+    for it; True if it did."""
     if os.environ.get(ENV) != "1":
         return False
-    faults = _Faults(jobs)
-    jobs.rpc.send = faults.send
-    jobs.handlers["fault"] = faults.on_fault
-    log.warning("node %s: test fault injection is armed (%s=1); never set it in production", jobs.node_id, ENV)
+    faults = _Faults(ctx)
+    ctx.rpc.send = faults.send  # type: ignore[method-assign]  # every job-layer frame leaves by it
+    handlers["fault"] = faults.on_fault
+    log.warning("node %s: test fault injection is armed (%s=1); never set it in production", ctx.node_id, ENV)
     return True
 
 

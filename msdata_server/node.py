@@ -104,7 +104,9 @@ class NodeServer:
 
             self.cluster = ClusterNode(self.config, on_fatal=self.fatal)
             await self._unless_stopped(self.cluster.start())  # waits while etcd is unreachable
-            self.cluster_jobs = self._starter = ClusterJobs(self)
+            self.cluster_jobs = self._starter = ClusterJobs(
+                self.cluster, self.config, table=self.table, pool=self.pool, autoscaler=self.autoscaler
+            )
             if self.autoscaler is not None:  # profile to the leader with each decision; its targets back
                 self.autoscaler.on_step.append(self.cluster_jobs.reports.changed)
                 self.cluster_jobs.handlers["scale"] = self._follow_targets

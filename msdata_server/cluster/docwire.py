@@ -9,10 +9,15 @@ there is none, as older peers send).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..document import VlmSample
 from ..errors import ProtocolError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["pack_docs", "split_docs"]
 
@@ -34,14 +39,14 @@ def pack_docs(docs: list) -> tuple[dict, bytes]:
     return head, b"".join(parts)
 
 
-def _pic(d) -> list[int] | None:
+def _pic(d: object) -> list[int] | None:
     if not isinstance(d, VlmSample):
         return None
     pv = d.pixel_values
     return [int(pv.shape[0]), int(len(d.image_grid_thw)), int(pv.shape[1]) if pv.ndim == 2 else 0]
 
 
-def split_docs(head: dict, payload) -> list:
+def split_docs(head: dict, payload: Buffer | None) -> list:
     """The documents of a fetch reply (copies, so the payload buffer can go); ProtocolError if malformed."""
     try:
         lens = [int(x) for x in head["lens"]]

@@ -25,31 +25,43 @@ mixhold     leader -> nodes    hold the constructors, reply with the newest step
 mixcut      leader -> nodes    the cut (plans >= cut dropped) or, without one, the release
 mixstate    node -> leader     a held node asks whether the change is over and where it cut
 ==========  =================  ========================================================================
+
+``ClusterJobs`` builds the layer's one ``ClusterContext`` (``cluster.context``) and hands it to each part:
+its runs (``RunTable``), the reports to the leader, and the leader's ``Coordinator``. It routes frames and
+link and membership events to them; none of them is handed ``ClusterJobs`` or the node server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from contextlib import suppress
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from msdata_client.spec import JobSpec
 
 from .. import faults
+from ..config import ServerConfig
 from ..errors import MsdataError, PeerLostError, ProtocolError
 from ..job import Job
+from ..job.table import JobTable
 from ..ops.logs import Once
 from ..tasks import TaskSet
+from .context import ClusterContext
 from .leader.coordinator import Coordinator
-from .mixing import MixtureRelay
 from .net.rpc import PeerRpc, error_reply
 from .planwire import decode_plan
 from .report import LeaderReports
-from .run import Run
-from .shard import ShardPayloads, answer
+from .run import Run, RunTable
+from .shard import ShardPayloads
+
+if TYPE_CHECKING:
+    from ..autoscale import Autoscaler
+    from ..pool import WorkerPool
+    from .net.election import Role
+    from .net.runtime import ClusterNode
 
 __all__ = ["ClusterJobs"]
 
@@ -63,25 +75,37 @@ class ClusterJobs:
 
     Also the node's job starter in a cluster (``ranks_changed``): the leader decides when a job starts."""
 
-    def __init__(self, node) -> None:
-        self.node = node
-        self.cluster = node.cluster
-        self.node_id = node.config.node.id
-        self.pool = node.pool
-        self.runs: dict[str, Run] = {}
-        self.tasks = TaskSet("cluster-jobs")
+    def __init__(
+        self,
+        cluster: ClusterNode,
+        config: ServerConfig,
+        *,
+        table: JobTable,
+        pool: WorkerPool | None = None,
+        autoscaler: Autoscaler | None = None,
+    ) -> None:
+        cc = config.cluster
+        if cc is None:
+            raise MsdataError("the cluster job layer needs a [cluster] table in node.toml")
+        self.cluster = cluster
+        self.node_id = config.node.id
+        self.table = table  # the node's jobs by name (running and pending): the leader starts them
         self._warned = Once()  # a peer's bad frames are named once per kind, never in a loop
-        self.rpc = PeerRpc(
-            self.cluster, self.node_id, self.on_frame, timeout=max(5.0, 3 * node.config.cluster.lease_ttl)
+        rpc = PeerRpc(cluster, self.node_id, self.on_frame, timeout=max(5.0, 3 * cc.lease_ttl))
+        self.ctx = ClusterContext(
+            node_id=self.node_id,
+            config=cc,
+            autoscale=config.autoscale,
+            rpc=rpc,
+            tasks=TaskSet("cluster-jobs"),
+            cluster=cluster,
+            pool=pool,
+            autoscaler=autoscaler,
         )
-        self.probe = node.config.cluster.lease_ttl / 2  # how long a node waits for a plan before asking again
-        self.coordinator = Coordinator(self)
-        self._runs_changed = asyncio.Event()  # set (and replaced) whenever a run starts here
-        self.reports = LeaderReports(node, self.rpc, self.runs, self.tasks)
-        self.need, self.ack = self.reports.need, self.reports.ack
-        self.mixing = MixtureRelay(self)
-        self.set_mixture, self.mix_state = self.mixing.set_mixture, self.mixing.mix_state
-        self._settled = asyncio.Event()
+        self.rpc, self.tasks = rpc, self.ctx.tasks
+        self.runs = RunTable()
+        self.coordinator = Coordinator(self.ctx, self.runs)
+        self.reports = LeaderReports(self.ctx, self.runs, self._registrations)
         self._leader_token: int | None = None  # the fencing token of the leader this node follows
         self.handlers: dict[str, Handler] = {
             "rep": self._on_rep,
@@ -94,17 +118,20 @@ class ClusterJobs:
             "skip": self._on_skip,
             "mixhold": self._on_mixhold,
             "mixcut": self._on_mixcut,
-            "mix": self.mixing.on_mix,
-            "mixstate": self.mixing.on_mixstate,
+            "mix": self.coordinator.on_mix,
+            "mixstate": self.coordinator.on_mixstate,
             "jobs": self._to_coordinator,
             "ack": self._to_coordinator,
             "need": self._to_coordinator,
         }
-        faults.install(self)
+        faults.install(self.ctx, self.handlers)
 
     async def start(self) -> None:
         self.cluster.handler = self.on_frame
-        self.cluster.election.on_change(self._on_role)
+        election = self.cluster.election
+        if election is None:
+            raise MsdataError("the cluster job layer starts after the node joined the cluster (ClusterNode.start)")
+        election.on_change(self._on_role)
         self.cluster.on_link.append(self._link_up)
         self.cluster.on_link_lost.append(self.rpc.link_lost)
         self.cluster.on_link_lost.append(self._link_lost)
@@ -115,24 +142,27 @@ class ClusterJobs:
     async def aclose(self) -> None:
         await self.coordinator.aclose()
         await self.tasks.cancel_all("cluster jobs closing")
-        for run in list(self.runs.values()):
-            await run.shard.aclose()
+        runs = list(self.runs)
         self.runs.clear()
+        for run in runs:
+            await run.aclose()
 
     # ---- the node's job starter ------------------------------------------------------------------------------
     async def ranks_changed(self, job: Job) -> None:
         """A local rank came or went, or a job closed: the leader needs a new report (it starts runs)."""
         self.reports.changed()
 
-    # ---- membership and leadership ----------------------------------------------------------------------
-    def live_nodes(self) -> list[str]:
-        return sorted(set(self.cluster.members) | {self.node_id})
+    def _registrations(self) -> Iterator[Job]:
+        """The node's jobs, running and pending (the next run of a job still winding down)."""
+        yield from list(self.table.jobs.values())
+        yield from list(self.table.pending.values())
 
-    def _on_role(self, role, leader_id, token) -> None:
+    # ---- membership and leadership ----------------------------------------------------------------------
+    def _on_role(self, role: Role, leader_id: str | None, token: int | None) -> None:
         self.reports.changed()
         if token is not None and token != self._leader_token:
             self._leader_token = token
-            for run in self.runs.values():  # a hold for a leader that is gone ends now (its change never comes)
+            for run in self.runs:  # a hold for a leader that is gone ends now (its change never comes)
                 if run.holding is not None and run.hold_token < int(token):
                     log.info(
                         "node %s: job %s: the leader that held the constructors for a mixture change is gone; "
@@ -146,54 +176,37 @@ class ClusterJobs:
     def _link_lost(self, nid: str) -> None:
         """Our link to nid broke: runs with shadow loaders hand its partitions to their standbys at once (the
         peer may be gone; its lease would say so only later). A fetch waiting for placement to settle goes on."""
-        changed = [run for run in self.runs.values() if run.shard.where.node_down(nid)]
+        changed = [run for run in self.runs if run.node_down(nid)]
         for run in changed:
-            self.tasks.spawn(self.rebalance(run), name="shard-takeover")
+            self.tasks.spawn(run.rebalance(), name="shard-takeover")
         if changed:
-            self._wake_settle()
-
-    def _wake_settle(self) -> None:
-        self._settled.set()
-        self._settled = asyncio.Event()
-
-    async def rebalance(self, run: Run) -> None:
-        """Open the partitions placed here now, close the others (a node went or came, a split or merge)."""
-        try:
-            await run.shard.rebalance()
-        except MsdataError as e:
-            log.warning("node %s: re-placing partitions of %s: %s", self.node_id, run.spec.name, e)
+            self.ctx.settled.wake()
 
     def _link_up(self, nid: str) -> None:
         """A link came (back) up; frames sent while it was down are lost, so both sides catch up."""
-        for run in list(self.runs.values()):
-            if nid in run.shard.where.down:
-                run.shard.where.node_up(nid)
-                self.tasks.spawn(self.rebalance(run), name="shard-rejoin")
+        for run in self.runs:
+            if run.node_up(nid):
+                self.tasks.spawn(run.rebalance(), name="shard-rejoin")
         self.coordinator.link_up(nid)  # the leader re-sends the plans that node may lack
         if nid == self.cluster.leader_id:  # a follower reports again and says which step it lacks
             self.reports.changed()
-            for run in list(self.runs.values()):
+            for run in self.runs:
                 if run.job is not None:
-                    self.need(run)
+                    self.ctx.need(run)
 
     async def _members(self) -> None:
         ev = self.cluster.members_changed
         while True:
             await ev.wait()
             ev.clear()
-            self._wake_settle()
-            for run in list(self.runs.values()):
-                await self.rebalance(run)
+            self.ctx.settled.wake()
+            for run in self.runs:
+                await run.rebalance()
             self.coordinator.members_changed()
             self.reports.changed()
 
-    async def members_settle(self) -> None:
-        """Wait for the next membership change (or a lease period): a lost owner is replaced by then."""
-        with suppress(TimeoutError):
-            await asyncio.wait_for(self._settled.wait(), self.node.config.cluster.lease_ttl)
-
     # ---- frames ---------------------------------------------------------------------------------------------
-    async def on_frame(self, peer: str, frame: dict, payload) -> None:
+    async def on_frame(self, peer: str, frame: dict, payload: memoryview | None) -> None:
         t = frame.get("t")
         handler = self.handlers.get(str(t))
         if handler is None:
@@ -206,11 +219,11 @@ class ClusterJobs:
             if self._warned("malformed", peer, t):
                 log.warning("node %s: malformed %r frame from %s: %s (repeats not logged)", self.node_id, t, peer, e)
 
-    async def _on_rep(self, peer: str, frame: dict, payload) -> None:
+    async def _on_rep(self, peer: str, frame: dict, payload: memoryview | None) -> None:
         self.rpc.answered(frame, payload)
 
-    async def _on_plan(self, peer: str, frame: dict, payload) -> None:
-        run = self._run(frame)
+    async def _on_plan(self, peer: str, frame: dict, payload: memoryview | None) -> None:
+        run = self.runs.named(frame)
         if run is not None:
             cut = frame.get("cut")
             run.add_plan(
@@ -221,88 +234,54 @@ class ClusterJobs:
                 frame.get("parts"),
             )
 
-    async def _on_jstart(self, peer: str, frame: dict, payload) -> None:
+    async def _on_jstart(self, peer: str, frame: dict, payload: memoryview | None) -> None:
         self._jstart(frame)
 
-    async def _on_jstop(self, peer: str, frame: dict, payload) -> None:
-        run = self._run(frame)
+    async def _on_jstop(self, peer: str, frame: dict, payload: memoryview | None) -> None:
+        run = self.runs.named(frame)
         if run is not None:
             self._end_run(run, "every rank left")
 
-    async def _on_serve(self, peer: str, frame: dict, payload) -> None:
+    async def _on_serve(self, peer: str, frame: dict, payload: memoryview | None) -> None:
         self.tasks.spawn(self._serve(frame), name=f"serve-{frame['t']}")
 
-    async def _on_skip(self, peer: str, frame: dict, payload) -> None:
-        run = self._run(frame)
+    async def _on_skip(self, peer: str, frame: dict, payload: memoryview | None) -> None:
+        run = self.runs.named(frame)
         if run is not None:
-            run.shard.unref(np.asarray(frame["s"], np.int64), np.asarray(frame["o"], np.int64))
+            run.unref(np.asarray(frame["s"], np.int64), np.asarray(frame["o"], np.int64))
 
-    async def _on_mixhold(self, peer: str, frame: dict, payload) -> None:
+    async def _on_mixhold(self, peer: str, frame: dict, payload: memoryview | None) -> None:
         """The leader cuts for a mixture change: hold, say the newest step taken up."""
-        run = self._run(frame)
+        run = self.runs.named(frame)
         await self.rpc.reply(frame, {"committed": run.hold(int(frame.get("token") or 0)) if run is not None else -1})
 
-    async def _on_mixcut(self, peer: str, frame: dict, payload) -> None:
-        run = self._run(frame)
+    async def _on_mixcut(self, peer: str, frame: dict, payload: memoryview | None) -> None:
+        run = self.runs.named(frame)
         if run is not None:
             cut = frame.get("cut")
             run.cut(None if cut is None else int(cut), (int(frame.get("token") or 0), int(frame.get("gen", 0))))
 
-    async def _to_coordinator(self, peer: str, frame: dict, payload) -> None:
+    async def _to_coordinator(self, peer: str, frame: dict, payload: memoryview | None) -> None:
         self.coordinator.on_frame(frame)
 
     # ---- runs -----------------------------------------------------------------------------------------------
-    def _run(self, frame: dict) -> Run | None:
-        """The run a frame is about (None: a run that ended here, or one not started here yet)."""
-        run = self.runs.get(frame.get("digest"))  # type: ignore[arg-type]
-        return run if run is not None and run.id == frame.get("run") else None
-
-    async def _await_run(self, frame: dict) -> Run | None:
-        """The run a peer asks about; its start may still be on the way from the leader: wait a little."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + self.probe
-        while (run := self._run(frame)) is None and loop.time() < end:
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._runs_changed.wait(), end - loop.time())
-        return run
-
     async def _watch(self, run: Run) -> None:
         """A node that only owns data of a run (no ranks here, so no feed asking for what it lacks) still counts
         every plan's payload references: when the step it lacks did not arrive for a whole probe period (a lost
         plan, while later ones keep coming), it tells the leader, which re-sends what is missing."""
         last = None
-        while self.runs.get(run.digest) is run and run.job is None:
-            await asyncio.sleep(self.probe)  # a periodic check by design: progress is what it looks for
-            if run.job is None and self.runs.get(run.digest) is run and run.next_step == last:
-                self.need(run)
+        while not run.ended and run.job is None:
+            await asyncio.sleep(self.ctx.probe)  # a periodic check by design: progress is what it looks for
+            if run.job is None and not run.ended and run.next_step == last:
+                self.ctx.need(run)
             last = run.next_step
 
     def status(self) -> list[dict]:
         """The runs this node takes part in (with ranks or only as a data owner)."""
-        return [
-            {
-                "job": run.spec.name,
-                "run": run.id,
-                "ranks_here": run.job is not None,
-                "next_step": run.next_step,
-                "fed": run.fed_step,
-                "partitions_here": len(run.shard.loaders),
-                "partitions": {n: run.shard.where.table.partitions(s) for s, n in enumerate(run.spec.source_names())},
-                "shadows_here": len(run.shard.shadows),
-                "takeovers": run.shard.takeovers,
-                "payloads_pending": len(run.shard.refs),
-            }
-            for run in self.runs.values()
-        ]
-
-    def _set_run(self, run: Run) -> None:
-        self.runs[run.digest] = run
-        self._runs_changed.set()
-        self._runs_changed = asyncio.Event()
+        return [run.status() for run in self.runs]
 
     def _end_run(self, run: Run, why: str) -> None:
-        if self.runs.get(run.digest) is run:
-            del self.runs[run.digest]
+        self.runs.remove(run)
         log.info("node %s: the run of job %s ended (%s)", self.node_id, run.spec.name, why)
         job = run.job
         if job is not None and job.state != "closed" and job.feed is run:
@@ -310,16 +289,16 @@ class ClusterJobs:
                 f"the run of job {run.spec.name!r} this rank belonged to ended on the cluster ({why}); "
                 "register again for a new run"
             )
-        self.tasks.spawn(run.shard.aclose(), name="shard-close")
+        self.tasks.spawn(run.aclose(), name="shard-close")
 
     async def _serve(self, frame: dict) -> None:
-        run = await self._await_run(frame)
+        run = await self.runs.started(frame, self.ctx.probe)
         try:
             if run is None:
                 raise PeerLostError(
                     f"node {self.node_id} does not run job {str(frame.get('digest'))[:12]} (run {frame.get('run')})"
                 )
-            head, body = await answer(run.shard, frame)
+            head, body = await run.serve(frame)
             await self.rpc.reply(frame, head, body)
         except (MsdataError, KeyError, TypeError, ValueError) as e:
             await self.rpc.reply(frame, error_reply(e))
@@ -332,15 +311,15 @@ class ClusterJobs:
             self._end_run(run, f"run {rid} of the job started")
             run = None
         if run is None:
-            run = Run(self, JobSpec.from_dict(frame["spec"]), digest, frame)
-            self._set_run(run)
-            self.tasks.spawn(run.shard.rebalance(), name="shard-open")
+            run = Run(self.ctx, JobSpec.from_dict(frame["spec"]), digest, frame)
+            self.runs.add(run)
+            self.tasks.spawn(run.rebalance(), name="shard-open")
             self.tasks.spawn(self._watch(run), name="run-watch")
         else:
             run.set_ranks(frame["rank_nodes"])
         run.repartition(frame.get("parts"))  # a resumed run: the partition table a node holds with the most changes
         insts = set(frame.get("insts", {}).get(self.node_id, ()))
-        for job in (self.node.jobs.get(run.spec.name), self.node.pending.get(run.spec.name)):
+        for job in (self.table.jobs.get(run.spec.name), self.table.pending.get(run.spec.name)):
             if job is not None and job.digest == digest and job.inst in insts and job.state == "waiting":
                 if run.inst != job.inst:  # a repeated start (a report crossed it) must not reset the positions
                     self._start_job(run, job, frame)
@@ -349,11 +328,11 @@ class ClusterJobs:
     def _start_job(self, run: Run, job: Job, frame: dict) -> None:
         run.adopt(job, frame["positions"])
 
-        async def prepare():
+        async def prepare() -> tuple[Run, ShardPayloads, dict[int, tuple[int, int]]]:
             run.job = job
-            return run, ShardPayloads(run.shard), run.positions
+            return run, run.payloads(), run.positions
 
-        async def go():
+        async def go() -> None:
             await job.start_with(prepare)
             self.reports.changed()
 

@@ -25,11 +25,11 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .shardmeta import BLOCK
-
 __all__ = ["Gen", "MAX_GENERATIONS", "PartsTable", "RunParts", "longest"]
 
 log = logging.getLogger(__name__)
+
+BLOCK = 64  # SourceLoader's default batch: the unit partitions are dealt in
 
 MAX_GENERATIONS = 64  # per source and run: beyond it a run keeps its partitions (see the README: pruning)
 

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from .parts import PartsTable
+
+if TYPE_CHECKING:
+    from msdata_client.spec import MixSpec
 
 __all__ = ["PartitionLayout", "fail_over", "partition_costs", "place", "place_shadows", "place_sources", "place_split"]
 
@@ -89,7 +93,7 @@ def place_split(n: int, cost: float, load: Mapping[str, float], budget: Mapping[
     return out
 
 
-def partition_costs(mix, sources: Sequence[str], nparts: int) -> list[float]:
+def partition_costs(mix: MixSpec, sources: Sequence[str], nparts: int) -> list[float]:
     """The reading cost of one partition of each source: its share of the tokens over the declared mixture
     (a schedule: the mean over its points) split over ``nparts``; the same on every node (a function of the
     job's definition, not of run-time mixture changes)."""

@@ -6,13 +6,16 @@ The header carries the job, digest, step and the leader's fencing token (receive
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import ProtocolError
 from ..planner import StepPlan
 from ..planner.planner import PlanStats
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["decode_plan", "encode_plan"]
 
@@ -63,7 +66,7 @@ def _stages(header: dict) -> dict[str, Any]:
     return {k: float(header[k]) for k in _STAGES if header.get(k) is not None}
 
 
-def decode_plan(header: dict, payload) -> StepPlan:
+def decode_plan(header: dict, payload: Buffer | None) -> StepPlan:
     """The StepPlan of a plan frame (arrays are read-only views of the payload); ProtocolError if malformed."""
     buf = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
     try:

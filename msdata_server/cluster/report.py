@@ -1,20 +1,23 @@
 """What a node tells the leader: a report of its jobs (and its autoscaler's profile and budget), whenever they
-change, the leader does or the autoscaler decided, and per run the step it lacks (the leader re-sends from
-there) and the last step it fed (planning may run ahead of it).
+change, the leader does or the autoscaler decided.
 
 Reports are pushed by one task, coalesced through a dirty flag, and retried with back-off while the link to
-a new leader comes up; ``need``/``ack`` are fire-and-forget (a lost one is repeated by the next probe).
+a new leader comes up. The per-run ``need``/``ack`` frames go by ``ClusterContext.need``/``ack``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import suppress
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from ..errors import PeerLostError
-from ..tasks import TaskSet
-from .net.rpc import PeerRpc
+from .context import ClusterContext
+from .run import RunTable
+
+if TYPE_CHECKING:
+    from ..job import Job
 
 __all__ = ["LeaderReports"]
 
@@ -22,15 +25,12 @@ log = logging.getLogger(__name__)
 
 
 class LeaderReports:
-    """The report pushed to the leader (``jobs`` frames) and the ``need``/``ack`` frames of runs."""
+    """The report pushed to the leader (``jobs`` frames): every registration of a job here, with its run."""
 
-    def __init__(self, node, rpc: PeerRpc, runs: dict, tasks: TaskSet):
-        self.node = node
-        self.cluster = node.cluster
-        self.node_id = node.config.node.id
-        self.rpc = rpc
-        self.runs = runs  # digest -> Run, shared with the job layer
-        self.tasks = tasks
+    def __init__(self, ctx: ClusterContext, runs: RunTable, registrations: Callable[[], Iterable[Job]]) -> None:
+        self.ctx = ctx
+        self.runs = runs  # digest -> Run, the job layer's
+        self.registrations = registrations  # the node's jobs, running and pending
         self.dirty = asyncio.Event()
 
     def changed(self) -> None:
@@ -39,7 +39,7 @@ class LeaderReports:
 
     def report(self) -> dict:
         jobs = []
-        for job in list(self.node.jobs.values()) + list(self.node.pending.values()):
+        for job in self.registrations():
             if job.state == "closed":
                 continue
             run = self.runs.get(job.digest)
@@ -55,11 +55,11 @@ class LeaderReports:
                     "running": mine is not None,
                     "next": mine.next_step if mine is not None else None,
                     "fed": mine.fed_step if mine is not None else None,
-                    "parts": mine.shard.where.table.wire() if mine is not None else None,  # splits and merges
+                    "parts": mine.parts_wire() if mine is not None else None,  # splits and merges
                 }
             )
-        rep: dict = {"t": "jobs", "node": self.node_id, "jobs": jobs}
-        scaler = getattr(self.node, "autoscaler", None)
+        rep: dict = {"t": "jobs", "node": self.ctx.node_id, "jobs": jobs}
+        scaler = self.ctx.autoscaler
         if scaler is not None:  # its profile and budget: the leader sizes its workers (autoscale.cluster)
             rep["autoscale"] = scaler.report()
         return rep
@@ -67,41 +67,19 @@ class LeaderReports:
     async def push(self) -> None:
         """Runs for the node's life: send a report whenever one is due."""
         delay = 0.05
-        ttl = self.node.config.cluster.lease_ttl
+        ctx = self.ctx
         while True:
             await self.dirty.wait()
             self.dirty.clear()
-            leader = self.cluster.leader_id
+            leader = ctx.leader_id
             if leader is None:
-                with suppress(TimeoutError):
-                    await asyncio.wait_for(self.cluster.election.wait_leader(), ttl)
+                await ctx.wait_leader()
                 self.dirty.set()
                 continue
             try:
-                await self.rpc.send(leader, self.report())
+                await ctx.rpc.send(leader, self.report())
                 delay = 0.05
             except PeerLostError:
                 self.dirty.set()
                 await asyncio.sleep(delay)  # back-off until the link to the new leader is up
                 delay = min(delay * 2, 0.5)
-
-    def _to_leader(self, frame: dict) -> None:
-        leader = self.cluster.leader_id
-        if leader is not None:
-            self.tasks.spawn(self.rpc.quiet_send(leader, frame), name=frame["t"])
-
-    def need(self, run) -> None:
-        """Tell the leader the lowest step this node lacks and the last it fed (it re-sends what is missing)."""
-        self._to_leader(
-            {
-                "t": "need",
-                "digest": run.digest,
-                "run": run.id,
-                "node": self.node_id,
-                "step": run.next_step,
-                "fed": run.fed_step,
-            }
-        )
-
-    def ack(self, run) -> None:
-        self._to_leader({"t": "ack", "digest": run.digest, "run": run.id, "node": self.node_id, "step": run.fed_step})

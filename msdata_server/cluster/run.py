@@ -9,30 +9,38 @@ probe period asks the leader for it.
 Mixture changes: the leader holds every node (constructors take up no new step), learns the newest step
 taken up anywhere, cuts after it and releases the nodes with the cut; plans of steps >= cut are dropped
 everywhere (with their references) and planned again.
+
+A run uses the node through its ``ClusterContext`` (``cluster.context``) only; the leader on this node reads
+it through ``HeldRun`` (``leader.coordinator``): its id, partition layout and the lengths of its sources.
+``RunTable`` holds this node's runs by job digest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from contextlib import suppress
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from msdata_client.spec import JobSpec
 
 from ..autoscale.cluster import placement_costs
-from ..errors import CheckpointError, PeerLostError
+from ..errors import CheckpointError, MsdataError, PeerLostError
 from ..job.seams import CutLog, Steps
 from ..planner import Mixture, StepPlan
-from ..planner.history import held_window
+from ..planner.history import StateHistory
 from ..planner.state import K_MIXTURE, K_STEP
-from ..tasks import TaskSet
-from .shard import JobShard, repartition, retire
+from .context import ClusterContext
+from .placement import PartitionLayout
+from .shard import JobShard, ShardPayloads, answer, repartition, retire
 
 if TYPE_CHECKING:
     from ..job import Job
 
-__all__ = ["Run", "RunHost"]
+__all__ = ["KEEP_STATES", "Run", "RunTable"]
 
 
 def _positions(wire: dict) -> dict[int, tuple[int, int]]:
@@ -40,31 +48,12 @@ def _positions(wire: dict) -> dict[int, tuple[int, int]]:
     return {int(r): (int(p[0]), int(p[1])) for r, p in wire.items()}
 
 
-class RunHost(Protocol):
-    """What a run needs of its node's job layer (``cluster.jobs.ClusterJobs``)."""
-
-    node_id: str
-    probe: float  # seconds a node waits for a plan (or a hold's end) before asking the leader
-    tasks: TaskSet
-    runs: dict[str, Run]
-
-    def need(self, run: Run) -> None: ...
-
-    def ack(self, run: Run) -> None: ...
-
-    async def set_mixture(self, run: Run, weights: dict) -> int: ...
-
-    async def mix_state(self, run: Run) -> dict: ...
-
-    async def rebalance(self, run: Run) -> None: ...
-
-
 log = logging.getLogger(__name__)
 
 KEEP_STATES = 256  # planner states kept per run for state_dict() (kilobytes each)
 
 
-def _forget_through(by_step: dict, step: int) -> None:
+def _forget_through(by_step: dict[int, StepPlan], step: int) -> None:
     """Drop the entries of steps <= ``step`` from a dict filled in step order (after a cut: nearly; a later
     call takes what one left)."""
     while by_step:
@@ -77,8 +66,8 @@ def _forget_through(by_step: dict, step: int) -> None:
 class Run:
     """One job run on this node: the shard, the plans received, the states that came with them."""
 
-    def __init__(self, jobs: RunHost, spec: JobSpec, digest: str, frame: dict):
-        self.jobs = jobs
+    def __init__(self, ctx: ClusterContext, spec: JobSpec, digest: str, frame: dict) -> None:
+        self.ctx = ctx
         self.spec = spec
         self.digest = digest
         self.id = str(frame["run"])  # one run of the job: plans, acks and payload requests name it
@@ -87,18 +76,19 @@ class Run:
         self.positions = _positions(frame["positions"])
         self.group_nodes: dict[int, tuple[str, ...]] = {}
         self.set_ranks(frame["rank_nodes"])
-        self.shard = JobShard(jobs, spec, digest, int(frame["nparts"]), run=self.id)
+        self.shard = JobShard(ctx, spec, digest, int(frame["nparts"]), run=self.id)
         self.shard.cursor = frame.get("cursor")
         self.shard.costs = placement_costs(frame, len(spec.sources)) or self.shard.costs  # measured (autoscale)
         self.plans: dict[int, StepPlan] = {}
-        self.early: dict[int, tuple] = {}
-        self.states: dict[int, dict] = {}
+        self.early: dict[int, tuple[StepPlan, dict | None, list | None]] = {}
+        self.states = StateHistory(KEEP_STATES)  # the planner state at the start of each recent step
         self.next_step = self.start_step  # the lowest step not yet received
         self.fed_step = self.start_step - 1  # the last step every constructor here queued
         self.feed_next = self.start_step  # the next step to hand to the job
         self.arrived = asyncio.Event()
         self.job: Job | None = None  # the registration of this job on this node, once started here
-        self.closed = False
+        self.closed = False  # the job this run fed closed
+        self.ended = False  # the run ended here (``end``)
         self.steps: Steps | None = None
         # mixture changes (set_mixture): plans of an older (token, gen) are dropped; a cut drops plans >= cut
         self.gen_key = (0, 0)
@@ -149,7 +139,7 @@ class Run:
         if plan.step > self.next_step + KEEP_STATES:
             log.warning(
                 "node %s: plan of step %d far past the missing step %d; dropped",
-                self.jobs.node_id,
+                self.ctx.node_id,
                 plan.step,
                 self.next_step,
             )
@@ -168,10 +158,9 @@ class Run:
             plan, state, parts = self.early.pop(self.next_step)
             self.plans[plan.step] = plan
             if state is not None:
-                self.states[plan.step] = state
+                self.states.record(plan.step, state)  # forgets the states of steps <= step - KEEP_STATES
                 self.shard.cursor = state.get("cursor")
                 self.shard.state = state
-                _forget_through(self.states, plan.step - KEEP_STATES)
             self.repartition(parts)
             self.next_step = plan.step + 1
             self.shard.add_refs(plan, self.group_nodes)
@@ -190,19 +179,17 @@ class Run:
         try:
             changed = repartition(self.shard, parts)
         except (KeyError, TypeError, ValueError) as e:
-            log.warning(
-                "node %s: job %s: ignored a malformed partition table: %s", self.jobs.node_id, self.spec.name, e
-            )
+            log.warning("node %s: job %s: ignored a malformed partition table: %s", self.ctx.node_id, self.spec.name, e)
             return
         if changed:
             log.info(
                 "node %s: job %s: partitions per source %s from step %d",
-                self.jobs.node_id,
+                self.ctx.node_id,
                 self.spec.name,
                 {name: self.shard.where.table.partitions(s) for s, name in enumerate(self.spec.source_names())},
                 self.next_step,
             )
-            self.jobs.tasks.spawn(self.jobs.rebalance(self), name="shard-repartition")
+            self.ctx.tasks.spawn(self.rebalance(), name="shard-repartition")
 
     def _skip_held(self) -> None:
         """Past the steps already received (they arrived before the node's ranks said where they are)."""
@@ -217,9 +204,9 @@ class Run:
         while self.feed_next not in self.plans:
             self.arrived.clear()
             try:  # a plan lost on a broken link: after a quiet while, tell the leader what we lack
-                await asyncio.wait_for(self.arrived.wait(), self.jobs.probe)
+                await asyncio.wait_for(self.arrived.wait(), self.ctx.probe)
             except TimeoutError:
-                self.jobs.need(self)
+                self.ctx.need(self)
         return self.plans.pop(self.feed_next), self.cuts.epoch
 
     def stale(self, plan: StepPlan, epoch: int) -> bool:
@@ -228,7 +215,7 @@ class Run:
     def fed(self, plan: StepPlan) -> None:
         self.fed_step = plan.step
         self.feed_next = plan.step + 1
-        self.jobs.ack(self)
+        self.ctx.ack(self)
 
     async def take(self, plan: StepPlan) -> bool:
         """A constructor's gate before it takes up a step: waits out a hold; False if the step was cut."""
@@ -244,7 +231,8 @@ class Run:
         return not self.stale(plan, epoch)
 
     async def set_mixture(self, weights: dict) -> int:
-        return await self.jobs.set_mixture(self, weights)
+        """A rank's set_mixture, asked of the leader (it cuts and re-plans); the cut step."""
+        return await self.ctx.set_mixture(self, weights)
 
     async def state_at(self, step: int) -> dict:
         """The planner state at the start of ``step`` (it comes with that step's plan)."""
@@ -254,7 +242,7 @@ class Run:
             if step < self.next_step or self.closed:
                 raise CheckpointError(
                     f"the server no longer holds the state of step {step} (recent steps "
-                    f"{min(self.states, default=0)}..{self.next_step - 1}); call state_dict() "
+                    f"{self.states.oldest()}..{self.next_step - 1}); call state_dict() "
                     "at the position you checkpoint"
                 )
             self.arrived.clear()
@@ -262,14 +250,14 @@ class Run:
         return self.states[step]
 
     def newest_state(self) -> dict | None:
-        return self.states[max(self.states)] if self.states else None
+        return self.states.newest()
 
     def position(self) -> tuple[int, Mixture] | None:
         state = self.newest_state()  # the leader plans: the newest state it sent is what this node knows
         return None if state is None else (int(state[K_STEP]) + 1, Mixture.from_dict(state[K_MIXTURE]))
 
     def saved_states(self, start: int, stop: int) -> tuple[tuple[int, dict] | None, dict[int, dict]]:
-        return held_window(self.states, start, stop)
+        return self.states.window(start, stop)
 
     def close(self) -> None:
         """The job that this run fed closed."""
@@ -283,7 +271,7 @@ class Run:
         self.hold_token = max(self.hold_token, token)
         if self.holding is None:
             ev = self.holding = asyncio.Event()
-            self.jobs.tasks.spawn(self._hold_watch(ev), name="hold-watch")
+            self.ctx.tasks.spawn(self._hold_watch(ev), name="hold-watch")
         return self.steps.committed() if self.steps is not None else self.start_step - 1
 
     async def _hold_watch(self, ev: asyncio.Event) -> None:
@@ -291,18 +279,18 @@ class Run:
         (the frame was lost), ask the leader where its mixture changes stand; a newer leader ends it too."""
         while self.holding is ev:
             with suppress(TimeoutError):
-                await asyncio.wait_for(ev.wait(), self.jobs.probe)
+                await asyncio.wait_for(ev.wait(), self.ctx.probe)
             if self.holding is not ev:
                 return
-            if self.jobs.runs.get(self.digest) is not self:  # the run ended here meanwhile
+            if self.ended:  # the run ended here meanwhile
                 self.release_hold()
                 return
             try:
-                head = await self.jobs.mix_state(self)
+                head = await self.ctx.mix_state(self)
             except PeerLostError as e:
                 log.info(
                     "node %s: job %s: held for a mixture change; asking the leader: %s",
-                    self.jobs.node_id,
+                    self.ctx.node_id,
                     self.spec.name,
                     e,
                 )
@@ -313,7 +301,7 @@ class Run:
             if head.get("cut") is not None and key > self.gen_key:
                 log.info(
                     "node %s: job %s: the cut of a mixture change reached us late (step %s)",
-                    self.jobs.node_id,
+                    self.ctx.node_id,
                     self.spec.name,
                     head["cut"],
                 )
@@ -339,8 +327,7 @@ class Run:
                 del self.plans[s]
             for s in [s for s in self.early if s >= cut]:
                 del self.early[s]  # never counted (add_refs runs when a plan takes its turn)
-            for s in [s for s in self.states if s >= cut]:
-                del self.states[s]
+            self.states.forget_from(cut)
             if self.steps is not None:
                 dropped.update({id(p): p for p in self.steps.drop_from(cut)})
             dropped.update({id(p): p for p in self.gated.values() if p.step >= cut})
@@ -351,9 +338,133 @@ class Run:
             self.feed_next = min(self.feed_next, cut)
             log.info(
                 "node %s: job %s: mixture change from step %d (%d planned step(s) dropped)",
-                self.jobs.node_id,
+                self.ctx.node_id,
                 self.spec.name,
                 cut,
                 len(dropped),
             )
         self.release_hold()
+
+    # ---- what the node's job layer and the leader here ask of the run ----------------------------------------
+    @property
+    def layout(self) -> PartitionLayout:
+        """Who owns (and stands by for) each partition of the run, and its partition table (``HeldRun``)."""
+        return self.shard.where
+
+    async def lengths(self, s: int, start: int, count: int) -> np.ndarray:
+        """Lengths of [start, start+count) of source s, asked of the partition owners (``HeldRun``)."""
+        return await self.shard.lengths(s, start, count)
+
+    async def vision(self, s: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(images per sample, patches per image) of a span of source s (``HeldRun``)."""
+        return await self.shard.vision(s, start, count)
+
+    def parts_wire(self) -> list:
+        """The run's partition table as this node holds it (splits and merges), for the leader's report."""
+        return self.shard.where.table.wire()
+
+    async def rebalance(self) -> None:
+        """Open the partitions placed here now, close the others (a node went or came, a split or merge)."""
+        try:
+            await self.shard.rebalance()
+        except MsdataError as e:
+            log.warning("node %s: re-placing partitions of %s: %s", self.ctx.node_id, self.spec.name, e)
+
+    def node_down(self, nid: str) -> bool:
+        """Our link to nid broke: its partitions go to their standbys; True if the placement changed."""
+        return self.shard.where.node_down(nid)
+
+    def node_up(self, nid: str) -> bool:
+        """A link to nid came (back) up; True if nid was down for this run (then it rebalances)."""
+        where = self.shard.where
+        if nid not in where.down:
+            return False
+        where.node_up(nid)
+        return True
+
+    def unref(self, src: np.ndarray, ords: np.ndarray) -> None:
+        """Occurrences a builder will not fetch (``skip``): their references drop."""
+        self.shard.unref(src, ords)
+
+    async def serve(self, frame: dict) -> tuple[dict, bytes]:
+        """A peer's ``len``, ``vis`` or ``fetch`` request, answered from the partitions here."""
+        return await answer(self.shard, frame)
+
+    def payloads(self) -> ShardPayloads:
+        """The job's PayloadSource: this run's shard (the run closes it at its end)."""
+        return ShardPayloads(self.shard)
+
+    def status(self) -> dict:
+        """This run on this node (with ranks or only as a data owner)."""
+        shard, table = self.shard, self.shard.where.table
+        return {
+            "job": self.spec.name,
+            "run": self.id,
+            "ranks_here": self.job is not None,
+            "next_step": self.next_step,
+            "fed": self.fed_step,
+            "partitions_here": len(shard.loaders),
+            "partitions": {n: table.partitions(s) for s, n in enumerate(self.spec.source_names())},
+            "shadows_here": len(shard.shadows),
+            "takeovers": shard.takeovers,
+            "payloads_pending": len(shard.refs),
+        }
+
+    def end(self) -> None:
+        """The run ended here (every rank left, or a new run of the job started): a hold watch stops."""
+        self.ended = True
+
+    async def aclose(self) -> None:
+        await self.shard.aclose()
+
+
+class RunTable:
+    """This node's runs by job digest (at most one per job: a new run replaces the ended one); whoever waits for
+    a run to start here is woken when one does."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, Run] = {}
+        self._added = asyncio.Event()  # set (and replaced) whenever a run starts here
+
+    def __iter__(self) -> Iterator[Run]:
+        return iter(list(self._runs.values()))  # a copy: callers may end runs meanwhile
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def get(self, digest: str) -> Run | None:
+        return self._runs.get(digest)
+
+    def held(self, digest: str, run_id: str) -> Run | None:
+        """This node's run ``run_id`` of a job, if it takes part in it (the leader's ``LocalRuns``)."""
+        run = self._runs.get(digest)
+        return run if run is not None and run.id == run_id else None
+
+    def named(self, frame: dict) -> Run | None:
+        """The run a frame is about (None: a run that ended here, or one not started here yet)."""
+        return self.held(str(frame.get("digest")), str(frame.get("run")))
+
+    async def started(self, frame: dict, timeout: float) -> Run | None:
+        """The run a peer asks about; its start may still be on the way from the leader: wait up to timeout."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while (run := self.named(frame)) is None and loop.time() < end:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._added.wait(), end - loop.time())
+        return run
+
+    def add(self, run: Run) -> None:
+        self._runs[run.digest] = run
+        self._added.set()
+        self._added = asyncio.Event()
+
+    def remove(self, run: Run) -> None:
+        """``run`` ends here (if it is still the run of its job)."""
+        if self._runs.get(run.digest) is run:
+            del self._runs[run.digest]
+        run.end()
+
+    def clear(self) -> None:
+        for run in self:
+            run.end()
+        self._runs.clear()

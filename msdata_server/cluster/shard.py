@@ -15,6 +15,9 @@ only its own partitions; a node that joins (or comes back) re-deals every partit
 Splits and merges (``parts``): the leader's partition table comes with its plans; ``repartition`` applies it
 (loaders of an ended generation read ahead no further and drop what they read past its end), ``rebalance``
 opens the new generation's partitions placed here, and ``retire`` closes ended ones once they hold nothing.
+
+A shard uses the node through its ``ClusterContext`` (id, pool, live members, RPC); its reference counts
+(``shardrefs.ShardRefs``) and metadata (``shardmeta.ShardMetadata``) get the layout and loaders they read.
 """
 
 from __future__ import annotations
@@ -24,12 +27,16 @@ import logging
 
 import numpy as np
 
+from msdata_client.spec import JobSpec
+
 from ..document import cut_piece
 from ..errors import BadSampleError, PeerLostError
 from ..job.images import source_transform
-from ..job.pieces import PieceRefs, hold_figures
+from ..job.pieces import hold_figures
 from ..loader import SourceLoader
+from ..planner import StepPlan
 from ..sources import Source, open_source
+from .context import ClusterContext
 from .docwire import pack_docs, split_docs
 from .placement import PartitionLayout, partition_costs
 from .shardmeta import BLOCK, ShardMetadata, retryable
@@ -43,8 +50,8 @@ log = logging.getLogger(__name__)
 class JobShard:
     """Loaders of the partitions this node hosts for one job run, and batched access to all partitions."""
 
-    def __init__(self, jobs, spec, digest: str, nparts: int, run: str):
-        self.jobs = jobs  # the node's ClusterJobs (rpc, members, pool)
+    def __init__(self, ctx: ClusterContext, spec: JobSpec, digest: str, nparts: int, run: str) -> None:
+        self.ctx = ctx
         self.spec = spec
         self.digest = digest
         self.run = run  # the run id peers' requests name
@@ -53,7 +60,6 @@ class JobShard:
         self._sources: dict[tuple[int, int], Source] = {}
         self._ids_src: dict[int, Source] = {}  # one opened source per source for sample ids
         self._opening: dict[tuple[int, int], asyncio.Task] = {}
-        self.refs = PieceRefs()  # payloads of partitions here held for planned pieces (per building node)
         self.cursor: list[int] | None = None  # where new loaders seek to (a recent planner position)
         self.state: dict | None = None  # the planner state at the start of the newest step received
         self.where = PartitionLayout(  # who owns (and stands by for) each partition
@@ -62,16 +68,21 @@ class JobShard:
             nparts,
             int(spec.shadow_loaders),
             partition_costs(spec.mix, spec.source_names(), nparts),
-            jobs.live_nodes,
-            jobs.node_id,
+            ctx.live_nodes,
+            ctx.node_id,
         )
         self.closed = False
         self.n_shadows = int(spec.shadow_loaders)
         self.shadows: dict[tuple[int, int], SourceLoader] = {}  # standbys here: built, not started
         self._standing: dict[tuple[int, int], asyncio.Task] = {}
         self.takeovers = 0  # partitions taken over by a standby here
-        self.counts = ShardRefs(self)  # references to this node's (and its stood-by) partitions' payloads
-        self.meta = ShardMetadata(self)  # lengths and vision figures of any partition, for the planner
+        # references to this node's (and its stood-by) partitions' payloads
+        self.counts = ShardRefs(
+            ctx.node_id, self.where, self.loaders, prefetch_steps=int(spec.prefetch_steps), n_shadows=self.n_shadows
+        )
+        self.refs = self.counts.refs  # payloads of partitions here held for planned pieces (per building node)
+        # lengths and vision figures of any partition, for the planner
+        self.meta = ShardMetadata(ctx, self.where, self.loader, digest=digest, run=run)
 
     # ---- placement --------------------------------------------------------------------------------------
     def part(self, s: int, ordinal: int) -> int:
@@ -91,7 +102,7 @@ class JobShard:
     async def rebalance(self) -> None:
         """Open the loaders of the partitions placed here (a standby here takes over first), build the standbys
         placed here; close those placed elsewhere."""
-        me = self.jobs.node_id
+        me = self.ctx.node_id
         if self.n_shadows:
             pl, sh = self.where.layout()
         else:
@@ -136,7 +147,7 @@ class JobShard:
             return
         self.shadows[(s, k)] = ld
         self._sources[(s, k)] = src
-        log.debug("node %s: standing by for partition %d/%d of %s", self.jobs.node_id, k, self.nparts, src.name)
+        log.debug("node %s: standing by for partition %d/%d of %s", self.ctx.node_id, k, self.nparts, src.name)
 
     async def _take_over(self, s: int, k: int) -> SourceLoader:
         """A standby here becomes the partition's loader: it seeks to the newest planner cursor seen, reads."""
@@ -148,7 +159,7 @@ class JobShard:
         await ld.start()
         log.info(
             "node %s: took over partition %d/%d of %s (standby, seek to %s)",
-            self.jobs.node_id,
+            self.ctx.node_id,
             k,
             self.nparts,
             ld.name,
@@ -179,7 +190,7 @@ class JobShard:
         src = await asyncio.to_thread(open_source, sp, seed=self.spec.seed)
         ld = SourceLoader(
             src,
-            self.jobs.pool,
+            self.ctx.pool,
             transform=source_transform(self.spec, sp),
             seed=self.spec.seed,
             batch=BLOCK,
@@ -202,10 +213,10 @@ class JobShard:
             raise PeerLostError("job shard closed")
         self.loaders[(s, k)] = ld
         self._sources[(s, k)] = src
-        log.debug("node %s: opened partition %d/%d of %s", self.jobs.node_id, k, self.nparts, sp.name)
+        log.debug("node %s: opened partition %d/%d of %s", self.ctx.node_id, k, self.nparts, sp.name)
         return ld
 
-    def sample_ids(self, s: int, ordinals) -> np.ndarray:
+    def sample_ids(self, s: int, ordinals: np.ndarray) -> np.ndarray:
         src = self._ids_src.get(s)
         if src is None:
             src = self._ids_src[s] = open_source(self.spec.sources[s], seed=self.spec.seed)
@@ -236,13 +247,13 @@ class JobShard:
         self.unref(src, ords)
         return out
 
-    def add_refs(self, plan, group_nodes: dict[int, tuple[str, ...]]) -> None:
+    def add_refs(self, plan: StepPlan, group_nodes: dict[int, tuple[str, ...]]) -> None:
         self.counts.add(plan, group_nodes)
 
-    def drop_refs(self, plan, group_nodes: dict[int, tuple[str, ...]]) -> None:
+    def drop_refs(self, plan: StepPlan, group_nodes: dict[int, tuple[str, ...]]) -> None:
         self.counts.drop(plan, group_nodes)
 
-    def unref(self, src, ords) -> None:
+    def unref(self, src: np.ndarray, ords: np.ndarray) -> None:
         self.counts.done(src, ords)
 
     # ---- fetching (the builder side) ----------------------------------------------------------------------
@@ -271,16 +282,16 @@ class JobShard:
                 for i, d in zip(idx, r):
                     docs[i] = d
             if lost is not None:
-                log.info("node %s: fetching payloads: %s; retrying after placement settles", self.jobs.node_id, lost)
+                log.info("node %s: fetching payloads: %s; retrying after placement settles", self.ctx.node_id, lost)
                 if self.placement() == pl:  # a standby may have taken over already: then at once
-                    await self.jobs.members_settle()
+                    await self.ctx.members_settle()
         return [cut_piece(d, a, m) for d, a, m in zip(docs, offs.tolist(), lens.tolist())]
 
     async def _fetch_from(self, nid: str, idx: list[int], src: np.ndarray, ords: np.ndarray) -> list[np.ndarray]:
         s_sel, o_sel = src[idx].astype(np.int64), ords[idx].astype(np.int64)
-        if nid == self.jobs.node_id:
+        if nid == self.ctx.node_id:
             return await self.serve_tokens(s_sel, o_sel)
-        head, payload = await self.jobs.rpc.request(
+        head, payload = await self.ctx.rpc.request(
             nid, {"t": "fetch", "digest": self.digest, "run": self.run, "s": s_sel.tolist(), "o": o_sel.tolist()}
         )
         return split_docs(head, payload)
@@ -292,11 +303,11 @@ class JobShard:
         for i, (s, o) in enumerate(zip(src.tolist(), ords.tolist())):
             by.setdefault(pl[s][self.part(s, o)], []).append(i)
         for nid, idx in by.items():
-            if nid == self.jobs.node_id:
+            if nid == self.ctx.node_id:
                 self.unref(src[idx], ords[idx])
             else:
                 try:
-                    await self.jobs.rpc.send(
+                    await self.ctx.rpc.send(
                         nid,
                         {
                             "t": "skip",
@@ -363,7 +374,7 @@ def retire(shard: JobShard) -> None:
         end, st = shard.where.table.slot(s, k)[2], ld.statistics()
         passed = shard.cursor is not None and end is not None and int(shard.cursor[s]) >= end * BLOCK
         if passed and not (st.ready or st.inflight):
-            shard.jobs.tasks.spawn(shard.close_loader(shard.loaders.pop((s, k)), (s, k)), name="shard-retire")
+            shard.ctx.tasks.spawn(shard.close_loader(shard.loaders.pop((s, k)), (s, k)), name="shard-retire")
 
 
 async def answer(shard: JobShard, frame: dict) -> tuple[dict, bytes]:
@@ -386,7 +397,7 @@ class ShardPayloads:
     """The cluster PayloadSource of a job: its run's shard. The run owns the shard (a node may serve data of a
     run after its own ranks left), so closing the job leaves the shard to the run's end."""
 
-    def __init__(self, shard: JobShard):
+    def __init__(self, shard: JobShard) -> None:
         self.shard = shard
         self.fetch = shard.fetch
         self.skip = shard.skip

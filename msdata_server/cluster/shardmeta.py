@@ -1,43 +1,53 @@
 """The metadata side of a job run's shard: the lengths (and, for ``cost = "vlm"``, the images and patches) of any
 span of a source's order, for the leader's planner view. The owner of each block answers from its partition's
-loader; a builder asks the owners, one request per owner, and puts the answers back in order."""
+loader; a builder asks the owners, one request per owner, and puts the answers back in order.
+
+It reads the run's partition layout and opens a partition's loader through the callable it is given
+(``JobShard.loader``); the node (id, RPC, placement settling) through its ``ClusterContext``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import CheckpointError, ConfigError, MsdataError, ProtocolError, RemoteError
+from ..loader import SourceLoader
+from .parts import BLOCK
+from .placement import PartitionLayout
+
+if TYPE_CHECKING:
+    from .context import ClusterContext
 
 __all__ = ["BLOCK", "ShardMetadata", "retryable"]
 
 log = logging.getLogger(__name__)
 
-BLOCK = 64  # SourceLoader's default batch: the unit partitions are dealt in
-
-
-class Shard(Protocol):
-    """What the metadata side uses of its ``JobShard`` (shard.py builds it; this module does not import it)."""
-
-    jobs: Any  # the node's ClusterJobs: node_id, rpc, members_settle()
-    digest: str
-    run: str
-
-    def placement(self) -> list[list[str]]: ...
-
-    def part(self, s: int, ordinal: int) -> int: ...
-
-    async def loader(self, s: int, k: int) -> Any: ...
-
 
 class ShardMetadata:
     """Lengths and vision figures of one run's sources (``JobShard.meta``)."""
 
-    def __init__(self, shard: Shard):
-        self.shard = shard
+    def __init__(
+        self,
+        ctx: ClusterContext,
+        where: PartitionLayout,
+        loader: Callable[[int, int], Awaitable[SourceLoader]],
+        *,
+        digest: str,
+        run: str,
+    ) -> None:
+        self.ctx = ctx
+        self.where = where  # the owner of each partition (the run's, updated in place)
+        self._loader = loader  # the loader of partition (s, k) here, opened on first use
+        self.digest = digest
+        self.run = run  # the run id peers' requests name
+
+    def _part(self, s: int, ordinal: int) -> int:
+        return self.where.table.part(s, ordinal)
 
     async def serve_lengths(self, s: int, start: int, count: int) -> np.ndarray:
         """Lengths of [start, start+count): any span; each block from its partition's loader."""
@@ -46,7 +56,7 @@ class ShardMetadata:
         pos = start
         while pos < end:
             hi = min(end, (pos // BLOCK + 1) * BLOCK)
-            ld = await self.shard.loader(s, self.shard.part(s, pos))
+            ld = await self._loader(s, self._part(s, pos))
             out[pos - start : hi - start] = await ld.lengths(pos, hi - pos)
             pos = hi
         return out
@@ -57,7 +67,7 @@ class ShardMetadata:
         pos, end = start, start + count
         while pos < end:
             hi = min(end, (pos // BLOCK + 1) * BLOCK)
-            ld = await self.shard.loader(s, self.shard.part(s, pos))
+            ld = await self._loader(s, self._part(s, pos))
             im, p = await ld.vision(pos, hi - pos)
             images.append(im)
             patches.append(p)
@@ -79,35 +89,35 @@ class ShardMetadata:
         """Lengths, or images and patches with ``vision``, of [start, start+count), block by block from the
         owners (one request per owner), in order."""
         while True:
-            pl = self.shard.placement()
+            pl = self.where.placement()
             spans: dict[str, list[list[int]]] = {}
             pos, end = start, start + count
             while pos < end:
                 hi = min(end, (pos // BLOCK + 1) * BLOCK)
-                spans.setdefault(pl[s][self.shard.part(s, pos)], []).append([pos, hi - pos])
+                spans.setdefault(pl[s][self._part(s, pos)], []).append([pos, hi - pos])
                 pos = hi
             try:
                 res = await asyncio.gather(*(self._ask_from(nid, s, sp, vision) for nid, sp in spans.items()))
             except Exception as e:
                 if not retryable(e):
                     raise
-                log.info("node %s: asking lengths: %s; retrying after placement settles", self.shard.jobs.node_id, e)
-                if self.shard.placement() == pl:
-                    await self.shard.jobs.members_settle()
+                log.info("node %s: asking lengths: %s; retrying after placement settles", self.ctx.node_id, e)
+                if self.where.placement() == pl:
+                    await self.ctx.members_settle()
                 continue
             return _in_order(start, count, list(spans.values()), res, vision)
 
-    async def _ask_from(self, nid: str, s: int, spans: list, vision: bool) -> tuple[np.ndarray, ...]:
+    async def _ask_from(self, nid: str, s: int, spans: list[list[int]], vision: bool) -> tuple[np.ndarray, ...]:
         """(lengths,) or (images, patches) of the spans from node nid (this node: its loaders)."""
         asked = sum(n for _, n in spans)
-        if nid == self.shard.jobs.node_id:
+        if nid == self.ctx.node_id:
             if not vision:
                 return (np.concatenate([await self.serve_lengths(s, a, n) for a, n in spans]),)
             got = [await self.serve_vision(s, a, n) for a, n in spans]
             return np.concatenate([g[0] for g in got]), np.concatenate([g[1] for g in got])
         kind = "vis" if vision else "len"
-        _, body = await self.shard.jobs.rpc.request(
-            nid, {"t": kind, "digest": self.shard.digest, "run": self.shard.run, "s": s, "spans": spans}
+        _, body = await self.ctx.rpc.request(
+            nid, {"t": kind, "digest": self.digest, "run": self.run, "s": s, "spans": spans}
         )
         a = np.frombuffer(body or b"", dtype="<i8")
         if not vision:

@@ -16,7 +16,11 @@ __all__ = ["StateHistory", "held_window"]
 
 
 class StateHistory:
-    """States by step, the newest ``keep`` steps (bounded: a state is kilobytes)."""
+    """States by step, the newest ``keep`` steps (bounded: a state is kilobytes).
+
+    Invariant: ``states`` is in ascending step order (a dict keeps insertion order), so forgetting old states
+    pops from its front: ``record`` is O(1) amortised. A step recorded out of order (rare: ranks that rejoin
+    behind the steps a node holds) re-sorts once."""
 
     def __init__(self, keep: int):
         self.keep = keep
@@ -25,21 +29,52 @@ class StateHistory:
     def __contains__(self, step: int) -> bool:
         return step in self.states
 
+    def __getitem__(self, step: int) -> dict:
+        return self.states[step]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
     def record(self, step: int, state: dict) -> None:
         """The state at the start of ``step``; states older than ``keep`` steps before it are dropped."""
-        self.states[step] = state
-        for old in [s for s in self.states if s <= step - self.keep]:
-            del self.states[old]
+        states = self.states
+        in_order = not states or step >= next(reversed(states))
+        states[step] = state
+        if not in_order:
+            self.states = states = dict(sorted(states.items()))
+        horizon = step - self.keep
+        while states:
+            first = next(iter(states))
+            if first > horizon:
+                return
+            del states[first]
+
+    def forget_from(self, step: int) -> None:
+        """Drop the states of steps >= ``step`` (a mixture change cut there: those steps are planned again)."""
+        states = self.states
+        while states:
+            last = next(reversed(states))
+            if last < step:
+                return
+            del states[last]
+
+    def window(self, start: int, stop: int) -> tuple[tuple[int, dict] | None, dict[int, dict]]:
+        """``held_window`` of the states held: the newest at or before ``start``, those in (start, stop)."""
+        return held_window(self.states, start, stop)
 
     def get(self, step: int) -> dict | None:
         return self.states.get(step)
 
     def newest(self) -> dict | None:
-        return self.states[max(self.states)] if self.states else None
+        return self.states[next(reversed(self.states))] if self.states else None
 
     def span(self) -> str:
         """The steps held, for error messages."""
-        return f"{min(self.states, default=0)}..{max(self.states, default=0)}"
+        return f"{self.oldest()}..{max(self.states, default=0)}"
+
+    def oldest(self) -> int:
+        """The oldest step held (0: none)."""
+        return next(iter(self.states), 0)
 
     def rebase(self, planner: Planner, cut: int, weights: Mapping[str, float]) -> Planner:
         """A planner at ``cut`` (a step not yet taken up anywhere) that uses ``weights`` from there on; records
@@ -52,9 +87,8 @@ class StateHistory:
             )
         rebased = Planner(planner.config, state=base)
         rebased.set_mixture(cut, weights)
-        for s in [s for s in self.states if s > cut]:
-            del self.states[s]
-        self.states[cut] = rebased.state_dict()
+        self.forget_from(cut + 1)
+        self.states[cut] = rebased.state_dict()  # in order: every state held is of a step before it
         return rebased
 
 

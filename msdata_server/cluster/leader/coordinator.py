@@ -5,6 +5,17 @@ the whole mesh is registered (start state as on one node: states brought by rank
 when ranks resume, else the beginning). A run that nodes report as already running (the old leader died)
 resumes from the etcd state at or before the lowest step any node still lacks; plans are deterministic, so
 re-sent ones equal the old ones and nodes ignore them. The planner state of each step goes to etcd, fenced.
+
+Catching up: links break and nodes restart; frames sent meanwhile are lost. The leader keeps the encoded plans
+of the steps not yet fed on every live node and re-sends them; a step it no longer holds (or that an earlier
+leader planned) is planned again from the etcd state at or before it (deterministic: the same plans). A node
+whose ranks rejoin a run (its server restarted) is told the run again first.
+
+Mixture changes: the leader answers a rank's ``mix`` request (with the cut step, a refusal for bad weights, or
+the error that stopped it) and a held node's ``mixstate`` (``Coordinator.on_mix``, ``on_mixstate``).
+
+The coordinators use the node through its ``ClusterContext``; this node's own run of a job (the partition
+layout and the lengths the planner reads) through ``LocalRuns``/``HeldRun``.
 """
 
 from __future__ import annotations
@@ -13,26 +24,31 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import numpy as np
 
 from msdata_client.spec import JobSpec
 
 from ...autoscale.cluster import RunView, Scaler, run_view, start_costs
 from ...autoscale.controller import SPINUP_S
 from ...checkpoint import RankStart, start_point
-from ...errors import CheckpointError, ClosedError, MsdataError, PeerLostError
+from ...errors import CheckpointError, ClosedError, ConfigError, MsdataError, PeerLostError
 from ...job.view import ThreadView
 from ...lineage.skip import skip_ahead
 from ...planner import Planner
 from ...planner.history import StateHistory
 from ...planner.spec import planner_config
 from ...tasks import TaskSet
+from ..context import ClusterContext
+from ..net.rpc import error_reply
 from ..parts import PartsTable, RunParts, longest
-from ..placement import partition_costs, place_split
+from ..placement import PartitionLayout, partition_costs, place_split
 from ..planwire import encode_plan
-from .catchup import CatchUp
 from .statestore import EtcdStateStore
 
-__all__ = ["Coordinator", "JobCoordinator"]
+__all__ = ["Coordinator", "HeldRun", "JobCoordinator", "LocalRuns"]
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +58,27 @@ def _resuming(entry: dict) -> bool:
     return any(info.get("resume") for info in entry["ranks"].values())
 
 
-def _pick(entries: list[tuple[str, dict]], keep) -> dict[str, dict]:
+class HeldRun(Protocol):
+    """This node's own run of a job, as the leader here reads it (``cluster.run.Run``)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def layout(self) -> PartitionLayout: ...  # who owns each partition, the costs, the partition table
+
+    async def lengths(self, s: int, start: int, count: int) -> np.ndarray: ...
+
+    async def vision(self, s: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class LocalRuns(Protocol):
+    """This node's runs, as the leader here asks them (``cluster.run.RunTable``)."""
+
+    def held(self, digest: str, run_id: str) -> HeldRun | None: ...
+
+
+def _pick(entries: list[tuple[str, dict]], keep: Callable[[str, dict], bool]) -> dict[str, dict]:
     """At most one entry per node among those ``keep(nid, entry)`` keeps (the one with the most ranks)."""
     per: dict[str, dict] = {}
     for nid, j in entries:
@@ -54,13 +90,14 @@ def _pick(entries: list[tuple[str, dict]], keep) -> dict[str, dict]:
 class Coordinator:
     """All job coordinators of this node while it leads; the latest report of every node."""
 
-    def __init__(self, jobs) -> None:
-        self.jobs = jobs
+    def __init__(self, ctx: ClusterContext, runs: LocalRuns) -> None:
+        self.ctx = ctx
+        self.runs = runs
         self.reports: dict[str, dict] = {}  # node -> its latest "jobs" report
         self.coords: dict[str, JobCoordinator] = {}
         self.ended: dict[str, JobCoordinator] = {}  # the last run of a job that ended (a new run waits for it)
         self.leading = False
-        cfg = jobs.node.config.autoscale
+        cfg = ctx.autoscale
         self.scaler = Scaler(headroom=cfg.headroom, cooldown_s=cfg.cooldown_s)  # targets, partitions (autoscale)
 
     def on_role(self, role: str) -> None:
@@ -78,7 +115,7 @@ class Coordinator:
             self.evaluate()
 
     def members_changed(self) -> None:
-        live = set(self.jobs.live_nodes())
+        live = set(self.ctx.live_nodes())
         for nid in [n for n in self.reports if n not in live]:
             del self.reports[nid]
             self.scaler.forget(nid)
@@ -107,7 +144,7 @@ class Coordinator:
             c.ack(str(frame["node"]), int(frame["step"]))
         elif frame["t"] == "need":
             c.ack(str(frame["node"]), int(frame["fed"]))
-            c.catchup.resend(str(frame["node"]), int(frame["step"]))
+            c.resend(str(frame["node"]), int(frame["step"]))
 
     def scale(self) -> None:
         """Send the nodes whose worker targets moved their new ones (fenced; only while we lead)."""
@@ -115,10 +152,9 @@ class Coordinator:
             return
         runs = [v for v in (c.scale_view() for c in self.coords.values()) if v is not None]
         reports = {nid: r["autoscale"] for nid, r in self.reports.items() if isinstance(r.get("autoscale"), dict)}
-        token = int(self.jobs.cluster.election.token or 0)
-        lead_s = self.jobs.node.config.autoscale.interval + SPINUP_S
-        for nid, frame in self.scaler.update(runs, reports, token=token, lead_s=lead_s).items():
-            self.jobs.tasks.spawn(self.jobs.rpc.quiet_send(nid, frame), name="scale")
+        lead_s = self.ctx.autoscale.interval + SPINUP_S
+        for nid, frame in self.scaler.update(runs, reports, token=self.ctx.token, lead_s=lead_s).items():
+            self.ctx.tasks.spawn(self.ctx.rpc.quiet_send(nid, frame), name="scale")
         coords = {c.run_id: c for c in self.coords.values()}
         for sp in self.scaler.repartition(runs, reports, now=time.monotonic(), lead_s=lead_s):
             c = coords.get(sp.run_id)
@@ -141,8 +177,8 @@ class Coordinator:
             return
         by = self._entries()
         for digest, c in self.coords.items():
-            c.catchup.update(c.own(by.get(digest, [])))
-            c.catchup.relink(nid, c.acks.get(nid, c.low_ack()) + 1)
+            c.update_ranks(c.own(by.get(digest, [])))
+            c.relink(nid, c.acks.get(nid, c.low_ack()) + 1)
 
     def _entries(self) -> dict[str, list[tuple[str, dict]]]:
         """Every node's job entries by digest (a node may hold two of one job: a run and the next one waiting)."""
@@ -166,11 +202,11 @@ class Coordinator:
                 c.stop(end=True)
                 del self.coords[digest]
                 self.ended[digest] = c
-        live = set(self.jobs.live_nodes())
+        live = set(self.ctx.live_nodes())
         for digest, entries in by.items():
             running = self.coords.get(digest)
             if running is not None:
-                running.catchup.update(running.own(entries, adopt=True))
+                running.update_ranks(running.own(entries, adopt=True))
                 continue
             runs = sorted({str(j["run"]) for _, j in entries if j.get("run") and j["ranks"]})
             if runs:  # a run in progress whose leader died: resume it once every live node has reported
@@ -197,8 +233,46 @@ class Coordinator:
             spec = JobSpec.from_dict(next(iter(per.values()))["spec"])
             if not resume and len(ranks) < spec.mesh.world_size:
                 continue  # the start barrier: the whole mesh, across nodes
-            c = self.coords[digest] = JobCoordinator(self, spec, digest, rid, per)
-            c.tasks.spawn(c.run(per, resume=resume, after=self.ended.pop(digest, None)), name=f"coordinate-{spec.name}")
+            c = self.coords[digest] = JobCoordinator(self.ctx, self.runs, spec, digest, rid, per, self.reports)
+            after = self.ended.pop(digest, None)
+            c.tasks.spawn(self._coordinate(c, per, resume, after), name=f"coordinate-{spec.name}")
+
+    async def _coordinate(
+        self, c: JobCoordinator, per: dict[str, dict], resume: bool, after: JobCoordinator | None
+    ) -> None:
+        if not await c.run(per, resume=resume, after=after) and self.coords.get(c.digest) is c:
+            del self.coords[c.digest]  # its start failed: the next report tries again (a stale one failed)
+
+    # ---- mixture changes: the leader's answers ----------------------------------------------------------
+    async def on_mix(self, peer: str, frame: dict, payload: memoryview | None) -> None:
+        """A rank's set_mixture, relayed by its node: cut, re-plan, answer with the cut step (or the refusal)."""
+        self.ctx.tasks.spawn(self._serve_mix(frame), name="serve-mix")
+
+    async def _serve_mix(self, frame: dict) -> None:
+        c = self.coordinating(frame)
+        rpc = self.ctx.rpc
+        try:
+            if c is None:
+                raise PeerLostError(
+                    f"node {self.ctx.node_id} does not coordinate job {str(frame.get('digest'))[:12]} "
+                    "(the leader changed); retry"
+                )
+            step = await c.set_mixture(dict(frame["weights"]))
+            self.scale()  # the nodes' workers follow the new mixture at once
+            await rpc.reply(frame, {"step": step})
+        except ConfigError as e:
+            await rpc.reply(frame, {"refused": str(e)})
+        except (MsdataError, KeyError, TypeError, ValueError) as e:
+            await rpc.reply(frame, error_reply(e))
+
+    async def on_mixstate(self, peer: str, frame: dict, payload: memoryview | None) -> None:
+        """A held node asks where the leader's mixture changes stand."""
+        c = self.coordinating(frame)
+        if c is None:
+            err = PeerLostError(f"node {self.ctx.node_id} does not coordinate that run")
+            await self.ctx.rpc.reply(frame, error_reply(err))
+        else:
+            await self.ctx.rpc.reply(frame, {"busy": c.mixing, "token": c.token, "gen": c.gen, "cut": c.last_cut})
 
     async def aclose(self) -> None:
         for c in list(self.coords.values()):
@@ -208,11 +282,26 @@ class Coordinator:
 
 
 class JobCoordinator:
-    """One job run on the leader: its planner (in a thread), plans to every node, states to etcd."""
+    """One job run on the leader: its planner (in a thread), plans to every node, states to etcd; the plans
+    again for a node that lacks some (from memory, else re-planned from etcd); its mixture changes.
 
-    def __init__(self, parent: Coordinator, spec: JobSpec, digest: str, run_id: str, per: dict[str, dict]):
-        self.parent = parent
-        self.jobs = parent.jobs
+    Size: the start, the planning loop, the catch-up and the mixture changes share one run's planned steps,
+    sent plans, acks, generation and cuts; split apart, each would need all of that state (the catch-up once
+    had a 19-member protocol onto this class)."""
+
+    def __init__(
+        self,
+        ctx: ClusterContext,
+        runs: LocalRuns,
+        spec: JobSpec,
+        digest: str,
+        run_id: str,
+        per: dict[str, dict],
+        reports: Mapping[str, dict],
+    ) -> None:
+        self.ctx = ctx
+        self.runs = runs  # this node's runs: its own of this job gives the planner its lengths
+        self.reports = reports  # the nodes' latest reports (the autoscalers' measured costs)
         self.spec = spec
         self.digest = digest
         self.run_id = run_id
@@ -220,9 +309,9 @@ class JobCoordinator:
         self._closed = asyncio.Event()
         self.views: set[ThreadView] = set()  # planner threads' look-ups, cancelled when we stop
         self.tasks = TaskSet(f"coordinator {spec.name}", on_error=self._failed)
-        cl = self.jobs.cluster
+        cl = ctx.cluster
         self.store = EtcdStateStore(
-            cl.etcd, cl.election, prefix=self.jobs.node.config.cluster.prefix, job=spec.name, digest=digest, keep=32
+            cl.etcd, cl.election, prefix=ctx.config.prefix, job=spec.name, digest=digest, keep=32
         )
         self.acks: dict[str, int] = {}
         self.acked = asyncio.Event()
@@ -231,7 +320,7 @@ class JobCoordinator:
         self.stopped = False
         self.planned = 0  # the next step the main planner will send
         self.sent: dict[int, tuple[dict, bytes]] = {}  # encoded plans not yet fed on every live node (to re-send)
-        self.catchup = CatchUp(self)
+        self._resending: dict[str, asyncio.Task] = {}  # node -> the re-send under way to it (one at a time)
         self.planner: Planner | None = None
         self._plan_lock = asyncio.Lock()  # one step planned and sent, or one mixture change, at a time
         self.gen = 0  # mixture changes so far (plans carry it; nodes drop plans of an older one)
@@ -241,7 +330,7 @@ class JobCoordinator:
         self.mix_states: dict[int, dict] = {}  # cut -> the state with that change (a replay switches to it)
         self.parts = RunParts(spec.name, spec.source_names(), PartsTable.base(len(spec.sources), 1))
 
-    def _failed(self, task, exc) -> None:
+    def _failed(self, task: asyncio.Task, exc: BaseException) -> None:
         log.error("coordinator of %s failed: %s", self.spec.name, exc, exc_info=exc)
 
     def stop(self, end: bool = False) -> None:
@@ -250,17 +339,17 @@ class JobCoordinator:
             view.close()
         self.acked.set()
 
-        async def wind_down():
+        async def wind_down() -> None:
             try:
                 await self.tasks.cancel_all("coordinator stopped")
             finally:
                 self._closed.set()
 
-        self.jobs.tasks.spawn(wind_down(), name="coordinator-stop")
+        self.ctx.tasks.spawn(wind_down(), name="coordinator-stop")
         if end:
             frame = {"t": "jstop", "digest": self.digest, "run": self.run_id}
-            for nid in self.jobs.live_nodes():
-                self.jobs.tasks.spawn(self.jobs.rpc.quiet_send(nid, frame), name="jstop")
+            for nid in self.ctx.live_nodes():
+                self.ctx.tasks.spawn(self.ctx.rpc.quiet_send(nid, frame), name="jstop")
 
     def own(self, entries: list[tuple[str, dict]], adopt: bool = False) -> dict[str, dict]:
         """The nodes' entries that belong to this run; with ``adopt``, registrations that rejoin it (ranks that
@@ -278,7 +367,7 @@ class JobCoordinator:
 
     @property
     def token(self) -> int:
-        return int(self.jobs.cluster.election.token or 0)
+        return self.ctx.token
 
     # ---- start --------------------------------------------------------------------------------------------
     async def _start_state(self, per: dict[str, dict], resume: bool) -> tuple[dict | None, dict[int, list[int]]]:
@@ -305,35 +394,34 @@ class JobCoordinator:
             found = await self.store.load_at_or_before(sp.load_at)
             state = found[1] if found else None
         if sp.skip:  # loader.skip: plan the skipped steps here, the run starts after them
-            state, skipped = await skip_ahead(self.spec, state, sp.skip, self.jobs.node.pool, defer=sp.defer)
+            state, skipped = await skip_ahead(self.spec, state, sp.skip, self.ctx.pool, defer=sp.defer)
             for step, st in skipped.items():
                 await self.store.save(step, st)
         return state, {r: list(p) for r, p in sp.positions.items()}
 
     def scale_view(self) -> RunView | None:
         """This run as the autoscaler sizes it (None until it plans, or once it stopped)."""
-        run = self.jobs.runs.get(self.digest)
-        if self.stopped or self.planner is None or run is None or run.id != self.run_id:
+        run = self.runs.held(self.digest, self.run_id)
+        if self.stopped or self.planner is None or run is None:
             return None
-        return run_view(self.spec, self.planner, run.shard.where, self.run_id)
+        return run_view(self.spec, self.planner, run.layout, self.run_id)
 
     def insts_frame(self) -> dict[str, list[str]]:
         return {nid: sorted(v) for nid, v in self.insts.items()}
 
-    async def run(self, per: dict[str, dict], resume: bool, after: JobCoordinator | None = None) -> None:
+    async def run(self, per: dict[str, dict], resume: bool, after: JobCoordinator | None = None) -> bool:
+        """Start (or resume) the run and plan it until it stops; False if it could not start."""
         if after is not None:  # the previous run of this job winds down first (its last etcd writes included)
             await after._closed.wait()
         try:
             state, positions = await self._start_state(per, resume)
         except MsdataError as e:
             log.error("job %s cannot start: %s", self.spec.name, e)
-            if self.parent.coords.get(self.digest) is self:  # the next report tries again (a stale one failed)
-                del self.parent.coords[self.digest]
-            return
+            return False
         cfg = planner_config(self.spec)
         planner = Planner(cfg, state=state)
         self.rank_nodes = {int(r): nid for nid, j in per.items() for r in j["ranks"]}
-        live = self.jobs.live_nodes()
+        live = self.ctx.live_nodes()
         self.start_frame = {
             "t": "jstart",
             "digest": self.digest,
@@ -344,9 +432,8 @@ class JobCoordinator:
             "positions": {str(r): p for r, p in positions.items()},
             "cursor": planner.state_dict().get("cursor"),
         }
-        held = self.jobs.runs.get(self.digest)  # a resumed run keeps the partitions of the run the nodes hold
-        held = held if resume and held is not None and held.id == self.run_id else None
-        self.start_frame["nparts"] = held.shard.nparts if held is not None else self.start_frame["nparts"]
+        held = self.runs.held(self.digest, self.run_id) if resume else None  # it keeps the partitions nodes hold
+        self.start_frame["nparts"] = held.layout.nparts if held is not None else self.start_frame["nparts"]
         self.start_frame["parts"] = longest(j.get("parts") for j in per.values()) if resume else None
         costs = self._costs(int(self.start_frame["nparts"]), resume, held)
         if costs is not None:  # placement by measured cost x share (autoscale.cluster), the same on every node
@@ -363,7 +450,7 @@ class JobCoordinator:
                 if j.get("fed") is not None and nid in self.acks:
                     self.acks[nid] = max(self.acks[nid], int(j["fed"]))
         for nid in live:
-            await self.jobs.rpc.quiet_send(nid, frame)
+            await self.ctx.rpc.quiet_send(nid, frame)
         log.info(
             "job %s: %s run %s across %d node(s) from step %d (token %d)",
             self.spec.name,
@@ -374,14 +461,15 @@ class JobCoordinator:
             self.token,
         )
         await self._plan_loop(planner)
+        return True
 
-    def _costs(self, nparts: int, resume: bool, held) -> list[float] | None:
+    def _costs(self, nparts: int, resume: bool, held: HeldRun | None) -> list[float] | None:
         """Partition costs for placement: a resumed run keeps those of the run the nodes hold; a new one weighs
         the declared share by the measured cost per token (``autoscale.cluster.start_costs``)."""
         if resume:
-            return list(held.shard.costs) if held is not None else None
+            return list(held.layout.costs) if held is not None else None
         declared = partition_costs(self.spec.mix, self.spec.source_names(), nparts)
-        return start_costs(self.spec.name, self.spec.source_names(), declared, self.parent.reports)
+        return start_costs(self.spec.name, self.spec.source_names(), declared, self.reports)
 
     # ---- planning -------------------------------------------------------------------------------------------
     @property
@@ -393,12 +481,12 @@ class JobCoordinator:
 
     async def _plan_loop(self, planner: Planner) -> None:
         loop = asyncio.get_running_loop()
-        run = self.jobs.runs.get(self.digest)  # our own jstart went through the same handler, synchronously
-        if run is None or run.id != self.run_id:
+        run = self.runs.held(self.digest, self.run_id)  # our own jstart went through the same handler, at once
+        if run is None:
             raise ClosedError(f"job {self.spec.name}: this node did not take up the run it started")
         view = self.view(run, loop)
         window = self.spec.prefetch_steps + 1
-        self.planner, self.parts.table = planner, run.shard.where.table  # a resumed run: the table nodes hold
+        self.planner, self.parts.table = planner, run.layout.table  # a resumed run: the table nodes hold
         while not self.stopped:
             while not self.stopped and self._planning.step > self.low_ack() + window:
                 self.acked.clear()
@@ -409,7 +497,7 @@ class JobCoordinator:
                 if not await self._plan_one(view):
                     return
 
-    async def _plan_one(self, view) -> bool:
+    async def _plan_one(self, view: ThreadView) -> bool:
         """Plan, record and send one step (under the plan lock); False once we no longer lead."""
         planner = self._planning
         step = planner.step
@@ -434,8 +522,8 @@ class JobCoordinator:
         for old in [s for s in self.sent if s <= low]:
             del self.sent[old]
         self.planned = step + 1
-        for nid in self.jobs.live_nodes():
-            await self.jobs.rpc.quiet_send(nid, header, buf)
+        for nid in self.ctx.live_nodes():
+            await self.ctx.rpc.quiet_send(nid, header, buf)
         return True
 
     async def set_mixture(self, weights: dict) -> int:
@@ -449,13 +537,13 @@ class JobCoordinator:
         async with self._plan_lock:
             if self.stopped or self.planner is None:
                 raise PeerLostError(f"job {self.spec.name}: not planning here (starting or leader changed); retry")
-            nodes = self.jobs.live_nodes()
+            nodes = self.ctx.live_nodes()
             frame: dict = {"t": "mixcut", "digest": self.digest, "run": self.run_id, "cut": None, "token": self.token}
             self.mixing = True
             try:
                 replies = await asyncio.gather(
                     *(
-                        self.jobs.rpc.request(
+                        self.ctx.rpc.request(
                             n, {"t": "mixhold", "digest": self.digest, "run": self.run_id, "token": self.token}
                         )
                         for n in nodes
@@ -467,7 +555,7 @@ class JobCoordinator:
                 frame.update(cut=cut, gen=self.gen + 1)
             finally:  # release every node (with the cut, or without one when the change failed)
                 for n in nodes:
-                    await self.jobs.rpc.quiet_send(n, frame)
+                    await self.ctx.rpc.quiet_send(n, frame)
                 self.mixing = False
             end = self.planner.step
             self.gen += 1  # the nodes dropped plans of steps >= cut: never send those again
@@ -490,12 +578,11 @@ class JobCoordinator:
         log.info(
             "job %s: mixture %s from step %d (%d planned step(s) re-planned)", self.spec.name, weights, cut, end - cut
         )
-        self.parent.scale()  # the nodes' workers follow the new mixture at once
         return cut
 
-    def view(self, run, loop: asyncio.AbstractEventLoop) -> ThreadView:
+    def view(self, run: HeldRun, loop: asyncio.AbstractEventLoop) -> ThreadView:
         """The planner's MetadataView here: lengths asked of the partition owners (from the planner thread)."""
-        view = ThreadView(run.shard.lengths, loop, closed="no longer leader", ask_vision=run.shard.vision)
+        view = ThreadView(run.lengths, loop, closed="no longer leader", ask_vision=run.vision)
         self.views.add(view)
         if self.stopped:
             view.close()
@@ -503,6 +590,111 @@ class JobCoordinator:
 
     def low_ack(self) -> int:
         """The lowest step fed on a live node that has ranks of the job (a dead node never holds planning back)."""
-        live = set(self.jobs.live_nodes())
+        live = set(self.ctx.live_nodes())
         nodes = {n for n in self.rank_nodes.values() if n in live}
         return min((self.acks.get(n, -1) for n in nodes), default=-(1 << 62))
+
+    # ---- catching up (a node that lacks plans, ranks that rejoin) -------------------------------------------
+    def update_ranks(self, per: dict[str, dict]) -> None:
+        """A later report: ranks that (re)joined on a node are told the run (a restarted follower rejoins)."""
+        if self.start_frame is None:
+            return
+        changed = False
+        for nid, j in per.items():
+            for r in j["ranks"]:
+                if self.rank_nodes.get(int(r)) != nid:
+                    self.rank_nodes[int(r)] = nid
+                    changed = True
+            if j["ranks"] and not j["running"]:
+                changed = True
+        if changed:
+            self.tasks.spawn(self._rejoin(per), name="rejoin")
+
+    async def _rejoin(self, per: dict[str, dict]) -> None:
+        if self.start_frame is None:
+            return  # not started (update_ranks() checks it too)
+        positions = dict(self.start_frame["positions"])
+        for j in per.values():
+            for r, info in j["ranks"].items():
+                if info.get("resume"):
+                    positions[str(r)] = info["pos"]
+        frame = {
+            **self.start_frame,
+            "rank_nodes": {str(r): n for r, n in self.rank_nodes.items()},
+            "positions": positions,
+            "token": self.token,
+            "insts": self.insts_frame(),
+        }
+        for nid, j in per.items():
+            if j["ranks"] and not j["running"]:
+                low = min(int(info["pos"][0]) for info in j["ranks"].values())
+                delay = 0.05
+                while not self.stopped:  # a node that restarted at once is linked again shortly
+                    try:
+                        await self.ctx.rpc.send(nid, frame)
+                        break
+                    except PeerLostError:
+                        await asyncio.sleep(delay)  # back-off until the link to the restarted node is up
+                        delay = min(2 * delay, 0.5)
+                await self.replay(nid, low)
+
+    def relink(self, nid: str, step: int) -> None:
+        """Our link to ``nid`` is (back) up: tell it the run first, then send it the plans from ``step`` again. A
+        node that restarted with no ranks of the job (it only owns data) has not heard of the run otherwise, yet
+        the others deal it partitions again and fetch from it. The frame names no registrations: it starts no job
+        there (``_rejoin`` does, for ranks that come back)."""
+        if self.stopped or self.start_frame is None:
+            return
+        frame = {
+            **self.start_frame,
+            "rank_nodes": {str(r): n for r, n in self.rank_nodes.items()},
+            "token": self.token,
+            "insts": {},
+        }
+        self.tasks.spawn(self._relink(nid, frame, step), name=f"relink-{nid}")
+
+    async def _relink(self, nid: str, frame: dict, step: int) -> None:
+        await self.ctx.rpc.quiet_send(nid, frame)
+        self.resend(nid, step)
+
+    def resend(self, nid: str, step: int) -> None:
+        """Send a node the plans of [step, planned) again (it lost some): from memory, else re-planned."""
+        if self.stopped or self.start_frame is None or step >= self.planned or nid in self._resending:
+            return
+        t = self.tasks.spawn(self._resend(nid, max(step, 0)), name=f"resend-{nid}")
+        self._resending[nid] = t
+        t.add_done_callback(lambda _t: self._resending.pop(nid, None))
+
+    async def _resend(self, nid: str, step: int) -> None:
+        end = self.planned
+        log.info("job %s: re-sending the plans of steps %d..%d to %s", self.spec.name, step, end - 1, nid)
+        for s in range(step, end):
+            kept = self.sent.get(s)
+            if kept is None:  # no longer in memory (or planned by an earlier leader): re-plan from etcd
+                await self.replay(nid, s)
+                return
+            await self.ctx.rpc.quiet_send(nid, *kept)
+
+    async def replay(self, nid: str, low: int) -> None:
+        """Re-plan steps [low, now) for a node that rejoined (deterministic: the same plans)."""
+        found = await self.store.load_at_or_before(low)
+        if found is None:
+            return
+        step, state = found
+        planner = Planner(planner_config(self.spec), state=state)
+        run = self.runs.held(self.digest, self.run_id)
+        if run is None:
+            return
+        view = self.view(run, asyncio.get_running_loop())
+        gen, last_cut = self.gen, self.last_cut  # a mixture change meanwhile makes these plans stale (nodes drop them)
+        try:
+            while planner.step < self.planned and not self.stopped:
+                if planner.step in self.mix_states and planner.step > step:  # a mixture change from this step on
+                    planner = Planner(planner_config(self.spec), state=self.mix_states[planner.step])
+                st = planner.state_dict()
+                plan = await asyncio.to_thread(planner.plan_step, view)
+                header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
+                header.update(state=st, gen=gen, run=self.run_id, cut=last_cut, parts=self.parts.table.wire())
+                await self.ctx.rpc.quiet_send(nid, header, buf)
+        finally:
+            self.views.discard(view)

@@ -18,13 +18,16 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing, suppress
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import orjson
 
 from ...errors import ClosedError, ConfigError
 from ...tasks import TaskSet
 from .etcd import KV, Compare, Etcd, EtcdError, EtcdUnavailable, Op
+
+if TYPE_CHECKING:
+    from ...config import ServerConfig
 
 __all__ = ["Fence", "LeaderElection", "Membership", "run_callbacks"]
 
@@ -89,7 +92,7 @@ class Membership:
         self.on_fatal: Callable[[BaseException], None] | None = None  # a callback failed (see run_callbacks)
 
     @classmethod
-    def from_config(cls, etcd: Etcd, config, **info) -> Membership:
+    def from_config(cls, etcd: Etcd, config: ServerConfig, **info: object) -> Membership:
         """From a ServerConfig with a [cluster] table; the registration carries the peer listen address."""
         if config.cluster is None:
             raise ConfigError("Membership needs a [cluster] table in node.toml (single node: no etcd)")

@@ -141,7 +141,7 @@ class Compare:
     op: Literal["==", "!=", "<", ">"]
     value: int | bytes | str
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.target not in _TARGETS:
             raise ValueError(f"Compare target {self.target!r} must be one of {sorted(_TARGETS)}")
         if self.op not in _RESULTS:
@@ -322,7 +322,7 @@ class Etcd:
     async def __aenter__(self) -> Etcd:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:

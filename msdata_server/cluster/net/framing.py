@@ -10,10 +10,14 @@ before authentication), a payload at most ``max_payload``; a larger length is a 
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 from msdata_client.wire import MAX_FRAME, decode, encode
 
 from ...errors import ProtocolError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["CHUNK", "FrameDecoder", "payload_frame"]
 
@@ -24,7 +28,7 @@ _LEN = struct.Struct(">I")
 Received = tuple[dict, memoryview | None, int]  # a frame, its payload, and the bytes they count for
 
 
-def payload_frame(header: dict, buffer, max_payload: int) -> tuple[bytes, list[memoryview]]:
+def payload_frame(header: dict, buffer: Buffer, max_payload: int) -> tuple[bytes, list[memoryview]]:
     """The frame announcing ``buffer`` (the header gets "nbytes") and the buffer's bytes in CHUNK pieces."""
     mv = memoryview(buffer)
     if not mv.c_contiguous:

@@ -19,13 +19,16 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from msdata_client.wire import encode
 
 from ...errors import ClosedError, PeerLostError, ProtocolError
 from .framing import CHUNK, FrameDecoder, payload_frame
 from .handshake import AuthError, Handshake, Refusal, check_token, load_token
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["AuthError", "CHUNK", "HIGH_WATER", "MAX_PAYLOAD", "PeerLink", "PeerServer", "Traffic", "load_token"]
 
@@ -43,7 +46,7 @@ class Traffic:
 
     __slots__ = ("bytes_in", "bytes_out")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.bytes_in = 0
         self.bytes_out = 0
 
@@ -185,7 +188,7 @@ class PeerLink(asyncio.BufferedProtocol):
             self._write(data)
             await self._drain()
 
-    async def send_payload(self, header: dict, buffer, *, copy: bool | None = None) -> None:
+    async def send_payload(self, header: dict, buffer: Buffer, *, copy: bool | None = None) -> None:
         """Send a JSON header (gets "nbytes") and the buffer's raw bytes, in CHUNK pieces with drain between.
 
         The transport may keep a reference to what it could not send yet; so a mutable buffer (anything but

@@ -11,9 +11,15 @@ import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
+from typing import TYPE_CHECKING
 
 from ... import errors
 from ...errors import MsdataError, PeerLostError, RemoteError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from .runtime import ClusterNode
 
 __all__ = ["PeerRpc", "error_reply"]
 
@@ -38,7 +44,7 @@ Local = Callable[[str, dict, memoryview | None], Awaitable[None]]
 class PeerRpc:
     """Send, request/reply and fire-and-forget frames to peers by node id."""
 
-    def __init__(self, cluster, node_id: str, local: Local, *, timeout: float):
+    def __init__(self, cluster: ClusterNode, node_id: str, local: Local, *, timeout: float) -> None:
         self.cluster = cluster
         self.node_id = node_id
         self._local = local
@@ -46,18 +52,18 @@ class PeerRpc:
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[str, asyncio.Future]] = {}  # request id -> (peer, its reply)
 
-    async def send(self, nid: str, frame: dict, payload=None) -> None:
+    async def send(self, nid: str, frame: dict, payload: Buffer | None = None) -> None:
         if nid == self.node_id:
             await self._local(nid, frame, None if payload is None else memoryview(payload))
         else:
             await self.cluster.send(nid, frame, payload)
 
-    async def quiet_send(self, nid: str, frame: dict, payload=None) -> None:
+    async def quiet_send(self, nid: str, frame: dict, payload: Buffer | None = None) -> None:
         """Send, and let a lost peer go (its catch-up comes with the link's return)."""
         with suppress(PeerLostError):
             await self.send(nid, frame, payload)
 
-    async def request(self, nid: str, frame: dict, payload=None) -> tuple[dict, bytes | None]:
+    async def request(self, nid: str, frame: dict, payload: Buffer | None = None) -> tuple[dict, bytes | None]:
         """Send a request and await its reply. PeerLostError if the peer goes or stays silent; if it answers
         that it cannot serve the request, the error it names (one of ours), else RemoteError: the peer failed."""
         rid = next(self._ids)
@@ -76,13 +82,13 @@ class PeerRpc:
             raise kind(msg) if kind is not None and kind is not RemoteError else RemoteError(msg, str(head.get("kind")))
         return head, body
 
-    async def reply(self, frame: dict, head: dict, payload=None) -> None:
+    async def reply(self, frame: dict, head: dict, payload: Buffer | None = None) -> None:
         if "from" not in frame or "id" not in frame:  # a malformed request: nobody to answer
             log.warning("node %s: a %r request without 'from' or 'id' cannot be answered", self.node_id, frame.get("t"))
             return
         await self.quiet_send(str(frame["from"]), {**head, "t": "rep", "id": frame["id"]}, payload)
 
-    def answered(self, frame: dict, payload) -> None:
+    def answered(self, frame: dict, payload: memoryview | None) -> None:
         """A ``rep`` frame arrived: complete its request."""
         waiting = self._waiting.get(frame.get("id", -1))
         fut = waiting[1] if waiting is not None else None

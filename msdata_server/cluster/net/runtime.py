@@ -11,15 +11,22 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing, suppress
+from typing import TYPE_CHECKING
 
 import orjson
 
-from ...errors import PeerLostError, ProtocolError
+from ...errors import ConfigError, PeerLostError, ProtocolError
 from ...ops.logs import Once
 from ...tasks import TaskSet
 from .election import Fence, LeaderElection, Membership
 from .etcd import Etcd, EtcdError
 from .peers import AuthError, PeerLink, PeerServer, Traffic, load_token
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from ...config import ServerConfig
+    from .election import Role
 
 __all__ = ["ClusterNode"]
 
@@ -36,10 +43,16 @@ class ClusterNode:
     """
 
     def __init__(
-        self, config, *, handler: FrameHandler | None = None, on_fatal: Callable[[BaseException], None] | None = None
-    ):
+        self,
+        config: ServerConfig,
+        *,
+        handler: FrameHandler | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.config = config
         self.node_id = config.node.id
+        if config.cluster is None:
+            raise ConfigError("a cluster node needs a [cluster] table in node.toml (etcd, token_file, prefix)")
         self.cc = config.cluster
         self.handler = handler
         self._warned = Once()  # frames dropped for a stale token: named once per (peer, token)
@@ -112,7 +125,7 @@ class ClusterNode:
     def leader_id(self) -> str | None:
         return self.election.leader_id if self.election is not None else None
 
-    def _on_role(self, role, leader_id, token) -> None:
+    def _on_role(self, role: Role, leader_id: str | None, token: int | None) -> None:
         log.info("node %s: role %s (leader %s, token %s)", self.node_id, role, leader_id, token)
         if token is not None:
             self.fence.admit(int(token))
@@ -236,7 +249,7 @@ class ClusterNode:
             if nid in self.members:
                 self._redial(nid)
 
-    async def send(self, nid: str, frame: dict, payload=None) -> None:
+    async def send(self, nid: str, frame: dict, payload: Buffer | None = None) -> None:
         """Send a frame (and a payload buffer) to a peer over our outgoing link; PeerLostError if none. A reply
         (``rep``) goes back over the peer's link to us while ours is not up: its request came that way and the
         peer waits for it (our link to a peer that just restarted comes up only after its link to us)."""

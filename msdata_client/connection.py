@@ -107,14 +107,14 @@ class Connection:
 
     # ---- connect, drop, close ------------------------------------------------------------------------------
     def _open_socket(self) -> socket.socket:
-        """A socket connected to the endpoint, retried with backoff until ``connect_timeout``."""
+        """A socket connected to the endpoint, retried with backoff until ``connect_timeout``; the one place
+        a socket to the server is opened (checks of the server's identity go just before the return)."""
         deadline = time.monotonic() + self.connect_timeout
         delay = 0.02
         while True:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 s.connect(self.endpoint)
-                return s
             except (FileNotFoundError, ConnectionRefusedError, OSError) as e:
                 s.close()
                 if time.monotonic() + delay > deadline:
@@ -125,6 +125,8 @@ class Connection:
                     ) from None
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+                continue
+            return s
 
     def connect(self) -> socket.socket:
         """Connect and register this rank (the hello); the welcome arrives with the next frames."""

@@ -58,7 +58,7 @@ def test_rank_socket_closed_mid_run_continues_exactly(server_factory, noticed):
                 held_seen.extend(batch_record(b) for b in held)
                 # the server has published every slot of the ring: batches wait, unread, on the old connection
                 wait_for(lambda: ring_full(srv.socket, spec.name, spec.group_of(0)), "a full ring")
-                dc._sock.shutdown(socket.SHUT_RDWR)  # the socket breaks under the client
+                dc._conn.sock.shutdown(socket.SHUT_RDWR)  # the socket breaks under the client
                 if noticed:
                     wait_for(lambda: away(srv.socket, spec.name) == [0], "the server to see rank 0 away", log=srv.log)
                 for _ in range(N - 5):
@@ -108,7 +108,7 @@ def test_rank_that_never_comes_back_is_dropped_after_the_grace(server_factory):
     t.start()
     try:
         next(lost)
-        lost._sock.shutdown(socket.SHUT_RDWR)  # its process lives on, but it does not read again for a while
+        lost._conn.sock.shutdown(socket.SHUT_RDWR)  # its process lives on, but it does not read again for a while
         assert read.wait(60)
         assert len(got) == 10  # the TP peer waited at most the grace, then got the slots back
         assert "rank 1 did not come back" in srv.log()

@@ -75,7 +75,7 @@ def test_bad_mixture_weights_are_refused_by_client_and_server_and_the_job_goes_o
             with pytest.raises(ConfigError, match=reason):
                 dc.set_mixture(weights)
             with pytest.raises(ConfigError, match=reason):  # the server's own check, past the client's
-                dc._request({"t": "mixture", "weights": weights}, "mixture")
+                dc._conn.request({"t": "mixture", "weights": weights}, "mixture")
         assert dc.set_mixture({"a": 1e300, "b": 1e300}) >= 1  # huge but summable: only the ratio counts
         steps = [int(next(dc)["step"]) for _ in range(6)]
         assert steps[-1] >= 2

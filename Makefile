@@ -22,11 +22,13 @@ demo: venv
 test: venv
 	$(BIN)/python -m pytest -q tests
 
-# ruff (lint, then formatting) and mypy (configured in pyproject.toml); CI runs it before the tests
+# ruff (lint, then formatting), mypy (configured in pyproject.toml) and the structure test (cycles, seams,
+# size, ARCHITECTURE naming every module); CI runs it before the tests
 lint: venv
 	$(BIN)/ruff check msdata_client msdata_server tests bench examples && \
 		$(BIN)/ruff format --check msdata_client msdata_server tests bench examples && \
-		$(BIN)/mypy
+		$(BIN)/mypy && \
+		$(BIN)/python -m pytest -q tests/test_structure.py
 
 bench: venv  # every benchmark in bench/ (--quick); their JSON and the plots go to bench/results/
 	$(BIN)/python bench/suite.py --quick

@@ -100,12 +100,18 @@ class NodeServer:
             self.tasks.spawn(self.autoscaler.run(), name="autoscale")
         if self.config.cluster is not None:
             from .cluster.jobs import ClusterJobs
+            from .cluster.leader.coordinator import Coordinator
             from .cluster.net.runtime import ClusterNode
 
             self.cluster = ClusterNode(self.config, on_fatal=self.fatal)
             await self._unless_stopped(self.cluster.start())  # waits while etcd is unreachable
             self.cluster_jobs = self._starter = ClusterJobs(
-                self.cluster, self.config, table=self.table, pool=self.pool, autoscaler=self.autoscaler
+                self.cluster,
+                self.config,
+                table=self.table,
+                leader=Coordinator,
+                pool=self.pool,
+                autoscaler=self.autoscaler,
             )
             if self.autoscaler is not None:  # profile to the leader with each decision; its targets back
                 self.autoscaler.on_step.append(self.cluster_jobs.reports.changed)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -50,7 +50,6 @@ from ..job.table import JobTable
 from ..ops.logs import Once
 from ..tasks import TaskSet
 from .context import ClusterContext
-from .leader.coordinator import Coordinator
 from .net.rpc import PeerRpc, error_reply
 from .planwire import decode_plan
 from .report import LeaderReports
@@ -70,6 +69,20 @@ log = logging.getLogger(__name__)
 Handler = Callable[[str, dict, memoryview | None], Awaitable[None]]
 
 
+class LeaderRole(Protocol):
+    """What the node side asks of the leader role this node hosts (``leader.coordinator.Coordinator``: the
+    node server hands its constructor in, so that ``cluster/`` never imports ``cluster/leader/``, which builds
+    on it)."""
+
+    def on_role(self, role: str) -> None: ...
+    def members_changed(self) -> None: ...
+    def on_frame(self, frame: dict) -> None: ...
+    def link_up(self, nid: str) -> None: ...
+    async def on_mix(self, peer: str, frame: dict, payload: memoryview | None) -> None: ...
+    async def on_mixstate(self, peer: str, frame: dict, payload: memoryview | None) -> None: ...
+    async def aclose(self) -> None: ...
+
+
 class ClusterJobs:
     """Per node: runs by digest, the report pushed to the leader, the peer frames of the job layer.
 
@@ -81,6 +94,7 @@ class ClusterJobs:
         config: ServerConfig,
         *,
         table: JobTable,
+        leader: Callable[[ClusterContext, RunTable], LeaderRole],
         pool: WorkerPool | None = None,
         autoscaler: Autoscaler | None = None,
     ) -> None:
@@ -104,7 +118,7 @@ class ClusterJobs:
         )
         self.rpc, self.tasks = rpc, self.ctx.tasks
         self.runs = RunTable()
-        self.coordinator = Coordinator(self.ctx, self.runs)
+        self.coordinator = leader(self.ctx, self.runs)
         self.reports = LeaderReports(self.ctx, self.runs, self._registrations)
         self._leader_token: int | None = None  # the fencing token of the leader this node follows
         self.handlers: dict[str, Handler] = {

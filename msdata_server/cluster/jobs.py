@@ -43,8 +43,9 @@ import numpy as np
 from msdata_client.spec import JobSpec
 
 from .. import faults
+from ..admission import check_functions, check_paths
 from ..config import ServerConfig
-from ..errors import MsdataError, PeerLostError, ProtocolError
+from ..errors import ConfigError, MsdataError, PeerLostError, ProtocolError
 from ..job import Job
 from ..job.table import JobTable
 from ..ops.logs import Once
@@ -104,6 +105,7 @@ class ClusterJobs:
         self.cluster = cluster
         self.node_id = config.node.id
         self.table = table  # the node's jobs by name (running and pending): the leader starts them
+        self._admit = config.node  # [node] allow_transforms, data_roots: what a run here may name and read
         self._warned = Once()  # a peer's bad frames are named once per kind, never in a loop
         rpc = PeerRpc(cluster, self.node_id, self.on_frame, timeout=max(5.0, 3 * cc.lease_ttl))
         self.ctx = ClusterContext(
@@ -325,7 +327,21 @@ class ClusterJobs:
             self._end_run(run, f"run {rid} of the job started")
             run = None
         if run is None:
-            run = Run(self.ctx, JobSpec.from_dict(frame["spec"]), digest, frame)
+            spec = JobSpec.from_dict(frame["spec"])
+            try:  # the ranks' nodes admitted it; this node's operator decides for what it opens and runs here
+                check_functions(spec, self._admit.allow_transforms)
+                check_paths(spec, self._admit.data_roots)
+            except ConfigError as e:
+                if self._warned("admit", digest):
+                    log.error(
+                        "run %s of job %s not served here: %s; give every node of the cluster the same [node] "
+                        "allow_transforms and data_roots",
+                        rid,
+                        spec.name,
+                        e,
+                    )
+                return
+            run = Run(self.ctx, spec, digest, frame)
             self.runs.add(run)
             self.tasks.spawn(run.rebalance(), name="shard-open")
             self.tasks.spawn(self._watch(run), name="run-watch")

@@ -23,10 +23,9 @@ from msdata_server.autoscale.demand import job_demands
 from msdata_server.cluster.placement import place_sources
 from msdata_server.planner.mixture import Mixture
 
-from .etcd_fixture import etcd_server, fresh_etcd  # noqa: F401  (fixtures)
+from .cluster_util import NODES, at_pause, node_ranks, send_peer_frame
+from .polling import wait_for
 from .test_autoscale_e2e import burner_graph
-from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
-from .test_multinode_jobs import NODES, _at_pause, _node_ranks, _send_peer_frame
 
 
 # ---- the per-node split (pure) -------------------------------------------------------------------------------
@@ -219,7 +218,7 @@ def _job():
     return g.plan()
 
 
-def _cluster(cluster_factory, url: str, enabled: bool):  # noqa: F811
+def _cluster(cluster_factory, url: str, enabled: bool):
     c = cluster_factory(url)
     for srv in c.nodes.values():
         cfg = Path(srv.config)
@@ -233,14 +232,14 @@ def _targets(st: dict) -> dict:
     return {n: s.get("target") for n, s in st["autoscale"]["sources"].items()}
 
 
-def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_off(etcd_server, cluster_factory):  # noqa: F811
+def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_off(etcd_server, cluster_factory):
     spec = _job()
     n, before = 10 * spec.micro_batches, 5 * spec.micro_batches
 
     on = _cluster(cluster_factory, etcd_server.url, True)
     leader, token = wait_for(lambda: on.settled(set(on.nodes)), 30, "one leader that every node agrees on")
-    got, errs, go, threads = _node_ranks(on, spec, n, before)
-    _at_pause(got, errs, before)
+    got, errs, go, threads = node_ranks(on, spec, n, before)
+    at_pause(got, errs, before)
 
     def following():
         sts = on.statuses()
@@ -264,7 +263,7 @@ def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_of
     # a targets frame with a stale token (an older leader's) is dropped by the node's fence: nothing changes
     victim = next(nid for nid in sorted(on.nodes) if nid != leader)
     bogus = {"t": "scale", "token": token - 1, "hold": False, "sources": {"zz": {"samples_s": 99.0, "workers": 2.0}}}
-    _send_peer_frame(on.nodes[victim], on.token_file.read_text().strip(), bogus)
+    send_peer_frame(on.nodes[victim], on.token_file.read_text().strip(), bogus)
     wait_for(lambda: "dropped 'scale' from tester" in on.nodes[victim].log(), 30, "the node to drop the stale targets")
     st = on.statuses()[victim]
     assert "zz" not in st["autoscale"]["sources"] and st["autoscale"]["leader_token"] == token
@@ -277,7 +276,7 @@ def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_of
     assert "placed by measured cost" not in lead.log()  # nothing was measured when the first run started
 
     # a second run of the job: its partitions are placed by measured cost x share; the data is the same
-    again, errs, go, threads = _node_ranks(on, spec, n, n)
+    again, errs, go, threads = node_ranks(on, spec, n, n)
     for t in threads:
         t.join(120)
         assert not t.is_alive(), "a rank of the second run hung"
@@ -288,7 +287,7 @@ def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_of
 
     off = _cluster(cluster_factory, etcd_server.url, False)
     wait_for(lambda: off.settled(set(off.nodes)), 30, "one leader that every node agrees on")
-    got_off, errs, go, threads = _node_ranks(off, spec, n, n)
+    got_off, errs, go, threads = node_ranks(off, spec, n, n)
     for t in threads:
         t.join(120)
         assert not t.is_alive(), "a rank hung"

@@ -25,7 +25,7 @@ from msdata_server.lineage.command import offline
 from msdata_server.lineage.query import Query
 from msdata_server.planner.accounting import accounting
 
-from .conftest import ServerProc
+from .server_util import ServerProc
 
 EOS = 256
 SEQ_LEN = 256

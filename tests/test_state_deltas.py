@@ -16,8 +16,6 @@ from msdata_server.planner import Planner
 from msdata_server.planner.delta import DeltaWriter, compose, decode, encode_base, encode_delta
 from msdata_server.statedir import StateStore
 
-from .etcd_fixture import etcd_server  # noqa: F401 (fixture)
-
 ints = st.integers(-(2**40), 2**40)
 
 
@@ -190,7 +188,7 @@ def test_a_delta_names_its_base_and_its_base_crc():
     assert same(compose(rec, decode(base, "t"), base, "t"), b)
 
 
-def test_etcd_store_composes_deltas_and_reads_version_1_values(etcd_server):  # noqa: F811
+def test_etcd_store_composes_deltas_and_reads_version_1_values(etcd_server):
     from msdata_server.cluster import Etcd, LeaderElection, Membership
     from msdata_server.cluster.leader.statestore import EtcdStateStore
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import secrets
 import selectors
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -105,3 +106,11 @@ def _readline(proc: subprocess.Popen, timeout: float) -> bytes:
             return b""
         buf += chunk
     return buf.split(b"\n", 1)[0]
+
+
+def can_unshare() -> bool:
+    """Whether ``unshare -m`` works here (root): a server can then get a /dev/shm of its own (``shm_mib``)."""
+    if shutil.which("unshare") is None:
+        return False
+    r = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    return r.returncode == 0

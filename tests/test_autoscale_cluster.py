@@ -6,7 +6,6 @@ Pure tests of the split and the targets, then three real node servers on a real 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
@@ -23,9 +22,9 @@ from msdata_server.autoscale.demand import job_demands
 from msdata_server.cluster.placement import place_sources
 from msdata_server.planner.mixture import Mixture
 
+from .autoscale_util import autoscale_cluster, burner_graph
 from .cluster_util import NODES, at_pause, node_ranks, send_peer_frame
 from .polling import wait_for
-from .test_autoscale_e2e import burner_graph
 
 
 # ---- the per-node split (pure) -------------------------------------------------------------------------------
@@ -202,30 +201,10 @@ def test_a_node_applies_the_targets_through_its_policy_and_pool_and_keeps_them(t
 
 
 # ---- three node servers on etcd --------------------------------------------------------------------------------
-AUTOSCALE = """
-[autoscale]
-enabled = {enabled}
-min_workers = 1
-max_workers = 2
-interval = 0.1
-cooldown = 0.3
-"""
-
-
 def _job():
     g = burner_graph("ascl", seed=5, ms={"a": 0.05, "b": 0.5}, samples=600)
     g.mix({"a": 0.5, "b": 0.5}).pack(512, rows=1, micro_batches=2).mesh(dp=NODES).prefetch(2)
     return g.plan()
-
-
-def _cluster(cluster_factory, url: str, enabled: bool):
-    c = cluster_factory(url)
-    for srv in c.nodes.values():
-        cfg = Path(srv.config)
-        cfg.write_text(
-            cfg.read_text().replace("workers = 0", "workers = 1") + AUTOSCALE.format(enabled=str(enabled).lower())
-        )
-    return c.start()
 
 
 def _targets(st: dict) -> dict:
@@ -236,7 +215,7 @@ def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_of
     spec = _job()
     n, before = 10 * spec.micro_batches, 5 * spec.micro_batches
 
-    on = _cluster(cluster_factory, etcd_server.url, True)
+    on = autoscale_cluster(cluster_factory, etcd_server.url, True)
     leader, token = wait_for(lambda: on.settled(set(on.nodes)), 30, "one leader that every node agrees on")
     got, errs, go, threads = node_ranks(on, spec, n, before)
     at_pause(got, errs, before)
@@ -285,7 +264,7 @@ def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_of
     assert again == got, "the second run (placed by measured cost) got other batches"
     on.stop()
 
-    off = _cluster(cluster_factory, etcd_server.url, False)
+    off = autoscale_cluster(cluster_factory, etcd_server.url, False)
     wait_for(lambda: off.settled(set(off.nodes)), 30, "one leader that every node agrees on")
     got_off, errs, go, threads = node_ranks(off, spec, n, n)
     for t in threads:

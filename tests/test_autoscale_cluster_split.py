@@ -12,11 +12,10 @@ import threading
 
 import msdata_client as msd
 
+from .autoscale_util import autoscale_cluster, burner_graph
 from .cluster_util import NODES, send_peer_frame
 from .e2e_util import batch_record, run_ranks
 from .polling import wait_for
-from .test_autoscale_cluster import _cluster
-from .test_autoscale_e2e import burner_graph
 
 # steps of the job; the ranks pause after these (the split asked, then the merge): a change takes effect at the
 # next step planned, which may be a ring's depth past the pause
@@ -71,7 +70,7 @@ def test_three_nodes_split_and_merge_a_source_live_and_the_batches_equal_autosca
     monkeypatch.setenv("MSDATA_TEST_FAULTS", "1")
     spec = _job()
     m = spec.micro_batches
-    on = _cluster(cluster_factory, etcd_server.url, True)
+    on = autoscale_cluster(cluster_factory, etcd_server.url, True)
     leader, _token = wait_for(lambda: on.settled(set(on.nodes)), 30, "one leader that every node agrees on")
     lead = on.nodes[leader]
     secret = on.token_file.read_text().strip()

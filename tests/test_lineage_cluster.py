@@ -14,8 +14,8 @@ from msdata_server.lineage.query import Query
 from msdata_server.sources import open_source
 
 from .e2e_util import small_job
+from .lineage_util import run_job
 from .polling import wait_for
-from .test_lineage import run_job
 
 STEPS = 4
 

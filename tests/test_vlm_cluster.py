@@ -7,7 +7,7 @@ from __future__ import annotations
 from .cluster_util import run_spread
 from .e2e_util import run_ranks
 from .polling import wait_for
-from .test_vlm_e2e import documents, picture_job, pictures, write_parquet
+from .vlm_util import documents, picture_job, pictures, write_parquet
 
 
 def test_a_picture_job_on_two_nodes_equals_one_node(etcd_server, cluster_factory, server_factory, tmp_path):

@@ -434,7 +434,7 @@ def recover_times(faults: list[tuple[float, str]], ledgers: dict[int, list[tuple
 def reference(job: dict, steps: int, shm_dir: Path) -> dict[int, dict[tuple[int, int], str]]:
     """The same job on one node without faults: each rank's (step, micro) -> hash for ``steps`` steps."""
     import msdata_client as msd
-    from tests.conftest import ServerProc
+    from tests.server_util import ServerProc
 
     srv = ServerProc(str(shm_dir), workers=2).start()
     spec = msd.DGraph.from_dict(job).spec
@@ -502,7 +502,7 @@ def main() -> None:
     duration = 90.0 if args.quick else args.minutes * 60.0
     rng = random.Random(args.seed)
 
-    import tests.test_multinode as tm
+    import tests.cluster_util as tm
     from tests.etcd_fixture import EtcdServer
 
     base = Path(tempfile.mkdtemp(prefix="msdx-", dir="/tmp"))  # short: Unix socket paths are limited
@@ -639,7 +639,7 @@ def main() -> None:
 # ---- the failover of a data-owning node, with and without shadow loaders --------------------------------------
 def takeover_phase(args) -> dict:
     """Both arms (cold, then shadows) on one etcd, each on a fresh cluster: see the module docstring."""
-    import tests.test_multinode as tm
+    import tests.cluster_util as tm
     from tests.etcd_fixture import EtcdServer
 
     base = Path(tempfile.mkdtemp(prefix="msdt-", dir="/tmp"))

@@ -187,10 +187,10 @@ def data_path(steps: int) -> dict:
 
     sys.path.insert(0, str(ROOT))
     import msdata_client as msd
-    from tests.conftest import ServerProc
+    from tests.cluster_util import Cluster, wait_for
     from tests.e2e_util import small_job
     from tests.etcd_fixture import EtcdServer
-    from tests.test_multinode import Cluster, wait_for
+    from tests.server_util import ServerProc
 
     spec = small_job(
         "bench", dp=3, seq_len=4096, micro_batches=4, samples=4000, seed=3, prefetch=2, median=(400.0, 900.0)
@@ -268,7 +268,7 @@ def failover_data(ttl: float) -> dict:
 
     sys.path.insert(0, str(ROOT))
     import msdata_client as msd
-    import tests.test_multinode as tm
+    import tests.cluster_util as tm
     from tests.e2e_util import small_job
     from tests.etcd_fixture import EtcdServer
 

@@ -1,27 +1,23 @@
-"""Shared fixtures: real server processes on temp sockets, and a guard that fails any test leaving
-msdata shared-memory segments behind."""
+"""Shared fixtures: real server processes on temp sockets, a real etcd, clusters of servers on it, and a guard that
+fails any test leaving msdata shared-memory segments behind. Test modules take them as arguments (no import)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import secrets
-import selectors
 import shutil
-import subprocess
-import sys
 import tempfile
-import textwrap
-import time
 from pathlib import Path
 
-import orjson
 import pytest
 from hypothesis import settings
 
 from msdata_server.shm import list_segments, owner_alive
 
-ROOT = Path(__file__).resolve().parents[1]
+from .cluster_util import Cluster
+from .etcd_fixture import EtcdServer
+from .server_util import STARTED, ServerProc
 
 # The suite is deterministic: Hypothesis draws the same examples on every run (a search for new failures is
 # `HYPOTHESIS_PROFILE=explore make test`, which draws fresh ones and should be run before a release).
@@ -83,15 +79,14 @@ def sockdir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-_STARTED: list[ServerProc] = []  # the server processes the running test started (their logs join its failure)
 _LOG_TAIL = 60  # lines of each server's log shown under a failed test
 
 
 @pytest.fixture(autouse=True)
 def _servers_of_this_test():
-    _STARTED.clear()
+    STARTED.clear()
     yield
-    _STARTED.clear()
+    STARTED.clear()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -102,98 +97,10 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if call.when != "call" or not rep.failed:
         return
-    for srv in list(_STARTED):
+    for srv in list(STARTED):
         tail = srv.log().splitlines()[-_LOG_TAIL:]
         if tail:
             rep.sections.append((f"server log {srv.dir} (last {len(tail)} lines)", "\n".join(tail)))
-
-
-class ServerProc:
-    """A real `msdata-server serve` subprocess, awaited through its readiness line."""
-
-    def __init__(
-        self, sockdir: str, *, workers: int = 0, extra: str = "", prefix: str | None = None, shm_mib: int | None = None
-    ):
-        self.shm_mib = shm_mib  # run the server in a private mount namespace with a /dev/shm this small
-        self.dir = sockdir
-        self.socket = os.path.join(sockdir, "msdata.sock")
-        self.prefix = prefix or "t" + secrets.token_hex(3)
-        self.config = os.path.join(sockdir, "node.toml")
-        Path(self.config).write_text(
-            textwrap.dedent(f"""\
-            [node]
-            id = "test-node"
-            socket = "{self.socket}"
-            shm_prefix = "{self.prefix}"
-            workers = {workers}
-            drain_timeout = 5.0
-            """)
-            + extra
-        )
-        self.proc: subprocess.Popen | None = None
-        self.ready: dict | None = None
-
-    def start(self, timeout: float = 60.0) -> ServerProc:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if self.proc is not None and self.proc.stdout:
-            self.proc.stdout.close()
-        cmd = [sys.executable, "-m", "msdata_server", "serve", "--config", self.config]
-        if self.shm_mib is not None:
-            cmd = [
-                "unshare",
-                "-m",
-                "sh",
-                "-c",
-                f"mount -t tmpfs -o size={self.shm_mib}M tmpfs /dev/shm && exec " + " ".join(cmd),
-            ]
-        with open(os.path.join(self.dir, "server.log"), "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=str(ROOT))
-        if self not in _STARTED:
-            _STARTED.append(self)
-        line = _readline(self.proc, timeout)
-        if not line:
-            raise RuntimeError(f"server did not become ready; log:\n{self.log()}")
-        self.ready = orjson.loads(line)
-        assert self.ready["event"] == "ready"
-        return self
-
-    def log(self) -> str:
-        try:
-            return Path(self.dir, "server.log").read_text()
-        except OSError:
-            return ""
-
-    def stop(self, sig=15, timeout: float = 30.0) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _readline(proc: subprocess.Popen, timeout: float) -> bytes:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    buf = b""
-    deadline = time.monotonic() + timeout
-    while b"\n" not in buf:
-        left = deadline - time.monotonic()
-        if left <= 0 or not sel.select(left):
-            return b""
-        chunk = os.read(proc.stdout.fileno(), 4096)
-        if not chunk:
-            return b""
-        buf += chunk
-    return buf.split(b"\n", 1)[0]
 
 
 @pytest.fixture
@@ -214,3 +121,39 @@ def server_factory(sockdir):
             s.kill()
         if s.proc is not None and s.proc.stdout:
             s.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def etcd_server():
+    """One etcd shared by a test module; tests keep apart with their own key prefix."""
+    d = tempfile.mkdtemp(prefix="msd-etcd-")
+    srv = EtcdServer(d).start()
+    yield srv
+    srv.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def fresh_etcd(tmp_path):
+    """An etcd of this test alone, which it may stop, restart or freeze."""
+    srv = EtcdServer(tmp_path).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def cluster_factory():
+    """``make(etcd_url, n=3, token=None)``: a Cluster of n node servers (not started); all stopped at the end."""
+    made = []
+
+    def make(etcd_url: str, n: int = 3, **kw) -> Cluster:
+        d = Path(os.path.join("/tmp", "msdc-" + secrets.token_hex(4)))  # short: socket paths are limited
+        d.mkdir()
+        c = Cluster(d, etcd_url, n, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
+        shutil.rmtree(c.base, ignore_errors=True)

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import orjson
@@ -143,16 +142,3 @@ def finish(p: subprocess.Popen, kill: bool = True) -> int:
 
 def read_out(path) -> dict:
     return json.loads(Path(path).read_text())
-
-
-def poll_until(cond, what: str, timeout: float = 30.0, log=None, every: float = 0.02):
-    """Poll a condition only another process can make true (its log, its files, its status) until it holds, and
-    return its value; an AssertionError naming ``what`` (and the tail of ``log()``, when given) on timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(every)
-    tail = f"; server log:\n{log()[-3000:]}" if log is not None else ""
-    raise AssertionError(f"timed out waiting for {what}{tail}")

@@ -11,7 +11,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -24,7 +23,7 @@ ETCD = (
 )
 _READY = b"ready to serve client requests"
 
-__all__ = ["ETCD", "EtcdServer", "etcd_server", "fresh_etcd"]
+__all__ = ["ETCD", "EtcdServer"]
 
 
 def _reserve_port() -> int:
@@ -130,21 +129,3 @@ class EtcdServer:
 
     def thaw(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
-
-
-@pytest.fixture(scope="module")
-def etcd_server():
-    """One etcd shared by a test module; tests keep apart with their own key prefix."""
-    d = tempfile.mkdtemp(prefix="msd-etcd-")
-    srv = EtcdServer(d).start()
-    yield srv
-    srv.stop()
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def fresh_etcd(tmp_path):
-    """An etcd of this test alone, which it may stop, restart or freeze."""
-    srv = EtcdServer(tmp_path).start()
-    yield srv
-    srv.stop()

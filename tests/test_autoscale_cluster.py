@@ -6,7 +6,6 @@ Pure tests of the split and the targets, then three real node servers on a real 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
@@ -23,10 +22,9 @@ from msdata_server.autoscale.demand import job_demands
 from msdata_server.cluster.placement import place_sources
 from msdata_server.planner.mixture import Mixture
 
-from .etcd_fixture import etcd_server, fresh_etcd  # noqa: F401  (fixtures)
-from .test_autoscale_e2e import burner_graph
-from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
-from .test_multinode_jobs import NODES, _at_pause, _node_ranks, _send_peer_frame
+from .autoscale_util import autoscale_cluster, burner_graph
+from .cluster_util import NODES, at_pause, node_ranks, send_peer_frame
+from .polling import wait_for
 
 
 # ---- the per-node split (pure) -------------------------------------------------------------------------------
@@ -203,44 +201,24 @@ def test_a_node_applies_the_targets_through_its_policy_and_pool_and_keeps_them(t
 
 
 # ---- three node servers on etcd --------------------------------------------------------------------------------
-AUTOSCALE = """
-[autoscale]
-enabled = {enabled}
-min_workers = 1
-max_workers = 2
-interval = 0.1
-cooldown = 0.3
-"""
-
-
 def _job():
     g = burner_graph("ascl", seed=5, ms={"a": 0.05, "b": 0.5}, samples=600)
     g.mix({"a": 0.5, "b": 0.5}).pack(512, rows=1, micro_batches=2).mesh(dp=NODES).prefetch(2)
     return g.plan()
 
 
-def _cluster(cluster_factory, url: str, enabled: bool):  # noqa: F811
-    c = cluster_factory(url)
-    for srv in c.nodes.values():
-        cfg = Path(srv.config)
-        cfg.write_text(
-            cfg.read_text().replace("workers = 0", "workers = 1") + AUTOSCALE.format(enabled=str(enabled).lower())
-        )
-    return c.start()
-
-
 def _targets(st: dict) -> dict:
     return {n: s.get("target") for n, s in st["autoscale"]["sources"].items()}
 
 
-def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_off(etcd_server, cluster_factory):  # noqa: F811
+def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_off(etcd_server, cluster_factory):
     spec = _job()
     n, before = 10 * spec.micro_batches, 5 * spec.micro_batches
 
-    on = _cluster(cluster_factory, etcd_server.url, True)
+    on = autoscale_cluster(cluster_factory, etcd_server.url, True)
     leader, token = wait_for(lambda: on.settled(set(on.nodes)), 30, "one leader that every node agrees on")
-    got, errs, go, threads = _node_ranks(on, spec, n, before)
-    _at_pause(got, errs, before)
+    got, errs, go, threads = node_ranks(on, spec, n, before)
+    at_pause(got, errs, before)
 
     def following():
         sts = on.statuses()
@@ -264,7 +242,7 @@ def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_of
     # a targets frame with a stale token (an older leader's) is dropped by the node's fence: nothing changes
     victim = next(nid for nid in sorted(on.nodes) if nid != leader)
     bogus = {"t": "scale", "token": token - 1, "hold": False, "sources": {"zz": {"samples_s": 99.0, "workers": 2.0}}}
-    _send_peer_frame(on.nodes[victim], on.token_file.read_text().strip(), bogus)
+    send_peer_frame(on.nodes[victim], on.token_file.read_text().strip(), bogus)
     wait_for(lambda: "dropped 'scale' from tester" in on.nodes[victim].log(), 30, "the node to drop the stale targets")
     st = on.statuses()[victim]
     assert "zz" not in st["autoscale"]["sources"] and st["autoscale"]["leader_token"] == token
@@ -277,7 +255,7 @@ def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_of
     assert "placed by measured cost" not in lead.log()  # nothing was measured when the first run started
 
     # a second run of the job: its partitions are placed by measured cost x share; the data is the same
-    again, errs, go, threads = _node_ranks(on, spec, n, n)
+    again, errs, go, threads = node_ranks(on, spec, n, n)
     for t in threads:
         t.join(120)
         assert not t.is_alive(), "a rank of the second run hung"
@@ -286,9 +264,9 @@ def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_of
     assert again == got, "the second run (placed by measured cost) got other batches"
     on.stop()
 
-    off = _cluster(cluster_factory, etcd_server.url, False)
+    off = autoscale_cluster(cluster_factory, etcd_server.url, False)
     wait_for(lambda: off.settled(set(off.nodes)), 30, "one leader that every node agrees on")
-    got_off, errs, go, threads = _node_ranks(off, spec, n, n)
+    got_off, errs, go, threads = node_ranks(off, spec, n, n)
     for t in threads:
         t.join(120)
         assert not t.is_alive(), "a rank hung"

@@ -21,7 +21,7 @@ from msdata_server.cluster.shardmeta import BLOCK
 from msdata_server.errors import ConfigError
 from msdata_server.planner.mixture import Mixture
 
-from .test_autoscale_policy import demand
+from .autoscale_util import demand
 
 
 # ---- the table ----------------------------------------------------------------------------------------------

@@ -12,12 +12,10 @@ import threading
 
 import msdata_client as msd
 
+from .autoscale_util import autoscale_cluster, burner_graph
+from .cluster_util import NODES, send_peer_frame
 from .e2e_util import batch_record, run_ranks
-from .etcd_fixture import etcd_server, fresh_etcd  # noqa: F401  (fixtures)
-from .test_autoscale_cluster import _cluster
-from .test_autoscale_e2e import burner_graph
-from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
-from .test_multinode_jobs import NODES, _send_peer_frame
+from .polling import wait_for
 
 # steps of the job; the ranks pause after these (the split asked, then the merge): a change takes effect at the
 # next step planned, which may be a ring's depth past the pause
@@ -67,20 +65,17 @@ def _applied(log: str) -> list[tuple[dict, int]]:
 
 
 def test_three_nodes_split_and_merge_a_source_live_and_the_batches_equal_autoscaling_off(
-    etcd_server,  # noqa: F811
-    cluster_factory,  # noqa: F811
-    server_factory,
-    monkeypatch,
+    etcd_server, cluster_factory, server_factory, monkeypatch
 ):
     monkeypatch.setenv("MSDATA_TEST_FAULTS", "1")
     spec = _job()
     m = spec.micro_batches
-    on = _cluster(cluster_factory, etcd_server.url, True)
+    on = autoscale_cluster(cluster_factory, etcd_server.url, True)
     leader, _token = wait_for(lambda: on.settled(set(on.nodes)), 30, "one leader that every node agrees on")
     lead = on.nodes[leader]
     secret = on.token_file.read_text().strip()
     for srv in on.nodes.values():  # b's storage turns slow: its read need outgrows the 3 partitions it has
-        _send_peer_frame(srv, secret, {"t": "fault", "slow_reads": 1e7, "source": "b"})
+        send_peer_frame(srv, secret, {"t": "fault", "slow_reads": 1e7, "source": "b"})
     got, errs, gos, threads = _ranks(on, spec, STEPS * m, [p * m for p in PAUSES])
 
     _at(got, errs, PAUSES[0] * m)
@@ -106,7 +101,7 @@ def test_three_nodes_split_and_merge_a_source_live_and_the_batches_equal_autosca
         for name, fig in st["jobs"][0]["sources"].items():
             assert fig["held"] <= fig["held_bound"], (name, fig)
     for srv in on.nodes.values():  # the storage is fast again: b's read need falls, it is merged back
-        _send_peer_frame(srv, secret, {"t": "fault", "slow_reads": 1.0})
+        send_peer_frame(srv, secret, {"t": "fault", "slow_reads": 1.0})
     wait_for(lambda: f"source b partitions {n_split} -> 3: " in lead.log(), 60, "the merge")
     gos[1].set()
     for t in threads:

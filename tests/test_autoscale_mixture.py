@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from .test_autoscale_e2e import job, status, train
+from .autoscale_util import ALLOW_TESTS, job, status, train
 
 # the pool starts at its largest size and a long cooldown keeps it there, so that what a mixture change moves is
 # the sources' apportionment, whatever pace this machine gives the trainer: b (2 ms a sample) holds at most one
 # of the two workers at 2% of the mixture, and both once it has 90%
-FIXED = """
+FIXED = f"""{ALLOW_TESTS}
 [autoscale]
 enabled = true
 min_workers = 1

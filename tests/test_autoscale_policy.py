@@ -24,12 +24,7 @@ from msdata_server.config import parse_config
 from msdata_server.errors import ConfigError
 from msdata_server.planner.mixture import Mixture
 
-
-def demand(name: str, workers: float, share: float = 0.5) -> SourceDemand:
-    """A demand that keeps ``workers`` workers busy (1000 samples/s at the matching cost)."""
-    return SourceDemand(
-        name=name, samples_s=1000.0, worker_s_per_sample=workers / 1000.0, share_now=share, share_ahead=share
-    )
+from .autoscale_util import demand
 
 
 def test_all_is_sorted_and_importable():

@@ -14,10 +14,10 @@ import pytest
 import msdata_client as msd
 from msdata_client.wire import request
 
-from .conftest import ServerProc
-from .e2e_util import poll_until as wait_for
 from .e2e_util import run_ranks, small_job
 from .etcd_fixture import EtcdServer
+from .polling import wait_for
+from .server_util import ServerProc
 
 
 def test_dev_shm_full_mid_run_is_named_and_the_server_recovers(server_factory, tmp_path, monkeypatch):
@@ -69,14 +69,16 @@ prefix = "/t{secrets.token_hex(4)}"
     t = threading.Thread(target=start)
     t.start()
     try:
-        wait_for(lambda: "etcd is unreachable" in srv.log(), "the error about etcd")
+        wait_for(lambda: "etcd is unreachable" in srv.log(), 30, "the error about etcd")
         log = srv.log()
         assert etcd.url in log and "Start etcd" in log and "[cluster] etcd" in log  # endpoints and the fix
         assert srv.proc.poll() is None  # it waits, it does not exit
         etcd.start()
         t.join(90)
         assert started == [None], started
-        st = wait_for(lambda: request(srv.socket, {"t": "status"})["status"]["role"] == "leader", "the node to lead")
+        st = wait_for(
+            lambda: request(srv.socket, {"t": "status"})["status"]["role"] == "leader", 30, "the node to lead"
+        )
         assert st
         assert "etcd answered after" in srv.log()
     finally:

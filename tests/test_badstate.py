@@ -10,8 +10,8 @@ import threading
 
 from msdata_server.statedir import StateStore
 
-from .e2e_util import poll_until as _wait_for
 from .e2e_util import run_ranks, small_job
+from .polling import wait_for
 
 STEPS = 16
 
@@ -46,10 +46,10 @@ def test_disk_full_mid_run_waits_names_the_fix_and_loses_nothing(server_factory,
 
     go = threading.Event()
     t, box = _run_in_thread(spec, srv.socket, STEPS * 2, pause=(2, go))  # the ranks stop after step 0
-    _wait_for(lambda: glob.glob(f"{state_dir}/diskfull/*/step-000000000001.*"), "the state of step 1")
+    wait_for(lambda: glob.glob(f"{state_dir}/diskfull/*/step-000000000001.*"), 30, "the state of step 1")
     flag.touch()  # the disk is full from now on: the next state cannot be saved
     go.set()
-    _wait_for(lambda: "the disk is full" in srv.log(), "the disk-full error")
+    wait_for(lambda: "the disk is full" in srv.log(), 30, "the disk-full error")
     log = srv.log()
     assert f"state_dir {state_dir}/diskfull/" in log and "free space on that disk" in log
     assert "goes on by itself once it can write" in log
@@ -70,7 +70,7 @@ def test_unwritable_state_dir_names_the_path_and_recovers(server_factory, tmp_pa
     srv = server_factory(extra=f'state_dir = "{state_dir}"\n').start()
     spec = small_job("nowrite", dp=2, micro_batches=2)
     ref = run_ranks(spec, srv.socket, 8)  # a first run: its files are there
-    _wait_for(lambda: "job nowrite: every rank left" in srv.log(), "the first run to close (no more saves)")
+    wait_for(lambda: "job nowrite: every rank left" in srv.log(), 30, "the first run to close (no more saves)")
     blocker = state_dir / "nowrite"
     if os.geteuid() == 0:  # root writes through any mode bits: put a file where the job's directory goes
         for p in sorted(blocker.rglob("*"), reverse=True):
@@ -85,7 +85,7 @@ def test_unwritable_state_dir_names_the_path_and_recovers(server_factory, tmp_pa
         want = "it is not writable"
     t, box = _run_in_thread(spec, srv.socket, 8)
     try:
-        _wait_for(lambda: want in srv.log(), "the unwritable-state_dir error")
+        wait_for(lambda: want in srv.log(), 30, "the unwritable-state_dir error")
         log = srv.log()
         assert f"state_dir {state_dir}/nowrite/" in log
         assert "point [node] state_dir at a writable directory" in log

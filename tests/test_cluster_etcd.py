@@ -13,7 +13,7 @@ from msdata_server.config import ClusterConfig, NodeConfig, ServerConfig
 from msdata_server.errors import ClosedError, ConfigError
 
 from .aio import LOOPS, run
-from .etcd_fixture import _reserve_port, etcd_server, fresh_etcd  # noqa: F401 (fixtures)
+from .etcd_fixture import _reserve_port
 
 TTL = 1.0
 

@@ -280,9 +280,9 @@ def test_distribute_world_gives_every_rank_its_own_data(server_factory):
 
 
 def test_small_dev_shm_gives_a_clear_error_and_the_server_keeps_serving(server_factory):
-    from .test_ring import _can_unshare
+    from .server_util import can_unshare
 
-    if not _can_unshare():
+    if not can_unshare():
         pytest.skip("needs `unshare -m` (root) to mount a small /dev/shm")
     srv = server_factory(shm_mib=4).start()
     big = small_job("big", dp=1, seq_len=65536, rows=2)  # 8 slots of a few MiB each: does not fit 4 MiB

@@ -27,8 +27,8 @@ from msdata_client.wire import MAX_FRAME, FrameReader, encode, recv_into_reader
 from msdata_server.clientframes import FRAME_TYPES
 from msdata_server.errors import ProtocolError
 
-from .conftest import ServerProc
 from .e2e_util import small_job
+from .server_util import ServerProc
 
 GOOD = small_job("fuzz-good", dp=1, samples=2_000)
 REG = small_job("fuzz-reg", dp=1, samples=200)  # a job a fuzzed connection registers before its junk

@@ -31,8 +31,8 @@ from msdata_server.cluster.net.framing import FrameDecoder
 from msdata_server.cluster.net.handshake import AuthError, Handshake
 from msdata_server.errors import ProtocolError
 
-from .etcd_fixture import etcd_server  # noqa: F401  (fixture)
-from .test_multinode import Cluster, wait_for
+from .cluster_util import Cluster
+from .polling import wait_for
 
 JOB_FRAMES = [
     "rep", "plan", "jstart", "jstop", "len", "vis", "fetch", "skip", "mixhold", "mixcut", "mix", "mixstate",
@@ -89,7 +89,7 @@ class Fuzzed:
 
 
 @pytest.fixture(scope="module")
-def fz(etcd_server):  # noqa: F811
+def fz(etcd_server):
     f = Fuzzed(etcd_server.url)
     yield f
     f.close()

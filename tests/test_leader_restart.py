@@ -10,17 +10,14 @@ import re
 
 import pytest
 
+from .cluster_util import NODES, at_pause, node_ranks
 from .e2e_util import run_ranks, small_job
-from .etcd_fixture import etcd_server  # noqa: F401  (fixture)
-from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
-from .test_multinode_jobs import NODES, _at_pause, _node_ranks
+from .polling import wait_for
 
 
 @pytest.mark.timeout(300)  # a killed server restarting and rejoining is slow on 2 busy cores, not stuck
 def test_leader_restarted_its_rank_reconnects_behind_the_new_leader_and_continues_exact(
-    etcd_server,
-    cluster_factory,
-    server_factory,  # noqa: F811
+    etcd_server, cluster_factory, server_factory
 ):
     spec = small_job("relead", dp=3, samples=400, seed=11, prefetch=1)
     n, before = 10 * spec.micro_batches, 3 * spec.micro_batches
@@ -30,8 +27,8 @@ def test_leader_restarted_its_rank_reconnects_behind_the_new_leader_and_continue
     leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
     # the ranks end together, as a training run's do: ranks far ahead that left (closing the job on their nodes)
     # before the new leader resumed would leave the behind rank's node alone with a run nobody coordinates
-    got, errs, go, threads = _node_ranks(c, spec, n, before, together=True)
-    _at_pause(got, errs, before)
+    got, errs, go, threads = node_ranks(c, spec, n, before, together=True)
+    at_pause(got, errs, before)
     c.nodes[leader].kill()
     c.nodes[leader].start()  # its supervisor restarts it; its rank reconnects
     go.set()

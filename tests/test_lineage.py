@@ -25,12 +25,12 @@ from msdata_server.lineage.command import offline
 from msdata_server.lineage.query import Query
 from msdata_server.planner.accounting import accounting
 
-from .conftest import ServerProc
+from .lineage_util import SAVE_AT, run_job
+from .server_util import ServerProc
 
 EOS = 256
 SEQ_LEN = 256
 STEPS = 6
-SAVE_AT = 3
 
 
 @pytest.fixture(scope="module")
@@ -92,48 +92,6 @@ def check_rows_match_batch(rows: list[dict], batch, texts: dict[tuple[str, int],
         assert np.array_equal(got, want), r
         assert r["piece"] == r["doc_offset"] // SEQ_LEN and not r["skipped"]
         assert r["sample_id"] == (r["file_index"] << 32) | r["file_row"]
-
-
-def run_job(spec, endpoint: str | dict[int, str], steps: int, *, state=None, skip=None, lineage: bool = True):
-    """Every rank in a thread: read ``steps`` steps (after load_state_dict/skip), ask lineage(step) of each step
-    while connected; returns {rank: [(step, micro, batch)]}, {rank: {step: rows}}, {rank: state after SAVE_AT}.
-    ``endpoint``: one socket, or each rank's (a cluster: its node's)."""
-    world = spec.mesh.world_size
-    got: dict = {r: [] for r in range(world)}
-    lin: dict = {r: {} for r in range(world)}
-    saved: dict = {}
-    errs: dict = {}
-
-    def body(r):
-        try:
-            ep = endpoint if isinstance(endpoint, str) else endpoint[r]
-            with msd.DataClient(spec, endpoint=ep, rank=r, world_size=world, connect_timeout=30) as dc:
-                if state is not None:
-                    dc.load_state_dict(state)
-                if skip is not None:
-                    dc.skip(**skip)
-                for _ in range(steps * spec.micro_batches):
-                    b = next(dc)
-                    step, micro = int(b["step"]), int(b["micro"])
-                    got[r].append((step, micro, {k: v.clone() for k, v in b.items()}))
-                    dc.release(b)
-                    if micro == spec.micro_batches - 1:
-                        if lineage:
-                            lin[r][step] = dc.lineage(step).to_pylist()
-                        if len(got[r]) == SAVE_AT * spec.micro_batches:
-                            saved[r] = dc.state_dict()
-        except BaseException as e:  # reported to the test
-            errs[r] = e
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-        assert not t.is_alive(), "a rank thread hung"
-    if errs:
-        raise next(iter(errs.values()))
-    return got, lin, saved
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -14,14 +14,13 @@ from msdata_server.lineage.query import Query
 from msdata_server.sources import open_source
 
 from .e2e_util import small_job
-from .etcd_fixture import etcd_server, fresh_etcd  # noqa: F401  (fixtures)
-from .test_lineage import run_job
-from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
+from .lineage_util import run_job
+from .polling import wait_for
 
 STEPS = 4
 
 
-def test_lineage_on_three_nodes_is_what_ranks_received(etcd_server, cluster_factory):  # noqa: F811
+def test_lineage_on_three_nodes_is_what_ranks_received(etcd_server, cluster_factory):
     spec = small_job("lin3", dp=3, samples=300, seed=7)
     c = cluster_factory(etcd_server.url).start()
     wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")

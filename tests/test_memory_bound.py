@@ -16,8 +16,7 @@ import pytest
 import msdata_client as msd
 from msdata_client.wire import request
 
-from .etcd_fixture import etcd_server  # noqa: F401  (fixture)
-from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
+from .polling import wait_for
 
 STEPS = 1500
 SAMPLE_EVERY = 100  # steps between two reads of the status
@@ -101,7 +100,7 @@ def test_held_payloads_bounded_one_node(server_factory, long_docs):
 
 
 @pytest.mark.slow
-def test_held_payloads_bounded_three_nodes(etcd_server, cluster_factory):  # noqa: F811
+def test_held_payloads_bounded_three_nodes(etcd_server, cluster_factory):
     """The same on three nodes: each owner holds payloads of its partitions only for the plans that need
     them; TP pairs span nodes (rank r on node r % 3), so payloads cross the peer links."""
     c = cluster_factory(etcd_server.url).start()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 import signal
 import socket
@@ -18,120 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from msdata_client.wire import request
 from msdata_server.cluster.net.peers import AuthError, PeerLink
 from msdata_server.cluster.placement import place, place_sources
 from msdata_server.errors import ConfigError
 
-from .conftest import ServerProc
-from .etcd_fixture import etcd_server, fresh_etcd  # noqa: F401  (fixtures)
-
-TTL = 2.0
-
-
-def node_status(sock: str) -> dict | None:
-    """The server's status over its Unix socket (None while it is down)."""
-    try:
-        return request(sock, {"t": "status"}, timeout=5)["status"]
-    except OSError:
-        return None
-
-
-def wait_for(cond, timeout: float, what: str):
-    """Poll a condition on other processes (no event crosses the process boundary) until it holds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-class Cluster:
-    """N `msdata-server serve` processes sharing an etcd, a token file and a key prefix."""
-
-    def __init__(self, base: Path, etcd_url: str, n: int, *, token: str | None = None):
-        self.base = base
-        self.prefix = "/t" + secrets.token_hex(4)
-        self.token_file = base / "token"
-        self.token_file.write_text(token or secrets.token_hex(24))
-        self.token_file.chmod(0o600)  # a token open to others is refused
-        self.nodes: dict[str, ServerProc] = {}
-        for i in range(n):
-            nid = f"node-{i}"
-            d = base / nid
-            d.mkdir()
-            srv = ServerProc(
-                str(d),
-                extra=f"""
-[cluster]
-etcd = ["{etcd_url}"]
-token_file = "{self.token_file}"
-lease_ttl = {TTL}
-prefix = "{self.prefix}"
-""",
-            )
-            cfg = Path(srv.config)
-            cfg.write_text(cfg.read_text().replace('id = "test-node"', f'id = "{nid}"\nlisten = "127.0.0.1:0"'))
-            self.nodes[nid] = srv
-
-    def start(self) -> Cluster:
-        for srv in self.nodes.values():
-            srv.start()
-        return self
-
-    def statuses(self) -> dict[str, dict]:
-        out = {}
-        for nid, srv in self.nodes.items():
-            if srv.proc is not None and srv.proc.poll() is None:
-                st = node_status(srv.socket)
-                if st is not None:
-                    out[nid] = st
-        return out
-
-    def settled(self, alive: set[str]):
-        """The common leader once every live node agrees on it, sees every live member and links to each."""
-        sts = self.statuses()
-        if set(sts) != alive:
-            return None
-        leaders = {st["cluster"]["leader"] for st in sts.values()}
-        roles = [nid for nid, st in sts.items() if st["role"] == "leader"]
-        if len(leaders) != 1 or len(roles) != 1 or roles[0] not in leaders:
-            return None
-        for nid, status in sts.items():
-            c = status["cluster"]
-            if set(c["members"]) != alive or set(c["links"]) != alive - {nid}:
-                return None
-        return roles[0], sts[roles[0]]["cluster"]["token"]
-
-    def stop(self) -> None:
-        for srv in self.nodes.values():
-            try:
-                srv.stop()
-            except Exception:
-                srv.kill()
-            if srv.proc is not None and srv.proc.stdout:
-                srv.proc.stdout.close()
-
-
-@pytest.fixture
-def cluster_factory(tmp_path):
-    made = []
-
-    def make(etcd_url: str, n: int = 3, **kw) -> Cluster:
-        d = Path(os.path.join("/tmp", "msdc-" + secrets.token_hex(4)))  # short: socket paths are limited
-        d.mkdir()
-        c = Cluster(d, etcd_url, n, **kw)
-        made.append(c)
-        return c
-
-    yield make
-    import shutil
-
-    for c in made:
-        c.stop()
-        shutil.rmtree(c.base, ignore_errors=True)
+from .cluster_util import TTL, node_status
+from .polling import wait_for
+from .server_util import ServerProc
 
 
 def cli_status(sock: str) -> dict:
@@ -146,7 +38,7 @@ def cli_status(sock: str) -> dict:
 
 
 # ---- election, roles, failover, restart ----------------------------------------------------------------
-def test_three_nodes_one_leader_failover_and_rejoin(etcd_server, cluster_factory):  # noqa: F811
+def test_three_nodes_one_leader_failover_and_rejoin(etcd_server, cluster_factory):
     c = cluster_factory(etcd_server.url).start()
     alive = set(c.nodes)
     leader, token = wait_for(lambda: c.settled(alive), 30, "one leader that every node agrees on")
@@ -192,7 +84,7 @@ def _peer_addr(srv: ServerProc) -> tuple[str, int]:
     return host, int(port)
 
 
-def test_peer_with_wrong_token_is_rejected(etcd_server, cluster_factory):  # noqa: F811
+def test_peer_with_wrong_token_is_rejected(etcd_server, cluster_factory):
     c = cluster_factory(etcd_server.url, n=1).start()
     wait_for(lambda: c.settled({"node-0"}), 30, "the only node to lead")  # else it may answer as a follower
     srv = c.nodes["node-0"]
@@ -229,7 +121,7 @@ def test_peer_with_wrong_token_is_rejected(etcd_server, cluster_factory):  # noq
         b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # someone else's protocol
     ],
 )
-def test_malformed_peer_frames_close_only_that_connection(etcd_server, cluster_factory, bad):  # noqa: F811
+def test_malformed_peer_frames_close_only_that_connection(etcd_server, cluster_factory, bad):
     c = cluster_factory(etcd_server.url, n=2).start()
     alive = set(c.nodes)
     leader, token = wait_for(lambda: c.settled(alive), 30, "two linked nodes")
@@ -250,7 +142,7 @@ def test_malformed_peer_frames_close_only_that_connection(etcd_server, cluster_f
 
 
 # ---- etcd unreachable ------------------------------------------------------------------------------------
-def test_etcd_restart_never_two_leaders_and_recovers(fresh_etcd, cluster_factory):  # noqa: F811
+def test_etcd_restart_never_two_leaders_and_recovers(fresh_etcd, cluster_factory):
     c = cluster_factory(fresh_etcd.url).start()
     alive = set(c.nodes)
     leader, token = wait_for(lambda: c.settled(alive), 30, "a leader")
@@ -414,7 +306,7 @@ def test_malformed_plan_frames_are_protocol_errors(mutate, why):
 
 
 # ---- planner states in etcd, fenced ----------------------------------------------------------------------
-def test_state_store_keeps_a_window_and_only_the_leader_writes(etcd_server):  # noqa: F811
+def test_state_store_keeps_a_window_and_only_the_leader_writes(etcd_server):
     from msdata_server.cluster import Etcd, LeaderElection, Membership
     from msdata_server.cluster.leader.statestore import EtcdStateStore
 

@@ -7,102 +7,12 @@ import threading
 
 import pytest
 
+from .cluster_util import NODES, TTL, at_pause, node_ranks, node_status, run_spread, send_peer_frame, spread
 from .e2e_util import batch_record, run_ranks, small_job
-from .etcd_fixture import etcd_server, fresh_etcd  # noqa: F401  (fixtures)
-from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
-
-NODES = 3
+from .polling import wait_for
 
 
-def spread(world: int) -> dict[int, list[int]]:
-    """Rank r on node r % 3: TP pairs span nodes, so a group gets a ring on each of its nodes."""
-    return {i: [r for r in range(world) if r % NODES == i] for i in range(NODES)}
-
-
-def run_spread(c, spec, n: int, placement: dict[int, list[int]], **kw) -> dict[int, list]:
-    """Ranks as threads, each connected to its own node's socket, all at once."""
-    out, errs = {}, []
-
-    def body(i, ranks):
-        try:
-            out.update(run_ranks(spec, c.nodes[f"node-{i}"].socket, n, ranks=ranks, timeout=90, **kw))
-        except BaseException as e:  # reported to the test
-            errs.append(e)
-
-    threads = [threading.Thread(target=body, args=(i, rs), daemon=True) for i, rs in placement.items() if rs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-        assert not t.is_alive(), "a node's ranks hung"
-    if errs:
-        raise errs[0]
-    return out
-
-
-def _node_ranks(
-    c,
-    spec,
-    n: int,
-    pause_at: int,
-    *,
-    node_of: dict[int, int] | None = None,
-    rank0=None,
-    connect_timeout: dict[int, float] | None = None,
-    gone: int | None = None,
-    together: bool = False,
-    held: int | None = None,
-):
-    """One rank per node (rank r on node-{node_of[r]}, by default node-r), each in a thread reading n batches
-    and pausing after ``pause_at`` of them until ``go`` is set. ``rank0(dc, i)`` runs before rank 0 reads
-    batch i; rank ``gone`` stops at the pause (its node is about to die); ``together``: no rank leaves before
-    every rank read its n batches (a training run's ranks end at one collective); ``held``: only that rank
-    pauses (the others read on). Returns (got, errs, go, threads)."""
-    import msdata_client as msd
-
-    node_of = node_of or {r: r for r in range(NODES)}
-    got: dict[int, list] = {r: [] for r in range(NODES)}
-    errs: dict[int, BaseException] = {}
-    go = threading.Event()
-    end = threading.Barrier(NODES) if together else None
-
-    def body(r):
-        try:
-            dc = msd.DataClient(
-                spec,
-                endpoint=c.nodes[f"node-{node_of[r]}"].socket,
-                rank=r,
-                world_size=NODES,
-                connect_timeout=(connect_timeout or {}).get(r, 60),
-            )
-            for i in range(n):
-                if rank0 is not None and r == 0:
-                    rank0(dc, i)
-                if i == pause_at and held in (None, r):
-                    go.wait(120)
-                    if r == gone:
-                        return
-                b = next(dc)
-                got[r].append(batch_record(b))
-                del b
-            if end is not None:
-                end.wait(120)
-            dc.close()
-        except BaseException as e:  # reported to the test
-            errs[r] = e
-
-    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(NODES)]
-    for t in threads:
-        t.start()
-    return got, errs, go, threads
-
-
-def _at_pause(got, errs, pause_at: int) -> None:
-    wait_for(lambda: all(len(got[r]) == pause_at for r in range(NODES)) or errs, 90, "every rank at the pause")
-    assert not errs, errs
-
-
-def test_job_on_three_nodes_equals_one_node(etcd_server, cluster_factory, server_factory):  # noqa: F811
+def test_job_on_three_nodes_equals_one_node(etcd_server, cluster_factory, server_factory):
     spec = small_job("spread", dp=3, tp=2, samples=300, seed=7)
     steps = 4
     n = steps * spec.micro_batches
@@ -127,12 +37,10 @@ def test_job_on_three_nodes_equals_one_node(etcd_server, cluster_factory, server
     assert tin > 4 * len(ids) and abs(tin - tout) <= 0.05 * tout, (tin, tout)
 
 
-def test_leader_sigkill_mid_run_loses_and_repeats_nothing(etcd_server, cluster_factory, server_factory):  # noqa: F811
+def test_leader_sigkill_mid_run_loses_and_repeats_nothing(etcd_server, cluster_factory, server_factory):
     """One rank per node; the leader's process (and its rank) is killed after a few steps. The ranks on the
     surviving nodes get exactly the batches of an uninterrupted run: no document lost or delivered twice."""
     import time
-
-    from .test_multinode import TTL
 
     spec = small_job("failover", dp=3, samples=400, seed=11, prefetch=1)
     n = 14 * spec.micro_batches
@@ -143,8 +51,8 @@ def test_leader_sigkill_mid_run_loses_and_repeats_nothing(etcd_server, cluster_f
     c = cluster_factory(etcd_server.url).start()
     leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
     li = int(leader.split("-")[1])
-    got, errs, go, threads = _node_ranks(c, spec, n, before, connect_timeout={li: 3}, gone=li)
-    _at_pause(got, errs, before)
+    got, errs, go, threads = node_ranks(c, spec, n, before, connect_timeout={li: 3}, gone=li)
+    at_pause(got, errs, before)
     t0 = time.monotonic()
     c.nodes[leader].kill()
     go.set()
@@ -168,7 +76,7 @@ def test_leader_sigkill_mid_run_loses_and_repeats_nothing(etcd_server, cluster_f
 
 
 @pytest.mark.timeout(300)  # a killed follower restarts and rejoins: slow on 2 busy cores, not stuck (ranks join(120))
-def test_follower_restart_its_rank_reconnects_and_continues(etcd_server, cluster_factory, server_factory):  # noqa: F811
+def test_follower_restart_its_rank_reconnects_and_continues(etcd_server, cluster_factory, server_factory):
     """A follower's process is killed mid-run and started again: it rejoins, the leader replays the plans its
     rank still needs, and every rank (the reconnected one too) sees exactly the batches of an uninterrupted run."""
     spec = small_job("rejoin", dp=3, samples=400, seed=5, prefetch=1)
@@ -181,8 +89,8 @@ def test_follower_restart_its_rank_reconnects_and_continues(etcd_server, cluster
     leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
     victim = next(nid for nid in sorted(c.nodes) if nid != leader)
     vi = int(victim.split("-")[1])
-    got, errs, go, threads = _node_ranks(c, spec, n, before)
-    _at_pause(got, errs, before)
+    got, errs, go, threads = node_ranks(c, spec, n, before)
+    at_pause(got, errs, before)
     c.nodes[victim].kill()
     c.nodes[victim].start()
     go.set()
@@ -195,28 +103,7 @@ def test_follower_restart_its_rank_reconnects_and_continues(etcd_server, cluster
     assert vi in range(3)
 
 
-def _send_peer_frame(srv, token: str, frame: dict) -> None:
-    """Connect to a node's peer port as an outside peer holding the token, send one frame, leave."""
-    import asyncio
-
-    from msdata_server.cluster.net.peers import PeerLink
-
-    host, _, port = srv.ready["listen"].rpartition(":")
-
-    async def main():
-        link = await PeerLink.connect(host, int(port), token=token, node_id="tester")
-        await link.send(frame)
-        await link.aclose()
-
-    asyncio.run(main())
-
-
-def test_plans_lost_on_a_broken_link_are_sent_again(
-    etcd_server,
-    cluster_factory,
-    server_factory,  # noqa: F811
-    monkeypatch,
-):
+def test_plans_lost_on_a_broken_link_are_sent_again(etcd_server, cluster_factory, server_factory, monkeypatch):
     """The leader's link to a follower breaks mid-run and the next plans to it are lost (an injected fault):
     the follower asks for the step it lacks, the leader re-sends, and every rank gets exactly the batches of an
     uninterrupted run."""
@@ -230,10 +117,10 @@ def test_plans_lost_on_a_broken_link_are_sent_again(
     c = cluster_factory(etcd_server.url).start()
     leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
     victim = next(nid for nid in sorted(c.nodes) if nid != leader)
-    got, errs, go, threads = _node_ranks(c, spec, n, before)
-    _at_pause(got, errs, before)
+    got, errs, go, threads = node_ranks(c, spec, n, before)
+    at_pause(got, errs, before)
     lead = c.nodes[leader]
-    _send_peer_frame(
+    send_peer_frame(
         lead, c.token_file.read_text().strip(), {"t": "fault", "node": victim, "drop_plans": 4, "close": True}
     )
     wait_for(lambda: "test fault: next 4 plan(s)" in lead.log(), 30, "the leader to take the fault")
@@ -249,16 +136,10 @@ def test_plans_lost_on_a_broken_link_are_sent_again(
     assert f"to {victim}" in log and "re-sending the plans of steps" in log
 
 
-def test_etcd_restart_during_a_job_one_planner_and_exact_data(
-    fresh_etcd,
-    cluster_factory,  # noqa: F811
-    server_factory,
-):
+def test_etcd_restart_during_a_job_one_planner_and_exact_data(fresh_etcd, cluster_factory, server_factory):
     """etcd goes away mid-run (SIGKILL) and comes back: never two leaders (sampled all along), the planner
     resumes from the fenced etcd states, and every rank gets exactly the batches of an uninterrupted run."""
     import signal
-
-    from .test_multinode import TTL
 
     spec = small_job("etcdgone", dp=3, samples=400, seed=13, prefetch=1)
     n, before = 10 * spec.micro_batches, 3 * spec.micro_batches
@@ -266,8 +147,8 @@ def test_etcd_restart_during_a_job_one_planner_and_exact_data(
 
     c = cluster_factory(fresh_etcd.url).start()
     wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
-    got, errs, go, threads = _node_ranks(c, spec, n, before)
-    _at_pause(got, errs, before)
+    got, errs, go, threads = node_ranks(c, spec, n, before)
+    at_pause(got, errs, before)
     fresh_etcd.stop(signal.SIGKILL)
     go.set()  # the ranks run on what was planned, then wait
 
@@ -326,11 +207,7 @@ def test_fetch_reply_codec_round_trip_and_malformed():
         split_docs({"dtype": "<i4"}, memoryview(buf))
 
 
-def test_set_mixture_across_nodes_cuts_everywhere_and_survives_resume(
-    etcd_server,
-    cluster_factory,  # noqa: F811
-    server_factory,
-):
+def test_set_mixture_across_nodes_cuts_everywhere_and_survives_resume(etcd_server, cluster_factory, server_factory):
     """A rank calls set_mixture mid-run: the leader cuts at the first step no constructor on any node took up,
     every rank on every node sees only source a from cut+2 on, TP peers stay identical, and a run resumed from
     a state saved after the change (on the cluster and on one node, the same batches) keeps it."""
@@ -369,16 +246,12 @@ def test_set_mixture_across_nodes_cuts_everywhere_and_survives_resume(
 
 
 def test_a_new_run_waits_for_the_old_runs_last_rank_and_starts_from_its_states(
-    etcd_server,
-    cluster_factory,  # noqa: F811
-    server_factory,
+    etcd_server, cluster_factory, server_factory
 ):
     """Run 1 ends on two nodes while its rank 0 is still connected on the third; the next run's ranks (bringing
     run 1's states) register there meanwhile. They are not taken for ranks rejoining run 1: the new run starts
     when rank 0 of run 1 leaves, from the states it brought, with the batches of the same resume on one node."""
     import msdata_client as msd
-
-    from .test_multinode import node_status
 
     spec = small_job("rerun", dp=3, samples=400, seed=5)
     mb = spec.micro_batches
@@ -428,11 +301,7 @@ def test_a_new_run_waits_for_the_old_runs_last_rank_and_starts_from_its_states(
         assert out[r] == alone[r], f"rank {r}: the next run differs from the same resume on one node"
 
 
-def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(
-    etcd_server,
-    cluster_factory,  # noqa: F811
-    server_factory,
-):
+def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(etcd_server, cluster_factory, server_factory):
     """Bad weights are refused to the rank alone (the run goes on); a valid change cuts at step e; then the
     leader is SIGKILLed. The ranks on the surviving nodes get the batches of an unchanged run before e and,
     from e on, those of the same job resumed on one node from the state of step e: the new leader planned
@@ -460,10 +329,10 @@ def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(
         if "cut" in info and i == info["cut"] * mb:
             info["state"] = dc.state_dict()  # the planner state at the start of step e (with the change)
 
-    got, errs, go, threads = _node_ranks(
+    got, errs, go, threads = node_ranks(
         c, spec, n, pause * mb, node_of=node_of, rank0=rank0, connect_timeout={2: 2}
     )  # rank 2 dies with the leader: give up soon
-    _at_pause(got, errs, pause * mb)
+    at_pause(got, errs, pause * mb)
     e = info["cut"]
     assert 2 <= e < pause - 1, f"cut at step {e}"
     c.nodes[leader].kill()
@@ -486,10 +355,7 @@ def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(
 
 
 def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(
-    etcd_server,
-    cluster_factory,  # noqa: F811
-    server_factory,
-    monkeypatch,
+    etcd_server, cluster_factory, server_factory, monkeypatch
 ):
     """The leader stalls with every node held for a mixture change (an injected fault) and is SIGKILLed there.
     The rank that asked gets a PeerLostError (retry), the held nodes go on after their hold expires, the new
@@ -497,8 +363,6 @@ def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(
     import pytest
 
     import msdata_client as msd
-
-    from .test_multinode import TTL
 
     monkeypatch.setenv("MSDATA_TEST_FAULTS", "1")
     spec = small_job("mixstall", dp=3, samples=3000, seed=17, prefetch=1)
@@ -510,7 +374,7 @@ def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(
     li = int(leader.split("-")[1])
     node_of = {r: (li + 1 + r) % NODES for r in range(NODES)}
     lead = c.nodes[leader]
-    _send_peer_frame(lead, c.token_file.read_text().strip(), {"t": "fault", "node": leader, "stall_mix": True})
+    send_peer_frame(lead, c.token_file.read_text().strip(), {"t": "fault", "node": leader, "stall_mix": True})
     wait_for(lambda: "test fault: next 0 plan(s)" in lead.log(), 30, "the leader to take the fault")
     info: dict = {}
 
@@ -523,7 +387,7 @@ def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(
 
     import time
 
-    got, errs, go, threads = _node_ranks(c, spec, n, 0, node_of=node_of, rank0=rank0, connect_timeout={2: 2})
+    got, errs, go, threads = node_ranks(c, spec, n, 0, node_of=node_of, rank0=rank0, connect_timeout={2: 2})
     go.set()
     wait_for(
         lambda: "the mixture change stalls with every node held" in lead.log() or errs,
@@ -545,15 +409,11 @@ def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(
 
 
 def test_a_node_with_data_but_no_ranks_asks_for_plans_it_lost(
-    etcd_server,
-    cluster_factory,
-    server_factory,  # noqa: F811
-    monkeypatch,
+    etcd_server, cluster_factory, server_factory, monkeypatch
 ):
     """Two ranks on two nodes; the third node only owns data. Plans to it are lost (an injected fault, the link
     stays up): it notices the step it lacks, asks, gets them again (its payload counts come right), and the
     ranks get exactly the batches of an uninterrupted run."""
-    from .test_multinode import node_status
 
     monkeypatch.setenv("MSDATA_TEST_FAULTS", "1")
     spec = small_job("owner", dp=2, samples=400, seed=21, prefetch=1)
@@ -565,7 +425,7 @@ def test_a_node_with_data_but_no_ranks_asks_for_plans_it_lost(
     owner = next(nid for nid in sorted(c.nodes) if nid != leader)
     rank_nodes = [nid for nid in sorted(c.nodes) if nid != owner]
     lead = c.nodes[leader]
-    _send_peer_frame(lead, c.token_file.read_text().strip(), {"t": "fault", "node": owner, "drop_plans": 3})
+    send_peer_frame(lead, c.token_file.read_text().strip(), {"t": "fault", "node": owner, "drop_plans": 3})
     wait_for(lambda: "test fault: next 3 plan(s)" in lead.log(), 30, "the leader to take the fault")
     got: dict = {}
     go = threading.Event()
@@ -597,9 +457,7 @@ def test_a_node_with_data_but_no_ranks_asks_for_plans_it_lost(
 
 
 def test_a_lost_mixture_cut_reaches_its_node_late_and_tp_peers_stay_identical(
-    etcd_server,
-    cluster_factory,  # noqa: F811
-    monkeypatch,
+    etcd_server, cluster_factory, monkeypatch
 ):
     """The leader's mixcut frames to one follower are lost (an injected fault): first the release of a refused
     change, then the cut of a valid one. That node stays held until it learns where the changes stand (from
@@ -613,7 +471,7 @@ def test_a_lost_mixture_cut_reaches_its_node_late_and_tp_peers_stay_identical(
     leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
     victim = next(nid for nid in sorted(c.nodes) if nid != leader)
     lead = c.nodes[leader]
-    _send_peer_frame(lead, c.token_file.read_text().strip(), {"t": "fault", "node": victim, "drop_cuts": 2})
+    send_peer_frame(lead, c.token_file.read_text().strip(), {"t": "fault", "node": victim, "drop_cuts": 2})
     wait_for(lambda: "test fault: next 0 plan(s)" in lead.log(), 30, "the leader to take the fault")
     saved: dict = {}
     got = run_spread(
@@ -640,9 +498,7 @@ def test_a_lost_mixture_cut_reaches_its_node_late_and_tp_peers_stay_identical(
 
 @pytest.mark.timeout(300)  # a leader's lease expiring and a new leader taking the run over: slow on 2 busy cores
 def test_leader_dies_after_the_other_ranks_left_the_rank_behind_gets_the_rest(
-    etcd_server,
-    cluster_factory,
-    server_factory,  # noqa: F811
+    etcd_server, cluster_factory, server_factory
 ):
     """Two ranks read the whole run and leave (their nodes close the job); the third is still far behind when
     the leader's process is killed. The leader planned every step before it died (it plans at most a window
@@ -654,7 +510,7 @@ def test_leader_dies_after_the_other_ranks_left_the_rank_behind_gets_the_rest(
     c = cluster_factory(etcd_server.url).start()
     leader, _ = wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
     lag = next(r for r in range(NODES) if f"node-{r}" != leader)
-    got, errs, go, threads = _node_ranks(c, spec, n, pause, held=lag)
+    got, errs, go, threads = node_ranks(c, spec, n, pause, held=lag)
     for r, t in enumerate(threads):
         if r != lag:
             t.join(120)

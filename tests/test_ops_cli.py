@@ -17,7 +17,7 @@ import pytest
 from msdata_client.errors import MsdataError
 from msdata_client.wire import FrameReader, encode, recv_into_reader
 
-from .test_ops_status import SAMPLE
+from .status_sample import SAMPLE
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ import pytest
 from msdata_server.config import load_config, parse_config
 from msdata_server.errors import ConfigError
 
-from .conftest import ROOT
+from .server_util import ROOT
 
 
 def test_defaults_are_off_and_text():

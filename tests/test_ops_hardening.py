@@ -16,7 +16,7 @@ from msdata_server.config import parse_config
 from msdata_server.errors import ConfigError
 from msdata_server.ops.sdnotify import Notifier
 
-from .conftest import ROOT
+from .server_util import ROOT
 
 
 @pytest.mark.parametrize("key", ["reconnect_grace", "drain_timeout"])

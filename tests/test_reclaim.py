@@ -16,7 +16,8 @@ import msdata_client as msd
 from msdata_server.config import NodeConfig, ServerConfig
 from msdata_server.demo import serve_in_thread, stop_server
 
-from .e2e_util import poll_until, small_job
+from .e2e_util import small_job
+from .polling import wait_for
 
 
 def test_closed_run_is_freed_without_automatic_gc(tmp_path):
@@ -46,7 +47,7 @@ def test_closed_run_is_freed_without_automatic_gc(tmp_path):
                 assert job is not None and job.state == "running", f"run {run}: the job did not start"
                 refs.append(weakref.ref(job))
                 del job
-            poll_until(lambda: refs[-1]() is None, f"run {run}'s closed Job to be freed (gc is off)", timeout=30)
+            wait_for(lambda: refs[-1]() is None, 30, f"run {run}'s closed Job to be freed (gc is off)")
         assert not server.jobs, "no job is left registered once every rank left"
     finally:
         stop_server(server, loop, thread)

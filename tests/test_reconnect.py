@@ -16,7 +16,7 @@ import msdata_client as msd
 from msdata_client.wire import request
 
 from .e2e_util import batch_record, run_ranks, small_job
-from .e2e_util import poll_until as wait_for
+from .polling import wait_for
 
 N = 16  # micro-batches per rank
 SLOTS = 4
@@ -57,10 +57,12 @@ def test_rank_socket_closed_mid_run_continues_exactly(server_factory, noticed):
                     held = (held + [b])[-2:]  # the last two stay alive across the reconnect
                 held_seen.extend(batch_record(b) for b in held)
                 # the server has published every slot of the ring: batches wait, unread, on the old connection
-                wait_for(lambda: ring_full(srv.socket, spec.name, spec.group_of(0)), "a full ring")
+                wait_for(lambda: ring_full(srv.socket, spec.name, spec.group_of(0)), 30, "a full ring")
                 dc._conn.sock.shutdown(socket.SHUT_RDWR)  # the socket breaks under the client
                 if noticed:
-                    wait_for(lambda: away(srv.socket, spec.name) == [0], "the server to see rank 0 away", log=srv.log)
+                    wait_for(
+                        lambda: away(srv.socket, spec.name) == [0], 30, "the server to see rank 0 away", log=srv.log
+                    )
                 for _ in range(N - 5):
                     recs.append(batch_record(next(dc)))
                 held_after.extend(batch_record(b) for b in held)  # their slots were never reused meanwhile

@@ -19,8 +19,7 @@ import pytest
 from msdata_server.cluster import PeerLink
 
 from .e2e_util import batch_record, run_ranks, small_job
-from .etcd_fixture import etcd_server  # noqa: F401  (fixture)
-from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
+from .polling import wait_for
 
 
 def _ranks(c, spec, n: int, node_of: dict[int, str], pause: dict[int, int], late: int):
@@ -57,9 +56,7 @@ def _ranks(c, spec, n: int, node_of: dict[int, str], pause: dict[int, int], late
 
 @pytest.mark.timeout(300)  # a killed server restarting and rejoining is slow on 2 busy cores, not stuck
 def test_leader_restarted_a_rank_that_comes_back_after_its_job_started_is_served_exact(
-    etcd_server,
-    cluster_factory,
-    server_factory,  # noqa: F811
+    etcd_server, cluster_factory, server_factory
 ):
     """The leader's server is SIGKILLed and restarted; of its two ranks (two groups), one reconnects at once and
     the node's job starts with it; the other reconnects only after that (it was busy elsewhere, as a rank
@@ -94,7 +91,7 @@ def test_leader_restarted_a_rank_that_comes_back_after_its_job_started_is_served
     assert f"rank {late} is the first reader of group {late // 2} here" in c.nodes[leader].log()
 
 
-def test_a_reply_goes_back_over_the_requesters_link_while_ours_to_it_is_not_up(etcd_server, cluster_factory):  # noqa: F811
+def test_a_reply_goes_back_over_the_requesters_link_while_ours_to_it_is_not_up(etcd_server, cluster_factory):
     """A peer asks before this node has linked back to it (here: a peer that is no member, so no link to it ever
     comes up; in bench/chaos.py: a node that just restarted, whose first fetch went out before its peer dialled
     it back and waited out the 9 s timeout): the reply comes back over the link the request came in on."""

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 import msdata_client as msd
 from msdata_server.sources import open_source
 
-from .conftest import ServerProc
 from .e2e_util import run_ranks, small_job
+from .server_util import ServerProc
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ import pytest
 from msdata_client.ring import HEADER_SIZE, RingMap, SlotTable, layout_fields, read_header
 from msdata_server import shm
 
+from .server_util import can_unshare
+
 
 def test_slot_table_frees_after_last_reader():
     t = SlotTable(2)
@@ -82,16 +84,7 @@ def test_cleanup_removes_segments_of_dead_owners():
     assert not os.path.exists("/dev/shm" + name)
 
 
-def _can_unshare() -> bool:
-    import shutil
-
-    if shutil.which("unshare") is None:
-        return False
-    r = subprocess.run(["unshare", "-m", "true"], capture_output=True)
-    return r.returncode == 0
-
-
-needs_unshare = pytest.mark.skipif(not _can_unshare(), reason="needs `unshare -m` (root) to mount a small /dev/shm")
+needs_unshare = pytest.mark.skipif(not can_unshare(), reason="needs `unshare -m` (root) to mount a small /dev/shm")
 
 
 @needs_unshare

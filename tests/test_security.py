@@ -21,8 +21,8 @@ import torch
 
 import msdata_client as msd
 from msdata_client.errors import ConfigError
-from tests.conftest import ROOT
 from tests.e2e_util import small_job
+from tests.server_util import ROOT
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -17,9 +17,9 @@ from msdata_server.cluster.shardrefs import STANDBY_SLACK
 from msdata_server.errors import ConfigError
 from msdata_server.planner import Mixture, Planner, PlannerConfig
 
+from .cluster_util import node_status
 from .e2e_util import batch_record, run_ranks, small_job
-from .etcd_fixture import etcd_server, fresh_etcd  # noqa: F401  (fixtures)
-from .test_multinode import cluster_factory, node_status, wait_for  # noqa: F401  (fixture)
+from .polling import wait_for
 
 NODES = ["node-0", "node-1", "node-2"]
 
@@ -123,9 +123,7 @@ def test_a_standby_counts_references_of_recent_steps_only():
 
 
 def test_owner_sigkilled_mid_run_its_standbys_take_over_and_batches_are_exact(
-    etcd_server,
-    cluster_factory,
-    server_factory,  # noqa: F811
+    etcd_server, cluster_factory, server_factory
 ):
     """Ranks on two nodes; the third only owns data and is SIGKILLed after a few steps. Its partitions' standbys
     take over (when the peer link breaks, before its lease ends) and the ranks get exactly the batches of an

@@ -11,10 +11,9 @@ import threading
 
 import msdata_client as msd
 
+from .cluster_util import node_status, send_peer_frame
 from .e2e_util import batch_record, run_ranks, small_job
-from .etcd_fixture import etcd_server  # noqa: F401  (fixture)
-from .test_multinode import cluster_factory, node_status, wait_for  # noqa: F401  (fixture)
-from .test_multinode_jobs import _send_peer_frame
+from .polling import wait_for
 
 
 def _runs(srv, job: str) -> list[dict]:
@@ -69,7 +68,7 @@ class _Ranks:
         assert not self.errs, self.errs
 
 
-def _setup(etcd_server, cluster_factory, server_factory, name: str, seed: int, n: int):  # noqa: F811
+def _setup(etcd_server, cluster_factory, server_factory, name: str, seed: int, n: int):
     spec = msd.DGraph.from_spec(small_job(name, dp=2, samples=400, seed=seed, prefetch=1)).shadow_loaders(1).plan()
     want = run_ranks(spec, server_factory().start().socket, n)
     c = cluster_factory(etcd_server.url).start()
@@ -80,9 +79,7 @@ def _setup(etcd_server, cluster_factory, server_factory, name: str, seed: int, n
 
 
 def test_owner_back_while_its_standbys_serve_reads_its_partitions_again_exact(
-    etcd_server,
-    cluster_factory,
-    server_factory,  # noqa: F811
+    etcd_server, cluster_factory, server_factory
 ):
     """The owner is SIGKILLed, its standbys serve; then it is started again (as systemd would) while they do:
     it joins, the partitions are dealt afresh (the owner reads its own again, the former standbys close theirs
@@ -116,10 +113,7 @@ def test_owner_back_while_its_standbys_serve_reads_its_partitions_again_exact(
 
 
 def test_peer_link_broken_while_the_owner_lives_standbys_serve_then_hand_back_exact(
-    etcd_server,
-    cluster_factory,
-    server_factory,  # noqa: F811
-    monkeypatch,
+    etcd_server, cluster_factory, server_factory, monkeypatch
 ):
     """Both rank nodes' links to the owner are closed (an injected fault) while the owner runs on: each counts
     the owner as gone at once (its lease says nothing), and the owner's partitions go to their standbys (each
@@ -141,7 +135,7 @@ def test_peer_link_broken_while_the_owner_lives_standbys_serve_then_hand_back_ex
     for nid in rank_nodes:
         srv = c.nodes[nid]
         links = srv.log().count(f"linked to peer {owner} at")
-        _send_peer_frame(srv, token, {"t": "fault", "node": owner, "close": True})
+        send_peer_frame(srv, token, {"t": "fault", "node": owner, "close": True})
         wait_for(lambda srv=srv: gone.search(srv.log()), 30, "the takeover")
         wait_for(lambda srv=srv, n=links: srv.log().count(f"linked to peer {owner} at") > n, 30, "the link again")
     assert sum(_here(c.nodes[nid], "shlink", "takeovers") for nid in rank_nodes) > 0, "no standby took over"

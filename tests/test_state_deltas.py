@@ -16,8 +16,6 @@ from msdata_server.planner import Planner
 from msdata_server.planner.delta import DeltaWriter, compose, decode, encode_base, encode_delta
 from msdata_server.statedir import StateStore
 
-from .etcd_fixture import etcd_server  # noqa: F401 (fixture)
-
 ints = st.integers(-(2**40), 2**40)
 
 
@@ -111,7 +109,7 @@ def test_state_dir_loads_every_step_of_its_window(tmp_path_factory, states, ever
 
 
 def _planner_states(n: int) -> list[dict]:
-    from .test_planner import MEDIANS, View, config
+    from .planner_util import MEDIANS, View, config
 
     planner, view, out = Planner(config(dp=64)), View(MEDIANS, seed=1), []
     for _ in range(n):
@@ -127,7 +125,7 @@ def test_real_planner_states_round_trip_and_restore_a_planner(tmp_path):
         store.save(s["step"], s)
     got = store.load_at_or_before(13)
     assert got is not None and got[0] == 13 and same(got[1], states[13])
-    from .test_planner import config
+    from .planner_util import config
 
     assert Planner(config(dp=64), state=got[1]).state_dict() == states[13]  # a planner restores from it
     kinds = sorted(n.rsplit(".", 1)[1] for n in os.listdir(store.dir))
@@ -190,7 +188,7 @@ def test_a_delta_names_its_base_and_its_base_crc():
     assert same(compose(rec, decode(base, "t"), base, "t"), b)
 
 
-def test_etcd_store_composes_deltas_and_reads_version_1_values(etcd_server):  # noqa: F811
+def test_etcd_store_composes_deltas_and_reads_version_1_values(etcd_server):
     from msdata_server.cluster import Etcd, LeaderElection, Membership
     from msdata_server.cluster.leader.statestore import EtcdStateStore
 

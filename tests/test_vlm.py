@@ -23,7 +23,7 @@ from msdata_server.planner.vlm_cost import StageImbalance, VlmCost, stage_imbala
 from msdata_server.sources import BadSample, open_source
 from msdata_server.transforms import IMAGE_TOKEN, load_transform, run_transform, smart_resize, vlm
 
-from .test_webdataset import COLOURS, NAMES, colour_of, encode, spec
+from .vlm_util import COLOURS, NAMES, colour_of, encode, spec
 
 Image = pytest.importorskip("PIL.Image")
 

@@ -19,7 +19,7 @@ from msdata_server.job.images import image_keys, source_transform
 from msdata_server.sources.base import BAD_REASONS, BadSample
 from msdata_server.transforms import check_image_fits, load_transform, max_image_tokens, run_transform, vlm
 
-from .test_vlm_e2e import COLOURS, EOS, IMG, MERGE, PATCH, documents, read_with_status
+from .vlm_util import COLOURS, EOS, IMG, MERGE, PATCH, documents, read_with_status
 
 Image = pytest.importorskip("PIL.Image")
 

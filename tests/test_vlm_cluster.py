@@ -4,14 +4,13 @@ rank's batches equal, bit for bit and pixels included, those of the same job on 
 
 from __future__ import annotations
 
+from .cluster_util import run_spread
 from .e2e_util import run_ranks
-from .etcd_fixture import etcd_server, fresh_etcd  # noqa: F401  (fixtures)
-from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
-from .test_multinode_jobs import run_spread
-from .test_vlm_e2e import documents, picture_job, pictures, write_parquet
+from .polling import wait_for
+from .vlm_util import documents, picture_job, pictures, write_parquet
 
 
-def test_a_picture_job_on_two_nodes_equals_one_node(etcd_server, cluster_factory, server_factory, tmp_path):  # noqa: F811
+def test_a_picture_job_on_two_nodes_equals_one_node(etcd_server, cluster_factory, server_factory, tmp_path):
     write_parquet(tmp_path / "pq", [pictures("a", 40, "PNG", 7), pictures("b", 40, "JPEG", 8)])
     spec = picture_job("vlm-cluster", [("pq", "parquet", tmp_path / "pq", ["image", "caption"])], dp=2, micro=2)
     n = 3 * spec.micro_batches

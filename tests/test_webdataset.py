@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import logging
 import tarfile
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,18 +19,10 @@ from msdata_server.sources.webdataset import WebDatasetSource, shard_index, spli
 from msdata_server.transforms import IMAGE_TOKEN, byte_tokens, vlm
 
 from .aio import run
+from .vlm_util import COLOURS, NAMES, colour_of, encode, spec
 
 Image = pytest.importorskip("PIL.Image")
 
-COLOURS = {
-    "red": (220, 30, 30),
-    "green": (30, 200, 60),
-    "blue": (40, 60, 220),
-    "yellow": (230, 220, 40),
-    "white": (250, 250, 250),
-    "black": (8, 8, 8),
-}
-NAMES = list(COLOURS)
 TXT = f"{__name__}:txt_tokens"  # a transform the loader imports by name
 
 
@@ -41,12 +32,6 @@ def txt_tokens(record, **_):
 
 
 txt_tokens.needs_rng = False
-
-
-def encode(colour: str, size=(64, 48), fmt="PNG") -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, COLOURS[colour]).save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
-    return buf.getvalue()
 
 
 def write_tar(path, samples) -> None:
@@ -71,20 +56,6 @@ def caption_samples(shard: int, n: int, fmt: str = "PNG"):
     return out
 
 
-def spec(path, name="wds", **kw):
-    base = dict(
-        name=name,
-        format="webdataset",
-        paths=(str(path),),
-        column="text",
-        columns=None,
-        max_sample_bytes=64 << 20,
-        transform=None,
-    )
-    base.update(kw)
-    return SimpleNamespace(**base)
-
-
 def make_shards(tmp_path, sizes=(12, 9, 15), fmts=("PNG", "JPEG", "PNG")):
     d = tmp_path / "shards"
     d.mkdir(exist_ok=True)
@@ -95,11 +66,6 @@ def make_shards(tmp_path, sizes=(12, 9, 15), fmts=("PNG", "JPEG", "PNG")):
         for r, (_, parts) in enumerate(samples):
             truth[(k, r)] = parts
     return d, truth
-
-
-def colour_of(pixels: np.ndarray, patch: int = 14) -> np.ndarray:
-    """Mean colour per patch, [n, 3] (a patch row is channel, row, column)."""
-    return pixels.reshape(len(pixels), 3, patch * patch).mean(axis=2)
 
 
 # ---------------------------------------------------------------- round trip

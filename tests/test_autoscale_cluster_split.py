@@ -12,7 +12,7 @@ import threading
 
 import msdata_client as msd
 
-from .autoscale_util import autoscale_cluster, burner_graph
+from .autoscale_util import ALLOW_TESTS, autoscale_cluster, burner_graph
 from .cluster_util import NODES, send_peer_frame
 from .e2e_util import batch_record, run_ranks
 from .polling import wait_for
@@ -127,7 +127,7 @@ def test_three_nodes_split_and_merge_a_source_live_and_the_batches_equal_autosca
     on.stop()
 
     # the same job on one server with autoscaling off (three nodes equal one: test_multinode_jobs)
-    single = server_factory(workers=1, extra="[autoscale]\nenabled = false\n").start()
+    single = server_factory(workers=1, extra=f"{ALLOW_TESTS}\n[autoscale]\nenabled = false\n").start()
     want = run_ranks(spec, single.socket, STEPS * m)
     for r in range(NODES):
         assert got[r] == want[r], f"rank {r} got other batches with b split and merged than with autoscaling off"

@@ -114,6 +114,12 @@ class PeerLink(asyncio.BufferedProtocol):
         """The other side's node id (claimed until ``authenticated``)."""
         return self._handshake.peer_id
 
+    @property
+    def tls_version(self) -> str | None:
+        """The TLS version of this link ("TLSv1.3"), None for a plain one (or before TLS is up)."""
+        obj = self._transport.get_extra_info("ssl_object") if self._transport is not None else None
+        return obj.version() if obj is not None else None
+
     def __repr__(self) -> str:
         who = self.peer_id or "unauthenticated"
         return f"<PeerLink {self.node_id}<->{who} {self._peername}>"

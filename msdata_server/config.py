@@ -153,14 +153,40 @@ class ClusterConfig:
     token_file: str = ""
     lease_ttl: float = 3.0
     prefix: str = "/msdata"
+    # mutual TLS on peer links and https to etcd (cluster/net/tls.py): all three paths, or none (plain links)
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
 
     def __post_init__(self):
+        self._check_tls()
         if not self.etcd or not all(isinstance(e, str) and e.startswith(("http://", "https://")) for e in self.etcd):
             raise ConfigError(f'[cluster] etcd = {list(self.etcd)!r} must list endpoints like "http://127.0.0.1:2379"')
         if not self.token_file:
             raise ConfigError("[cluster] token_file is required: peers authenticate with the shared secret in it")
         if not isinstance(self.lease_ttl, (int, float)) or not 1 <= self.lease_ttl <= 60:
             raise ConfigError(f"[cluster] lease_ttl = {self.lease_ttl!r} must be seconds in [1, 60]")
+
+    TLS_KEYS = ("tls_cert", "tls_key", "tls_ca")
+
+    def _check_tls(self) -> None:
+        """tls_cert, tls_key and tls_ca are set together or not at all (the files are checked as the node starts)."""
+        paths = {k: getattr(self, k) for k in self.TLS_KEYS}
+        for k, v in paths.items():
+            if not isinstance(v, str):
+                raise ConfigError(f"[cluster] {k} = {v!r} must be a path (a string)")
+        missing = [k for k, v in paths.items() if not v]
+        if 0 < len(missing) < len(paths):
+            given = [k for k in paths if k not in missing]
+            raise ConfigError(
+                f"[cluster] {', '.join(given)} set without {', '.join(missing)}: mutual TLS needs tls_cert, tls_key "
+                "and tls_ca together (or none of them for plain peer links)"
+            )
+
+    @property
+    def tls(self) -> bool:
+        """Mutual TLS on peer links (and https to etcd with our client certificate)."""
+        return bool(self.tls_cert)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -255,9 +281,10 @@ def parse_config(doc: dict, *, base_dir: str | None = None) -> ServerConfig:
         if "etcd" in ct:
             e = ct["etcd"]
             ct["etcd"] = (e,) if isinstance(e, str) else tuple(e)
-        tf = ct.get("token_file")
-        if isinstance(tf, str) and tf and base_dir and not os.path.isabs(tf):
-            ct["token_file"] = os.path.join(base_dir, tf)
+        for key in ("token_file", *ClusterConfig.TLS_KEYS):  # relative paths resolve against node.toml's directory
+            v = ct.get(key)
+            if isinstance(v, str) and v and base_dir and not os.path.isabs(v):
+                ct[key] = os.path.join(base_dir, v)
         cluster = ClusterConfig(**ct)
     auto_t = doc.get("autoscale", {})
     if not isinstance(auto_t, dict):

@@ -2,6 +2,7 @@
 
 Tuned for speed (50 ms heartbeat, 500 ms election timeout: leases of 1 s are allowed). Skips only when no etcd
 binary exists (set $MSDATA_ETCD to use another). ``stop``/``start`` restart it on the same ports and data.
+``tls=`` a certificate (tests/pki.py): https only, clients must present a certificate signed by the same CA.
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ import socket
 import subprocess
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from .pki import Cert
 
 ETCD = (
     os.environ.get("MSDATA_ETCD")
@@ -44,19 +49,20 @@ def _reserve_port() -> int:
 class EtcdServer:
     """One etcd member on loopback; its log goes to ``log_path``."""
 
-    def __init__(self, data_dir: str | os.PathLike):
+    def __init__(self, data_dir: str | os.PathLike, *, tls: Cert | None = None):
         if ETCD is None:
             pytest.skip("no etcd binary (apt install etcd-server, or set $MSDATA_ETCD)")
         self.dir = Path(data_dir)
         self.log_path = self.dir / "etcd.log"
         self.client_port = _reserve_port()
         self.peer_port = _reserve_port()
+        self.tls = tls
         self.proc: subprocess.Popen | None = None
         self._drain: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
 
     def start(self, timeout: float = 30.0) -> EtcdServer:
         peer = f"http://127.0.0.1:{self.peer_port}"
@@ -81,6 +87,9 @@ class EtcdServer:
             "--election-timeout",
             "500",
         ]
+        if self.tls is not None:  # client URLs only; the (single) member's peer URL stays plain
+            cmd += ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key)]
+            cmd += ["--client-cert-auth", "--trusted-ca-file", str(self.tls.ca)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         ready = threading.Event()
         proc = self.proc

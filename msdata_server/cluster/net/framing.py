@@ -105,6 +105,10 @@ class FrameDecoder:
         self._payload, self._payload_frame, self._got = memoryview(data), frame, take  # get_buffer reads the rest
         return None
 
+    def buffered(self) -> int:
+        """Bytes received but not yet part of a returned frame (outside a payload being received)."""
+        return len(self._buf)
+
     def truncation(self, peer: str) -> ProtocolError | None:
         """The error to report if the stream ends now: inside a payload or a frame; None between frames."""
         if self._payload is not None:

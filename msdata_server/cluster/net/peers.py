@@ -3,9 +3,12 @@
 Frames as in msdata_client/wire.py: a 4-byte big-endian length and an orjson object with a string "t". A
 payload frame is such an object with ``"nbytes": n`` followed by n raw bytes (never pickle), which the receiver
 reads straight into one buffer (``_framing``). Before anything else both sides prove they hold the shared token
-(``_handshake``: HMAC-SHA256 over both nonces, roles and ids). Flow control: a sender awaits drain once the transport
-buffers ``high_water`` bytes (payloads go in chunks, so it never holds more than high_water + CHUNK); a receiver
-stops reading while its handler has more than ``high_water`` bytes queued. A malformed frame closes that link only.
+(``_handshake``: HMAC-SHA256 over both nonces, roles and ids). With ``tls`` (an ``ssl.SSLContext``, ``tls.py``) the
+link is upgraded to mutual TLS first (``starttls`` both ways, then ``loop.start_tls``) and the token handshake and
+every frame after it travel inside TLS; a side with TLS and a side without refuse each other with a clear error.
+Flow control: a sender awaits drain once the transport buffers ``high_water`` bytes (payloads go in chunks, so it
+never holds more than high_water + CHUNK); a receiver stops reading while its handler has more than ``high_water``
+bytes queued. A malformed frame closes that link only.
 
 This module holds the link's lifecycle (connect, authenticate, deliver in order, close) and the server that
 accepts links; the bytes on the wire and the proof of the token live in the two modules named above.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -73,6 +77,7 @@ class PeerLink(asyncio.BufferedProtocol):
         auth_timeout: float = AUTH_TIMEOUT,
         on_ready: Callable[[PeerLink], None] | None = None,
         traffic: Traffic | None = None,
+        tls: ssl.SSLContext | None = None,
     ):
         if high_water < CHUNK // 16:
             raise ValueError(f"{high_water=} must be >= {CHUNK // 16}")
@@ -81,7 +86,9 @@ class PeerLink(asyncio.BufferedProtocol):
         self.traffic = traffic if traffic is not None else Traffic()
         self.high_water = high_water
         self.max_payload = max_payload
-        self._handshake = Handshake(check_token(token), node_id, server=server)
+        self._handshake = Handshake(check_token(token), node_id, server=server, tls=tls is not None)
+        self._tls = tls
+        self._upgrading: asyncio.Task | None = None  # the TLS handshake, while it runs
         self._handler = handler
         self._on_ready = on_ready
         self._auth_timeout = auth_timeout
@@ -106,6 +113,12 @@ class PeerLink(asyncio.BufferedProtocol):
     def peer_id(self) -> str | None:
         """The other side's node id (claimed until ``authenticated``)."""
         return self._handshake.peer_id
+
+    @property
+    def tls_version(self) -> str | None:
+        """The TLS version of this link ("TLSv1.3"), None for a plain one (or before TLS is up)."""
+        obj = self._transport.get_extra_info("ssl_object") if self._transport is not None else None
+        return obj.version() if obj is not None else None
 
     def __repr__(self) -> str:
         who = self.peer_id or "unauthenticated"
@@ -144,8 +157,62 @@ class PeerLink(asyncio.BufferedProtocol):
             raise
         for reply in replies:
             self._write(encode(reply))
-        if self._handshake.done:
+        if self._handshake.upgrade:
+            self._start_tls()
+        elif self._handshake.done:
             self._authenticated()
+
+    # ---- TLS ------------------------------------------------------------------------------------------
+    def _start_tls(self) -> None:
+        """Both sides said ``starttls``: stop reading in the clear and run the TLS handshake on this socket."""
+        if self._frames.buffered():  # the peer must wait for our answer before its TLS hello
+            raise AuthError(f"peer {self._peername} sent data after starttls, before the TLS handshake")
+        raw = self._live_transport()
+        raw.pause_reading()
+        self._upgrading = self._loop.create_task(self._upgrade(raw), name=f"tls-{self._peername}")
+
+    async def _upgrade(self, raw: asyncio.Transport) -> None:
+        """The TLS handshake (within the auth timeout); then the token handshake goes on inside TLS."""
+        assert self._tls is not None  # the handshake asks for TLS only when we have it
+        try:
+            tls = await self._loop.start_tls(
+                raw, self, self._tls, server_side=self._handshake.server, ssl_handshake_timeout=self._auth_timeout
+            )
+        except asyncio.CancelledError:
+            self._tls_failed(raw, None)
+            raise
+        except Exception as e:  # SSLError, a reset, a timeout (the types differ between asyncio and uvloop)
+            self._tls_failed(raw, e)
+            return
+        if tls is None or tls.is_closing() or self.closed.done():
+            self._tls_failed(raw, PeerLostError("the link closed during the TLS handshake"))
+            return
+        self._transport = cast(asyncio.Transport, tls)
+        self._upgrading = None  # frames flow again (this task is about to end)
+        self._transport.set_write_buffer_limits(high=self.high_water)
+        if (hello := self._handshake.upgraded()) is not None:
+            self._write(encode(hello))
+        self._pump()  # the client may have sent its hello before this task resumed
+
+    def _tls_failed(self, raw: asyncio.Transport, exc: BaseException | None) -> None:
+        """The TLS handshake failed (``exc``) or was cancelled (None): the link is over; say why, once."""
+        if exc is not None and self.error is None:
+            if isinstance(exc, ssl.SSLError):
+                self._fail(
+                    AuthError(
+                        f"peer {self._peername}: the TLS handshake failed: {exc}: each node's certificate must be "
+                        "signed by the other's [cluster] tls_ca"
+                    )
+                )
+            else:
+                self._fail(
+                    PeerLostError(
+                        f"peer {self._peername} closed the link during the TLS handshake ({exc!r}): "
+                        "if it keeps doing so, it does not trust our certificate (its log names us)"
+                    )
+                )
+        raw.abort()
+        self.connection_lost(None)  # the TLS layer does not report a link lost before TLS was up
 
     def _authenticated(self) -> None:
         self.authenticated = True
@@ -221,8 +288,12 @@ class PeerLink(asyncio.BufferedProtocol):
             return
         self.traffic.bytes_in += nbytes
         self._frames.received(nbytes)
+        self._pump()
+
+    def _pump(self) -> None:
+        """Handle every complete frame received (none while TLS is being set up: those wait for ``_upgrade``)."""
         try:
-            while not self._live_transport().is_closing():
+            while not self._live_transport().is_closing() and self._upgrading_now() is None:
                 if (got := self._frames.next(trusted=self.authenticated)) is None:
                     return
                 if self.authenticated:
@@ -290,7 +361,13 @@ class PeerLink(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         return False  # close our side too
 
+    def _upgrading_now(self) -> asyncio.Task | None:
+        """The TLS handshake task while it runs (no frame is read meanwhile)."""
+        return self._upgrading if self._upgrading is not None and not self._upgrading.done() else None
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.closed.done():
+            return  # after a failed TLS handshake both we and the TLS layer may report it
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -299,8 +376,16 @@ class PeerLink(asyncio.BufferedProtocol):
             log.warning("%r: %s", self, self.error)
         self._frames.close()
         if not self.ready.done():
+            if self.error is None and isinstance(exc, ssl.SSLError):  # TLS 1.3: the server checks our cert late
+                self.error = AuthError(
+                    f"peer {self._peername} refused our TLS certificate: {exc}: it must be signed by the peer's "
+                    "[cluster] tls_ca"
+                )
+                log.warning("%r closed: %s", self, self.error)
+            hint = " (after TLS was up: if it keeps doing so, it refuses our certificate; its log says)"
             err = self.error or PeerLostError(
                 f"peer {self._peername} closed the link during authentication{f': {exc}' if exc else ''}"
+                + (hint if self._handshake.tls_up else "")
             )
             self.ready.set_exception(err)
         if self.ready.done() and not self.ready.cancelled():
@@ -315,6 +400,9 @@ class PeerLink(asyncio.BufferedProtocol):
         """Close after sending what is buffered; waits (bounded) for the other side; idempotent."""
         if self._transport is not None:
             self._transport.close()
+        if (upgrading := self._upgrading_now()) is not None:
+            upgrading.cancel("link closing")
+            await asyncio.gather(upgrading, return_exceptions=True)
         if self._consumer is not None and not self._consumer.done() and self._consumer is not asyncio.current_task():
             self._consumer.cancel("link closing")
         try:
@@ -337,8 +425,9 @@ async def dial(
     timeout: float = AUTH_TIMEOUT,
     **kw: Any,
 ) -> PeerLink:
-    """Connect to a peer and authenticate; AuthError when the other side lacks our token, PeerLostError if it is
-    gone or does not answer within ``timeout``."""
+    """Connect to a peer and authenticate (over mutual TLS with ``tls=`` a client context); AuthError when the
+    other side lacks our token, our CA or our TLS mode, PeerLostError if it is gone or does not answer within
+    ``timeout``."""
     loop = asyncio.get_running_loop()
     make = partial(
         PeerLink,
@@ -374,8 +463,10 @@ class PeerServer:
         max_payload: int = MAX_PAYLOAD,
         auth_timeout: float = AUTH_TIMEOUT,
         traffic: Traffic | None = None,
+        tls: ssl.SSLContext | None = None,
     ):
         self._token = check_token(token)
+        self.tls = tls  # a server context: every accepted link is mutual TLS
         self.traffic = traffic
         self.node_id = node_id
         self.handler = handler
@@ -392,7 +483,13 @@ class PeerServer:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(self._make, host, port)
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("node %s accepts peer links on %s:%d", self.node_id, host, self.port)
+        log.info(
+            "node %s accepts peer links on %s:%d (%s)",
+            self.node_id,
+            host,
+            self.port,
+            "mutual TLS" if self.tls is not None else "plain TCP, token handshake",
+        )
         return self.port
 
     def _make(self) -> PeerLink:
@@ -406,6 +503,7 @@ class PeerServer:
             auth_timeout=self.auth_timeout,
             on_ready=self._ready,
             traffic=self.traffic,
+            tls=self.tls,
         )
         self._all.add(link)
         link.closed.add_done_callback(partial(self._gone, link))

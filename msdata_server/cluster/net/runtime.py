@@ -2,7 +2,9 @@
 
 Built only when node.toml has a [cluster] table. The peer listener binds first, so the membership record
 carries the real port (``listen = "...:0"`` works); links to the other members follow the membership prefix
-through an etcd watch. Frames from a leader carry its fencing token; ``fence`` drops older ones.
+through an etcd watch. Frames from a leader carry its fencing token; ``fence`` drops older ones. With
+``[cluster] tls_cert``/``tls_key``/``tls_ca`` every peer link is mutual TLS and https etcd endpoints get our
+client certificate (``tls.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ...tasks import TaskSet
 from .election import Fence, LeaderElection, Membership
 from .etcd import Etcd, EtcdError
 from .peers import AuthError, PeerLink, PeerServer, Traffic, load_token
+from .tls import PeerTls, etcd_context, peer_tls
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -58,9 +61,27 @@ class ClusterNode:
         self._warned = Once()  # frames dropped for a stale token: named once per (peer, token)
         self.on_fatal = on_fatal  # a role or lease callback failed: the node server must stop
         self.token = load_token(self.cc.token_file)
-        self.etcd = Etcd(list(self.cc.etcd), timeout=max(1.0, self.cc.lease_ttl))
+        self.tls: PeerTls | None = None
+        etcd_ssl = None
+        if self.cc.tls:
+            self.tls = peer_tls(self.cc.tls_cert, self.cc.tls_key, self.cc.tls_ca)
+            etcd_ssl = etcd_context(self.cc.tls_cert, self.cc.tls_key, self.cc.tls_ca)
+            if plain := [e for e in self.cc.etcd if e.startswith("http://")]:
+                log.warning(
+                    "node %s: [cluster] etcd endpoints %s are plain http although tls_* are set: membership and "
+                    "planner states travel in the clear; use https:// endpoints (etcd --client-cert-auth)",
+                    self.node_id,
+                    ",".join(plain),
+                )
+        self.etcd = Etcd(list(self.cc.etcd), timeout=max(1.0, self.cc.lease_ttl), ssl=etcd_ssl)
         self.traffic = Traffic()  # bytes over every peer link of this node, both ways
-        self.peers = PeerServer(token=self.token, node_id=self.node_id, handler=self._on_frame, traffic=self.traffic)
+        self.peers = PeerServer(
+            token=self.token,
+            node_id=self.node_id,
+            handler=self._on_frame,
+            traffic=self.traffic,
+            tls=self.tls.server if self.tls is not None else None,
+        )
         self.membership: Membership | None = None
         self.election: LeaderElection | None = None
         self.fence = Fence()
@@ -142,6 +163,7 @@ class ClusterNode:
             "incoming": sorted(self.peers.links),
             "lease_alive": bool(self.membership is not None and self.membership.alive),
             "traffic": self.traffic.to_dict(),
+            "tls": self.tls is not None,  # mutual TLS on every peer link
         }
 
     # ---- members and links ---------------------------------------------------------------------------
@@ -212,9 +234,10 @@ class ClusterNode:
                     node_id=self.node_id,
                     handler=self._on_frame,
                     traffic=self.traffic,
+                    tls=self.tls.client if self.tls is not None else None,
                 )
-            except AuthError as e:
-                log.error("node %s: peer %s at %s refused our token: %s", self.node_id, nid, listen, e)
+            except AuthError as e:  # its token, its CA or its TLS mode differs: no retry until it re-registers
+                log.error("node %s: cannot link to peer %s at %s: %s", self.node_id, nid, listen, e)
                 return
             except (PeerLostError, ProtocolError, ValueError) as e:
                 log.debug("node %s: peer %s at %s: %s; retrying", self.node_id, nid, listen, e)

@@ -19,11 +19,11 @@ from msdata_server.cluster.net.tls import etcd_context, peer_tls
 from msdata_server.config import parse_config
 from msdata_server.errors import ConfigError, PeerLostError
 
+from .cluster_util import run_spread, spread
 from .e2e_util import run_ranks, small_job
-from .etcd_fixture import EtcdServer, etcd_server  # noqa: F401  (fixture)
+from .etcd_fixture import EtcdServer
 from .pki import CA, Cert, need_openssl
-from .test_multinode import cluster_factory, wait_for  # noqa: F401  (fixture)
-from .test_multinode_jobs import run_spread, spread
+from .polling import wait_for
 
 TOKEN = "t" * 32
 

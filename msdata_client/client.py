@@ -180,12 +180,17 @@ class DataClient:
             "planner": planner,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved state (any layout: a different mesh is a reshard); call before iterating."""
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Continue from a saved state (any layout: a different mesh is a reshard); call before iterating.
+        ``None`` (no checkpoint yet: ``ckpt.get("data")`` on a first run) is a fresh start at the beginning."""
         if self._window is not None:
             raise ConfigError("a replay=(A, B) client is read-only: it takes no state; use a DataClient without it")
         if self._iterating:
             raise CheckpointError("load_state_dict after iteration started; call it before the first next()")
+        if state is None:  # a first run: the trainer has no checkpoint to give
+            self._reg.state = self._reg.latest = None
+            self._reg.step, self._reg.micro = 0, 0
+            return
         if not isinstance(state, dict):
             raise CheckpointError(f"a state must be a dict (from state_dict()), not {type(state).__name__}")
         if state.get("version") != STATE_VERSION:

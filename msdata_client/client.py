@@ -9,6 +9,7 @@ reconnects and the slots the server holds for this rank are ``connection.Connect
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import weakref
@@ -23,8 +24,11 @@ from .errors import CheckpointError, ClosedError, ConfigError, ProtocolError
 from .graph import DGraph, JobSpec
 from .mix import check_mixture_change
 from .ring import RingMap
+from .tokenizer import pad_warning
 
 __all__ = ["Batch", "DataClient"]
+
+log = logging.getLogger(__name__)
 
 STATE_VERSION = 2
 
@@ -99,6 +103,8 @@ class DataClient:
         self._reg = Registration(job=spec.to_dict(), digest=spec.digest(), rank=rank, world_size=world_size)
         self._conn = Connection(endpoint, float(connect_timeout), self._reg)
         self._window = None if replay is None else _lineage.ReplayWindow(endpoint, spec.name, rank, replay)
+        if rank == 0 and (warning := pad_warning(spec.pad_id, (s.transform for s in spec.sources))):
+            log.warning("job %s: %s", spec.name, warning)  # once per job, from its first rank
 
     # The attributes a rank had before the connection moved out, read and written through to where they live
     # (the next hello carries them).

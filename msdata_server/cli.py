@@ -347,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     ln.add_argument("--state", help="offline: a trainer's saved loader.state_dict() JSON to replay from")
     ln.add_argument("--rank", type=int, help="only the micro-batches of this trainer rank's data-parallel group")
     ln.add_argument("--sample", type=int, help="only the rows of this sample id (where one document went)")
+    ln.add_argument(
+        "--source", help="only the rows of this source (sample ids repeat across sources: give both to name one)"
+    )
     ln.add_argument("--out", help="write Parquet here instead of printing a table")
     ln.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
     ln.add_argument("--timeout", type=_positive, default=600.0, help="seconds to wait for the server (default 600)")

@@ -9,6 +9,7 @@ reconnects and the slots the server holds for this rank are ``connection.Connect
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import weakref
@@ -23,8 +24,11 @@ from .errors import CheckpointError, ClosedError, ConfigError, ProtocolError
 from .graph import DGraph, JobSpec
 from .mix import check_mixture_change
 from .ring import RingMap
+from .tokenizer import pad_warning
 
 __all__ = ["Batch", "DataClient"]
+
+log = logging.getLogger(__name__)
 
 STATE_VERSION = 2
 
@@ -99,6 +103,8 @@ class DataClient:
         self._reg = Registration(job=spec.to_dict(), digest=spec.digest(), rank=rank, world_size=world_size)
         self._conn = Connection(endpoint, float(connect_timeout), self._reg)
         self._window = None if replay is None else _lineage.ReplayWindow(endpoint, spec.name, rank, replay)
+        if rank == 0 and (warning := pad_warning(spec.pad_id, (s.transform for s in spec.sources))):
+            log.warning("job %s: %s", spec.name, warning)  # once per job, from its first rank
 
     # The attributes a rank had before the connection moved out, read and written through to where they live
     # (the next hello carries them).
@@ -180,12 +186,17 @@ class DataClient:
             "planner": planner,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved state (any layout: a different mesh is a reshard); call before iterating."""
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Continue from a saved state (any layout: a different mesh is a reshard); call before iterating.
+        ``None`` (no checkpoint yet: ``ckpt.get("data")`` on a first run) is a fresh start at the beginning."""
         if self._window is not None:
             raise ConfigError("a replay=(A, B) client is read-only: it takes no state; use a DataClient without it")
         if self._iterating:
             raise CheckpointError("load_state_dict after iteration started; call it before the first next()")
+        if state is None:  # a first run: the trainer has no checkpoint to give
+            self._reg.state = self._reg.latest = None
+            self._reg.step, self._reg.micro = 0, 0
+            return
         if not isinstance(state, dict):
             raise CheckpointError(f"a state must be a dict (from state_dict()), not {type(state).__name__}")
         if state.get("version") != STATE_VERSION:

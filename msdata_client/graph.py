@@ -122,20 +122,19 @@ class DGraph:
         *,
         rows: int = 1,
         micro_batches: int = 1,
-        pad_id: int = 257,
+        pad_id: int | None = None,
         long_docs: str = "split",
         image_token_id: int = IMAGE_TOKEN_ID,
     ) -> DGraph:
         """Pack documents into `rows` rows of `seq_len` tokens per micro-batch (`image_token_id`: the id of a
         picture document's image placeholders)."""
         self._job.update(
-            seq_len=seq_len,
-            rows=rows,
-            micro_batches=micro_batches,
-            pad_id=pad_id,
-            long_docs=long_docs,
-            image_token_id=image_token_id,
+            seq_len=seq_len, rows=rows, micro_batches=micro_batches, long_docs=long_docs, image_token_id=image_token_id
         )
+        if pad_id is not None:  # None: the tokenizer's pad token when it has one, else 257
+            self._job["pad_id"] = pad_id
+        else:
+            self._job.pop("pad_id", None)
         return self
 
     def broadcast_at(self, *axes: str) -> DGraph:

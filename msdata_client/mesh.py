@@ -25,7 +25,8 @@ PP_STAGES: tuple[str, ...] = ("first", "middle", "last")
 # Default per-stage fields (ARCHITECTURE §4.4). Fields not named in LABEL_FIELDS or ATTENTION_FIELDS are inputs
 # (tokens and other modalities' keys) and go to the first stage only.
 LABEL_FIELDS: frozenset[str] = frozenset({"labels", "loss_mask"})
-ATTENTION_FIELDS: frozenset[str] = frozenset({"cu_seqlens", "position_ids", "step", "micro"})
+# doc_counts goes with cu_seqlens: it says which of its segments are documents and which are padding
+ATTENTION_FIELDS: frozenset[str] = frozenset({"cu_seqlens", "doc_counts", "position_ids", "step", "micro"})
 _LAST_EXTRA: frozenset[str] = frozenset({"sample_ids", "source_ids"})
 
 

@@ -17,6 +17,7 @@ from msdata_client._validate import (
 )
 from msdata_client.choices import DEFAULT_TRANSFORM, SourceFormat
 from msdata_client.errors import ConfigError
+from msdata_client.tokenizer import resolve_tokenizer
 
 __all__ = ["SYNTHETIC_DEFAULTS", "SourceSpec", "synthetic_only"]
 
@@ -37,7 +38,8 @@ def synthetic_only(where: str, fmt: Any, options: Any, *, use: str) -> ConfigErr
 class SourceSpec:
     """One data source: where its samples live and how each becomes tokens.
 
-    Relative `paths` become absolute (against the TOML's directory, or the working directory). A synthetic
+    Relative `paths` become absolute (against the TOML's directory, or the working directory), and so does a
+    relative tokenizer file in the transform (``hf_tokenizer("tok.json")``, ``vlm(tokenizer="tok.json")``). A synthetic
     source reads no files and its records are already token ids, so its transform defaults to None.
     `columns` selects several columns (fields; a WebDataset sample's extensions, "jpg;png" for either) and
     the transform gets a dict keyed by their names; without it a record is the value of `column` (a
@@ -80,6 +82,7 @@ class SourceSpec:
             transform = None
         if transform is not None:
             check_transform(f"{where} transform", transform)
+            transform = resolve_tokenizer(transform, None)  # a relative tokenizer file: as a relative path
         fix = "give a size in bytes such as 67108864"
         check_int(f"{where} max_sample_bytes", self.max_sample_bytes, low=1, fix=fix)
         if synthetic:
@@ -145,6 +148,8 @@ class SourceSpec:
         if "paths" in kwargs:
             paths = check_str_tuple(f"source {d['name']!r} paths", kwargs["paths"], fix=_PATHS_FIX)
             kwargs["paths"] = tuple(resolve_path(p, base_dir) for p in paths)
+        if isinstance(kwargs.get("transform"), str):  # its tokenizer file resolves like paths, not on the server
+            kwargs["transform"] = resolve_tokenizer(kwargs["transform"], base_dir)
         if isinstance(kwargs.get("columns"), list):
             kwargs["columns"] = tuple(kwargs["columns"])
         return cls(**kwargs)

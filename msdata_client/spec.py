@@ -18,11 +18,19 @@ from msdata_client.errors import ConfigError
 from msdata_client.mesh import PP_STAGES, ClientPlaceTree
 from msdata_client.mix import MixSpec
 from msdata_client.source import SourceSpec
+from msdata_client.tokenizer import default_pad
 
 __all__ = ["BalanceSpec", "IMAGE_TOKEN_ID", "JobSpec", "MixSpec", "SourceSpec", "VISION_ALPHA", "VISION_BETA"]
 
 IMAGE_TOKEN_ID = 258  # [job] image_token_id by default (byte tokens are 0..255, EOS 256, padding 257)
 VISION_ALPHA, VISION_BETA = 1.0, 2048.0  # [balance] alpha_v, beta_v by default
+
+
+class _Unset(int):
+    """An int default told apart by identity: a pad_id the job did not set (a user's -1 is still refused)."""
+
+
+PAD_FROM_TOKENIZER = _Unset(-1)  # [job] pad_id unset: the tokenizer's pad token when it has one, else 257
 
 _JOB_TABLE_KEYS = (
     "name",
@@ -105,7 +113,7 @@ class JobSpec:
     seq_len: int = 8192
     micro_batches: int = 1
     rows: int = 1
-    pad_id: int = 257
+    pad_id: int = PAD_FROM_TOKENIZER  # the tokenizer's pad token when it has one, else 257 (tokenizer.py)
     long_docs: str = "split"
     distribute: str = "dp"
     broadcast_at: tuple[str, ...] = ("tp",)
@@ -126,6 +134,8 @@ class JobSpec:
         check_int("job seq_len", self.seq_len, low=1, fix="set [job] seq_len to the tokens per packed row, e.g. 8192")
         check_int("job micro_batches", self.micro_batches, low=1, fix="set the micro-batches per DP rank per step")
         check_int("job rows", self.rows, low=1, fix="set the packed rows per micro-batch")
+        if self.pad_id is PAD_FROM_TOKENIZER:
+            object.__setattr__(self, "pad_id", default_pad(s.transform for s in self._source_list()))
         check_int("job pad_id", self.pad_id, low=0, fix="use a non-negative token id (257 by default)")
         fix = f"use a non-negative token id ({IMAGE_TOKEN_ID} by default) that is not pad_id={self.pad_id}"
         check_int("job image_token_id", self.image_token_id, low=0, fix=fix)
@@ -161,6 +171,13 @@ class JobSpec:
                 raise ConfigError(f"job pp_fields.{stage}={list(names)!r} names a field twice; list each once")
             out[stage] = names
         object.__setattr__(self, "pp_fields", FrozenMap(out))
+
+    def _source_list(self) -> list[SourceSpec]:
+        """The sources, before _check_parts has vetted them (the pad_id default reads their tokenizers)."""
+        sources = self.sources
+        if isinstance(sources, SourceSpec) or not isinstance(sources, Sequence):
+            return []
+        return [s for s in sources if isinstance(s, SourceSpec)]
 
     def _check_parts(self) -> None:
         sources = self.sources

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from msdata_client.choices import is_import_path
 from msdata_client.spec import JobSpec
+from msdata_client.tokenizer import tokenizer_path
 
 from .config import NodeConfig
 from .errors import ConfigError
@@ -98,11 +99,18 @@ def _outside(source: str, path: str, roots: tuple[str, ...]) -> ConfigError:
 
 
 def check_paths(spec: JobSpec, roots: tuple[str, ...]) -> None:
-    """ConfigError naming [node] data_roots unless every path entry of ``spec`` lies under one (a glob: where it
-    starts, and no '..' after); nothing is read. No roots: every path is allowed."""
+    """ConfigError naming [node] data_roots unless every path entry (and tokenizer file) of ``spec`` lies under
+    one (a glob: where it starts, and no '..' after); nothing is read. No roots: every path is allowed."""
     if not roots:
         return
     for s in spec.sources:
+        tokenizer = tokenizer_path(s.transform)
+        if tokenizer is not None and not _inside(os.path.expanduser(tokenizer), roots):
+            raise ConfigError(
+                f"source {s.name!r}: tokenizer file {tokenizer!r} lies outside [node] data_roots = {list(roots)!r} "
+                f"(symlinks and '..' resolved); this node reads files from those only. Move the tokenizer under a "
+                f"data root, or ask the node's operator to add its directory to data_roots in node.toml"
+            )
         for entry in s.paths:
             entry = os.path.expanduser(entry)
             fixed = _fixed_part(entry)

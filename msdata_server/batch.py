@@ -34,6 +34,7 @@ BATCH_FIELDS = (
     "cu_seqlens",
     "sample_ids",
     "source_ids",
+    "doc_counts",
     "step",
     "micro",
     "pixel_values",
@@ -46,6 +47,9 @@ BATCH_FIELDS = (
 # (patch boundaries per image, from 0), image_sample_ids int64 [n_images] (the sample of each image).
 # Not row fields: every CP rank reads them whole; under PP only the first stage (mesh.default_stage_fields).
 IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "image_cu_seqlens", "image_sample_ids")
+# cu_seqlens has one segment per document piece, then one for each row's padding tail (a row that is not full):
+# len(cu_seqlens) - 1 == len(sample_ids) + (rows with padding). doc_counts int64 [rows] says how many of each
+# row's segments are document pieces (the row's padding tail, if any, follows them), so a trainer need not guess.
 # Fields shaped [rows, seq_len] (or the CP slice [rows, seq_len/cp]); the others are per document.
 ROW_FIELDS = ("tokens", "labels", "loss_mask", "position_ids")
 _DTYPES = {
@@ -56,6 +60,7 @@ _DTYPES = {
     "cu_seqlens": np.int32,
     "sample_ids": np.int64,
     "source_ids": np.int64,
+    "doc_counts": np.int64,
     "pixel_values": np.uint8,
     "image_grid_thw": np.int64,
     "image_cu_seqlens": np.int32,
@@ -129,6 +134,7 @@ def field_specs(
     specs.append(("cu_seqlens", np.dtype(np.int32).str, (n_segments + 1,)))
     specs.append(("sample_ids", np.dtype(np.int64).str, (n_pieces,)))
     specs.append(("source_ids", np.dtype(np.int64).str, (n_pieces,)))
+    specs.append(("doc_counts", np.dtype(np.int64).str, (rows,)))
     specs.append(("step", np.dtype(np.int64).str, ()))
     specs.append(("micro", np.dtype(np.int64).str, ()))
     if images is not None:
@@ -166,7 +172,8 @@ def build_micro_batch(
 
     labels[i] = tokens[i+1] within the packed row (pad_id after the last); loss_mask is 1 where that label is
     the next token of the same piece; position_ids restart at 0 for every piece, 0 on padding; cu_seqlens
-    covers the flattened rows*seq_len with each row's padding tail as its own segment.
+    covers the flattened rows*seq_len with each row's padding tail as its own segment; doc_counts[r] is the
+    number of pieces in row r (its segments before that padding tail).
     """
     if cp == 1:
         tok, lab, msk, pos = out["tokens"], out["labels"], out["loss_mask"], out["position_ids"]
@@ -205,6 +212,7 @@ def build_micro_batch(
     cus[1:] = cu
     out["sample_ids"][:] = pieces.sample_ids
     out["source_ids"][:] = pieces.source_ids
+    out["doc_counts"][:] = np.bincount(pieces.row.astype(np.int64), minlength=rows)[:rows]
     out["step"][...] = step
     out["micro"][...] = micro
     if "pixel_values" in out:

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 import orjson
 
 from msdata_client._paths import ENDPOINT_ENV, default_endpoint
+from msdata_client.tokenizer import pad_warning
 
 from .config import LOG_FORMATS, LOG_LEVELS, ROLES, load_config
-from .errors import MsdataError
+from .errors import ConfigError, MsdataError
 from .ops.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -240,7 +241,11 @@ def _cmd_validate(args) -> int:
 
         spec = DGraph.from_toml(args.job).spec
         check_job(spec, cfg.node)  # [node] allow_transforms and data_roots, as the server checks a registering job
-        print(f"job config OK: {spec.name} mesh {spec.mesh.to_dict()} seq_len {spec.seq_len}")
+        _load_transforms(spec)
+        print(f"job config OK: {spec.name} mesh {spec.mesh.to_dict()} seq_len {spec.seq_len} pad_id {spec.pad_id}")
+        warning = pad_warning(spec.pad_id, (s.transform for s in spec.sources))
+        if warning:
+            print(f"  warning: {warning}")
         for s in spec.sources:
             src = open_source(s, seed=spec.seed)
             try:
@@ -249,6 +254,19 @@ def _cmd_validate(args) -> int:
             finally:
                 src.close()
     return 0
+
+
+def _load_transforms(spec: JobSpec) -> None:
+    """Build every source's transform as its loader would (a factory opens its files: a missing tokenizer is
+    an error here, not a bad sample per record once serving)."""
+    from .job.images import source_transform
+    from .transforms import load_transform
+
+    for s in spec.sources:
+        try:
+            load_transform(source_transform(spec, s))
+        except ConfigError as e:
+            raise ConfigError(f"source {s.name!r}: {e}") from None
 
 
 def _probe_source(spec: JobSpec, s: SourceSpec, src: Source) -> None:
@@ -329,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     ln.add_argument("--state", help="offline: a trainer's saved loader.state_dict() JSON to replay from")
     ln.add_argument("--rank", type=int, help="only the micro-batches of this trainer rank's data-parallel group")
     ln.add_argument("--sample", type=int, help="only the rows of this sample id (where one document went)")
+    ln.add_argument(
+        "--source", help="only the rows of this source (sample ids repeat across sources: give both to name one)"
+    )
     ln.add_argument("--out", help="write Parquet here instead of printing a table")
     ln.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
     ln.add_argument("--timeout", type=_positive, default=600.0, help="seconds to wait for the server (default 600)")

@@ -67,6 +67,18 @@ def test_batch_contract(server_factory):
         b["tokens"][0, 0] = -5  # writable, copy-on-write: no warning, nobody else sees it
         assert int(b["tokens"][0, 0]) == -5
         assert len(cu) >= 2 and t.numel() == 512
+        # doc_counts: each row's document pieces; cu_seqlens lists them, then the row's padding tail if any
+        counts, seq = b["doc_counts"].tolist(), 256
+        assert b["doc_counts"].dtype == torch.int64 and len(counts) == 2
+        assert sum(counts) == len(b["sample_ids"])
+        pad_rows = 0
+        for r in range(2):
+            inside = [c - r * seq for c in cu[1:] if r * seq < c <= (r + 1) * seq]
+            used = inside[counts[r] - 1] if counts[r] else 0
+            assert len(inside) == counts[r] + (used < seq)  # the pieces, then one padding segment
+            assert bool((b["tokens"][r, used:] == spec.pad_id).all())
+            pad_rows += used < seq
+        assert len(cu) - 1 == len(b["sample_ids"]) + pad_rows
 
 
 def test_tp_readers_share_one_slot_with_identical_bytes(server_factory):
@@ -265,7 +277,7 @@ def test_pp_stages_get_their_fields(server_factory):
     stage = {spec.mesh.stage(r): kept[r][0] for r in range(3)}
     assert {"tokens", "position_ids", "cu_seqlens"} <= set(stage["first"]) and "labels" not in stage["first"]
     assert {"labels", "loss_mask", "cu_seqlens"} <= set(stage["last"]) and "tokens" not in stage["last"]
-    assert set(stage["middle"]) == {"cu_seqlens", "position_ids", "step", "micro"}
+    assert set(stage["middle"]) == {"cu_seqlens", "doc_counts", "position_ids", "step", "micro"}
     # one build: the stages' common fields are the same bytes
     assert torch.equal(stage["first"]["cu_seqlens"], stage["last"]["cu_seqlens"])
 

@@ -170,6 +170,22 @@ def test_lineage_is_what_ranks_received_server_and_offline(first_run):
     want = [x for x in offline if x["sample_id"] == sid and x["dp_rank"] == 1]
     assert lines[0].split() == list(FIXED_COLUMNS) and len(lines) == 1 + len(want)
 
+    # sample ids repeat across sources: --source names the one meant (and a wrong name lists the sources)
+    shared = sorted(
+        {x["sample_id"] for x in offline if x["source"] == "web"}
+        & {x["sample_id"] for x in offline if x["source"] == "code"}
+    )
+    assert shared, "both sources number their samples from file 0, row 0"
+    out3 = tmp_path / "one.parquet"
+    res = cli(
+        "--job", str(toml), "--steps", f"0:{STEPS}", "--sample", str(shared[0]), "--source", "web", "--out", str(out3)
+    )
+    assert res.returncode == 0, res.stderr
+    got = pq.read_table(out3).to_pylist()
+    assert got == [x for x in offline if x["sample_id"] == shared[0] and x["source"] == "web"] and got
+    res = cli("--job", str(toml), "--steps", "0:1", "--source", "nope")
+    assert res.returncode == 2 and "'nope' is not a source" in res.stderr and "web" in res.stderr
+
 
 def test_lineage_cli_bad_input(tmp_path):
     res = cli("--job", "nojob", "--steps", "3", "--endpoint", str(tmp_path / "none.sock"))

@@ -18,6 +18,7 @@ ALL_FIELDS = (
     "cu_seqlens",
     "sample_ids",
     "source_ids",
+    "doc_counts",
     "step",
     "micro",
 )
@@ -193,6 +194,7 @@ def test_fields_pp2():
         "cu_seqlens",
         "sample_ids",
         "source_ids",
+        "doc_counts",
         "step",
         "micro",
     )
@@ -203,6 +205,7 @@ def test_fields_pp2():
         "cu_seqlens",
         "sample_ids",
         "source_ids",
+        "doc_counts",
         "step",
         "micro",
     )
@@ -211,7 +214,7 @@ def test_fields_pp2():
 def test_fields_pp3_middle():
     m = ClientPlaceTree(pp=3)
     assert [m.stage(r) for r in range(3)] == ["first", "middle", "last"]
-    assert m.fields(1, ALL_FIELDS) == ("position_ids", "cu_seqlens", "step", "micro")
+    assert m.fields(1, ALL_FIELDS) == ("position_ids", "cu_seqlens", "doc_counts", "step", "micro")
     assert "tokens" in m.fields(0, ALL_FIELDS) and "labels" not in m.fields(0, ALL_FIELDS)
     assert "labels" in m.fields(2, ALL_FIELDS) and "tokens" not in m.fields(2, ALL_FIELDS)
 

@@ -167,6 +167,20 @@ def test_bad_states_get_clear_errors(srv):
     dc.close()
 
 
+def test_load_state_dict_none_is_a_fresh_start(srv):
+    """The README's trainer snippet on a first run: ``loader.load_state_dict(ckpt.get("data"))`` with no
+    checkpoint gives None, which starts at the beginning (and undoes a state loaded before it)."""
+    spec = small_job("fresh-none", dp=2, micro_batches=2)
+    saved = {}
+    ref = run_ranks(spec, srv.socket, 3 * 2, saved=saved)
+    assert run_ranks(spec, srv.socket, 3 * 2, states={0: None, 1: None}) == ref
+    dc = msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=2)
+    dc.load_state_dict(saved[0])
+    dc.load_state_dict(None)
+    assert dc.state_dict()["position"] == {"step": 0, "micro": 0}
+    dc.close()
+
+
 def test_disagreeing_states_are_refused_for_every_rank(srv):
     spec = small_job("disagree", dp=2)
     s1, s2 = {}, {}

@@ -97,6 +97,15 @@ def _is_toml(job: str) -> bool:
     return job.endswith(".toml") or os.path.isfile(job)
 
 
+def only_source(cols: dict, source: str, sources: list[str]) -> dict:
+    """The rows of one source (sample ids repeat across sources: ``--sample ID --source NAME`` names one
+    document); ConfigError naming the job's sources when it has no such source."""
+    if source not in sources:
+        raise ConfigError(f"--source {source!r} is not a source of this job; its sources are {sources}")
+    keep = cols["source"] == source
+    return {k: v[keep] for k, v in cols.items()}
+
+
 def run(args) -> int:
     """The subcommand; exit 0, or 2 with one line on stderr."""
     from msdata_client.graph import DGraph
@@ -128,6 +137,8 @@ def run(args) -> int:
             if frame.get("t") == "refused":
                 raise ConfigError(f"the server refused: {frame.get('message')}")
         cols = rows_io.from_wire(frame)
+        if args.source is not None:
+            cols = only_source(cols, args.source, list(frame["sources"]))
     except (MsdataError, OSError, orjson.JSONDecodeError) as e:
         print(f"msdata-server lineage: {e}", file=sys.stderr)
         return 2

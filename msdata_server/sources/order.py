@@ -14,12 +14,16 @@ from collections import OrderedDict
 
 import numpy as np
 
-__all__ = ["DEFAULT_WINDOW", "Order", "make_rng", "stable_seed", "window_starts"]
+from msdata_client.choices import SHUFFLE_SPREAD, SHUFFLE_WINDOW, ShuffleMode
 
-DEFAULT_WINDOW = 4096  # rows shuffled together: big enough to mix, small enough to keep reads local
+__all__ = ["DEFAULT_SPREAD", "DEFAULT_WINDOW", "MODES", "Order", "make_rng", "stable_seed", "window_starts"]
+
+DEFAULT_WINDOW = SHUFFLE_WINDOW  # rows shuffled together: big enough to mix, small enough to keep reads local
+DEFAULT_SPREAD = SHUFFLE_SPREAD  # lanes of the mixed order: files read at once
+MODES = ShuffleMode.values()
 _EPOCH_CACHE = 4
-_FILE_CACHE = 64
-_WINDOW_CACHE = 32
+_FILE_CACHE = 64  # (epoch, file) window orders kept; the mixed order keeps lanes more
+_WINDOW_CACHE = 32  # row permutations kept (int32); the mixed order keeps lanes more: one per lane in reading
 
 
 def stable_seed(*parts: object) -> int:
@@ -67,33 +71,77 @@ class Order:
 
     ``counts[f]`` rows in file f (0 for a skipped file); ``starts[f]`` the window start rows of file f,
     flattened into one array with ``offsets`` (CSR layout, no per-file Python objects on the hot path).
+    ``mode`` one of MODES and ``spread`` the lanes of the mixed order (module docstring).
+    Memory: the index (O(files + windows)) and bounded caches: 4 epochs' file orders, max(64, 2 * lanes)
+    files' window orders and max(32, lanes + 8) row permutations (int32: 16 KiB per 4096-row window).
     """
 
-    def __init__(self, *, seed: int, name: str, counts: np.ndarray, starts: np.ndarray, offsets: np.ndarray):
+    def __init__(
+        self,
+        *,
+        seed: int,
+        name: str,
+        counts: np.ndarray,
+        starts: np.ndarray,
+        offsets: np.ndarray,
+        mode: str = ShuffleMode.MIX.value,
+        spread: int = DEFAULT_SPREAD,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"{mode=} is not one of {MODES}")
+        if not 1 <= spread <= 1 << 20:
+            raise ValueError(f"{spread=} must be in 1..2**20 (files read at once)")
         self.seed = int(seed)
         self.name = name
         self.counts = np.asarray(counts, dtype=np.int64)
         self.starts = np.asarray(starts, dtype=np.int64)
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.num_samples = int(self.counts.sum())
+        self.mode = ShuffleMode(mode)
+        # lanes read at once: 1 unless rows of several files are mixed
+        self.lanes = int(spread) if self.mode == ShuffleMode.MIX and np.count_nonzero(self.counts) > 1 else 1
+        self._file_cache = max(_FILE_CACHE, 2 * self.lanes)
+        self._window_cache = _WINDOW_CACHE if self.lanes == 1 else max(_WINDOW_CACHE, self.lanes + 8)
+        self._fixed_cum = np.cumsum(self.counts)
         self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._files: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
         self._windows: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()  # the caches are shared by the loop thread and reader threads
 
     @classmethod
-    def from_units(cls, *, seed: int, name: str, units: list[np.ndarray], window: int = DEFAULT_WINDOW) -> Order:
+    def from_units(
+        cls,
+        *,
+        seed: int,
+        name: str,
+        units: list[np.ndarray],
+        window: int = DEFAULT_WINDOW,
+        mode: str = ShuffleMode.MIX.value,
+        spread: int = DEFAULT_SPREAD,
+    ) -> Order:
         """Build from each file's unit sizes (an empty array for a skipped file)."""
         counts = np.array([int(np.sum(u)) for u in units], dtype=np.int64)
         per_file = [window_starts(u, window) for u in units]
         offsets = np.zeros(len(units) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([len(s) for s in per_file])
         starts = np.concatenate(per_file) if per_file else np.zeros(0, np.int64)
-        return cls(seed=seed, name=name, counts=counts, starts=starts, offsets=offsets)
+        return cls(seed=seed, name=name, counts=counts, starts=starts, offsets=offsets, mode=mode, spread=spread)
 
     @property
     def nbytes(self) -> int:
-        return self.counts.nbytes + self.starts.nbytes + self.offsets.nbytes
+        return self.counts.nbytes + self.starts.nbytes + self.offsets.nbytes + self._fixed_cum.nbytes
+
+    def lane_position(self, pos: np.ndarray) -> np.ndarray:
+        """Where positions of an epoch (0 <= pos < num_samples) of the mixed order sit in the file-local
+        sequence: ordinal p reads lane p mod lanes at its p div lanes-th row; the first N mod lanes lanes hold
+        one row more (their last rows are the last, partial round). A bijection of 0..N-1."""
+        lanes = self.lanes
+        q, r = divmod(self.num_samples, lanes)
+        full = q * lanes
+        head = pos < full
+        lane = np.where(head, pos % lanes, pos - full)
+        idx = np.where(head, pos // lanes, q)
+        return lane * q + np.minimum(lane, r) + idx
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         got = self._epochs.get(epoch)
@@ -118,7 +166,7 @@ class Order:
             perm = make_rng(self.seed, self.name, epoch, f, "windows").permutation(hi - lo)
             got = (perm, np.cumsum(sizes[perm]), sizes)
             self._files[key] = got
-            if len(self._files) > _FILE_CACHE:
+            if len(self._files) > self._file_cache:
                 self._files.popitem(last=False)
         else:
             self._files.move_to_end(key)
@@ -131,7 +179,7 @@ class Order:
             # int32 halves the cache (16 KiB, not 32, per 4096-row window; up to _WINDOW_CACHE per source)
             got = make_rng(self.seed, self.name, epoch, f, w).permutation(size).astype(np.int32)
             self._windows[key] = got
-            if len(self._windows) > _WINDOW_CACHE:
+            if len(self._windows) > self._window_cache:
                 self._windows.popitem(last=False)
         else:
             self._windows.move_to_end(key)
@@ -149,6 +197,11 @@ class Order:
 
     def _locate(self, o: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         epoch, pos = np.divmod(o, self.num_samples)
+        if self.mode == ShuffleMode.NONE:
+            files = np.searchsorted(self._fixed_cum, pos, side="right")
+            return epoch, files, pos - (self._fixed_cum[files] - self.counts[files])
+        if self.lanes > 1:
+            pos = self.lane_position(pos)
         files = np.empty_like(o)
         rows = np.empty_like(o)
         for e in np.unique(epoch).tolist():

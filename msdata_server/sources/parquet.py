@@ -1,5 +1,6 @@
 """Parquet reader: files kept open, a numpy row-group index, only the needed row groups and columns read,
-a small LRU of decoded row groups (windows follow row groups, so a window's reads hit the cache)."""
+a small LRU of decoded row groups (windows follow row groups, so a window's reads hit the cache; the mixed
+order reads a window in each of its lanes at once, so the LRU keeps lanes + 8 groups, within cache_bytes)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ class ParquetSource(FileSource):
 
     format = "parquet"
     extensions = (".parquet", ".parq", ".pq")
-    cache_groups: ClassVar[int] = 8  # decoded row groups kept
+    cache_groups: ClassVar[int | None] = None  # decoded row groups kept; None: the order's lanes + 8
     cache_bytes: ClassVar[int] = 256 << 20
 
     def __init__(self, spec: Any, *, seed: int):
-        self._groups = _Lru(max_items=self.cache_groups, max_bytes=self.cache_bytes)
+        self._groups = _Lru(max_items=self.cache_groups or 8, max_bytes=self.cache_bytes)
         super().__init__(spec, seed=seed)
+        self._groups.max_items = self.cache_groups or self._order.lanes + 8
 
     def _open(self, path: str) -> pq.ParquetFile:
         return pq.ParquetFile(path, page_checksum_verification=True)

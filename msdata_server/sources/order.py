@@ -16,7 +16,16 @@ import numpy as np
 
 from msdata_client.choices import SHUFFLE_SPREAD, SHUFFLE_WINDOW, ShuffleMode
 
-__all__ = ["DEFAULT_SPREAD", "DEFAULT_WINDOW", "MODES", "Order", "make_rng", "stable_seed", "window_starts"]
+__all__ = [
+    "DEFAULT_SPREAD",
+    "DEFAULT_WINDOW",
+    "MODES",
+    "Order",
+    "lanes_for",
+    "make_rng",
+    "stable_seed",
+    "window_starts",
+]
 
 DEFAULT_WINDOW = SHUFFLE_WINDOW  # rows shuffled together: big enough to mix, small enough to keep reads local
 DEFAULT_SPREAD = SHUFFLE_SPREAD  # lanes of the mixed order: files read at once
@@ -66,6 +75,17 @@ def window_starts(unit_rows: np.ndarray, target: int = DEFAULT_WINDOW) -> np.nda
     return np.concatenate(starts) if starts else np.zeros(0, np.int64)
 
 
+def lanes_for(files: int, spread: int) -> int:
+    """Lanes of the mixed order for a source of `files` non-empty files: 1 for one file (nothing to mix);
+    `spread` for 2 * spread files or more; else up to 2 * spread (2 * files, at least spread), so that each
+    file holding at least half the average rows is read in every round of lanes ordinals (module docstring)."""
+    if files <= 1:
+        return 1
+    if files >= 2 * spread:
+        return spread
+    return min(2 * spread, max(spread, 2 * files))
+
+
 class Order:
     """Maps ordinals (epoch * num_samples + pos) to (epoch, file, row) for files of known row counts.
 
@@ -98,8 +118,7 @@ class Order:
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.num_samples = int(self.counts.sum())
         self.mode = ShuffleMode(mode)
-        # lanes read at once: 1 unless rows of several files are mixed
-        self.lanes = int(spread) if self.mode == ShuffleMode.MIX and np.count_nonzero(self.counts) > 1 else 1
+        self.lanes = lanes_for(int(np.count_nonzero(self.counts)), int(spread)) if self.mode == ShuffleMode.MIX else 1
         self._file_cache = max(_FILE_CACHE, 2 * self.lanes)
         self._window_cache = _WINDOW_CACHE if self.lanes == 1 else max(_WINDOW_CACHE, self.lanes + 8)
         self._fixed_cum = np.cumsum(self.counts)

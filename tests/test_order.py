@@ -213,7 +213,7 @@ def write_shards(d, files: int, rows: int, group: int) -> dict[tuple[int, int], 
 @pytest.mark.parametrize("shuffle", [True, {"spread": 40}, {"mode": "file"}, False])
 def test_parquet_source_reads_the_order_it_locates(tmp_path, shuffle):
     """Every shuffle value reads each row once per epoch, the records its locate names; handles and decoded
-    row groups stay within their LRU bounds (lanes + 4 and lanes + 8)."""
+    row groups stay within their LRU bounds (lanes + 4; lanes * the row groups of a window + 8)."""
     truth = write_shards(tmp_path / "p", 48, 120, 50)
     spec = SourceSpec(name="p", format="parquet", paths=(str(tmp_path / "p"),), shuffle=shuffle)
     with open_source(spec, seed=3) as src:
@@ -228,7 +228,7 @@ def test_parquet_source_reads_the_order_it_locates(tmp_path, shuffle):
             _, f, r = src.locate_many(ords)
             assert src.read(ords) == [truth[(a, b)] for a, b in zip(f.tolist(), r.tolist())]
             assert src.statistics().open_files <= lanes + 4
-            assert len(src._groups.items) <= lanes + 8
+            assert len(src._groups.items) <= src._groups.max_items == lanes * 3 + 8  # 50-row groups, 120-row files
             seen += list(zip(f.tolist(), r.tolist()))
         assert sorted(seen) == sorted(truth)
         if shuffle is False:

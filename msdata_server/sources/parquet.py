@@ -1,6 +1,7 @@
 """Parquet reader: files kept open, a numpy row-group index, only the needed row groups and columns read,
 a small LRU of decoded row groups (windows follow row groups, so a window's reads hit the cache; the mixed
-order reads a window in each of its lanes at once, so the LRU keeps lanes + 8 groups, within cache_bytes)."""
+order reads a window in each of its lanes at once, so the LRU keeps the groups of lanes windows, within
+cache_bytes)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,27 @@ class ParquetSource(FileSource):
 
     format = "parquet"
     extensions = (".parquet", ".parq", ".pq")
-    cache_groups: ClassVar[int | None] = None  # decoded row groups kept; None: the order's lanes + 8
+    # decoded row groups kept, within cache_bytes; None: lanes * (most row groups in a window) + 8
+    cache_groups: ClassVar[int | None] = None
     cache_bytes: ClassVar[int] = 256 << 20
 
     def __init__(self, spec: Any, *, seed: int):
         self._groups = _Lru(max_items=self.cache_groups or 8, max_bytes=self.cache_bytes)
         super().__init__(spec, seed=seed)
-        self._groups.max_items = self.cache_groups or self._order.lanes + 8
+        self._groups.max_items = self.cache_groups or self._order.lanes * self._groups_per_window() + 8
+
+    def _groups_per_window(self) -> int:
+        """The most row groups one window spans (small row groups merge into one window, whose rows are read
+        in shuffled order: the LRU must hold all of a window's groups for each lane, or they are read again)."""
+        order, most = self._order, 1
+        for f, cum in enumerate(self.unit_cum):
+            lo, hi = int(order.offsets[f]), int(order.offsets[f + 1])
+            if hi > lo:
+                bounds = np.append(order.starts[lo:hi], cum[-1])
+                first = np.searchsorted(cum, bounds[:-1], side="right")
+                last = np.searchsorted(cum, bounds[1:] - 1, side="right")
+                most = max(most, int((last - first).max()) + 1)
+        return most
 
     def _open(self, path: str) -> pq.ParquetFile:
         return pq.ParquetFile(path, page_checksum_verification=True)

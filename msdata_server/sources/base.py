@@ -275,7 +275,7 @@ class FileSource(Source):
     A record is the value of ``column``, or a dict by name of ``columns`` when the spec selects several.
     Subclasses implement ``_scan(i, path) -> unit row counts`` (raise ConfigError for a configuration mistake,
     anything else marks the file unreadable), ``_open(path)``/``_close(handle)``, and
-    ``_read_file(f, rows) -> (records, nbytes)``.
+    ``_read_file(f, rows) -> (records, nbytes)`` (or ``_read_rows`` to read the rows of a batch's files at once).
     """
 
     extensions: ClassVar[tuple[str, ...]] = ()
@@ -380,17 +380,23 @@ class FileSource(Source):
     def read_batch(self, ordinals) -> ReadResult:
         ords = np.asarray(ordinals, dtype=np.int64).reshape(-1)
         _, files, rows = self.locate_many(ords)
-        out: list = [None] * len(ords)
-        nbytes = 0
         with self._lock:
-            for f in np.unique(files).tolist():
-                idx = np.flatnonzero(files == f)
-                recs, nb = self._read_file(f, rows[idx])
-                nbytes += nb
-                for i, r in zip(idx.tolist(), recs):
-                    out[i] = r
+            out, nbytes = self._read_rows(files, rows)
             self._account(len(ords), nbytes)
         return ReadResult(out, nbytes)
+
+    def _read_rows(self, files: np.ndarray, rows: np.ndarray) -> tuple[list, int]:
+        """Records of (files[k], rows[k]) in that order and their bytes: ``_read_file`` once per file (a format
+        that reads rows of several files at once overrides this)."""
+        out: list = [None] * len(rows)
+        nbytes = 0
+        for f in np.unique(files).tolist():
+            idx = np.flatnonzero(files == f)
+            recs, nb = self._read_file(f, rows[idx])
+            nbytes += nb
+            for i, r in zip(idx.tolist(), recs):
+                out[i] = r
+        return out, nbytes
 
     def _files_info(self) -> tuple[int, int, int]:
         return len(self.paths), len(self.skipped), len(self._handles.items)

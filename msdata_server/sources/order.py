@@ -126,6 +126,7 @@ class Order:
         self._files: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
         self._windows: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()  # the caches are shared by the loop thread and reader threads
+        self._last: tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None  # last locate
 
     @classmethod
     def from_units(
@@ -145,6 +146,10 @@ class Order:
         offsets[1:] = np.cumsum([len(s) for s in per_file])
         starts = np.concatenate(per_file) if per_file else np.zeros(0, np.int64)
         return cls(seed=seed, name=name, counts=counts, starts=starts, offsets=offsets, mode=mode, spread=spread)
+
+    def fixed_starts(self) -> np.ndarray:
+        """The first row of each file in the fixed order (files in path order): source-wide row numbers."""
+        return self._fixed_cum - self.counts
 
     @property
     def nbytes(self) -> int:
@@ -212,7 +217,13 @@ class Order:
         if len(o) and int(o.min()) < 0:
             raise ValueError(f"ordinals must be >= 0, got {int(o.min())}")
         with self._lock:
-            return self._locate(o)
+            last = self._last
+            if last is not None and len(last[0]) == len(o) and np.array_equal(last[0], o):
+                got = last[1]  # a loader locates each read batch twice: to read it, then for its sample ids
+            else:
+                got = self._locate(o)
+                self._last = (o.copy(), got)
+        return got[0].copy(), got[1].copy(), got[2].copy()
 
     def _locate(self, o: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         epoch, pos = np.divmod(o, self.num_samples)
@@ -221,24 +232,47 @@ class Order:
             return epoch, files, pos - (self._fixed_cum[files] - self.counts[files])
         if self.lanes > 1:
             pos = self.lane_position(pos)
+        if len(o) == 0 or epoch[0] == epoch[-1] and bool((epoch == epoch[0]).all()):  # one epoch: the usual
+            files, rows = self._locate_epoch(int(epoch[0]) if len(o) else 0, pos)
+            return epoch, files, rows
         files = np.empty_like(o)
         rows = np.empty_like(o)
         for e in np.unique(epoch).tolist():
             sel = np.flatnonzero(epoch == e)
-            perm, cum = self._epoch(e)
-            k = np.searchsorted(cum, pos[sel], side="right")
-            f = perm[k]
-            off = pos[sel] - (cum[k] - self.counts[f])
-            files[sel] = f
-            for fi in np.unique(f).tolist():
-                fs = sel[f == fi]
-                foff = off[f == fi]
-                wperm, wcum, sizes = self._file(e, fi)
-                kw = np.searchsorted(wcum, foff, side="right")
-                win = wperm[kw]
-                j = foff - (wcum[kw] - sizes[win])
-                base = self.starts[self.offsets[fi] + win]
-                for wi in np.unique(win).tolist():
-                    m = win == wi
-                    rows[fs[m]] = base[m] + self._rows(e, fi, wi, int(sizes[wi]))[j[m]]
+            files[sel], rows[sel] = self._locate_epoch(e, pos[sel])
         return epoch, files, rows
+
+    def _locate_epoch(self, e: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(file, row) of positions of the file-local sequence of epoch e, in a constant number of numpy calls:
+        the window orders of the files touched and the row permutations of the windows touched (cached) are
+        concatenated, so the Python work is one cache lookup per file and per window (the mixed order touches
+        lanes of each), not a pass of numpy calls per file and per window."""
+        perm, cum = self._epoch(e)
+        if len(pos) == 0:
+            return pos.copy(), pos.copy()
+        k = np.searchsorted(cum, pos, side="right")  # the file's place in the epoch's file order
+        uk, ik = np.unique(k, return_inverse=True)
+        uf = perm[uk]
+        first = cum[uk] - self.counts[uf]  # each touched file's first position in the sequence
+        info = [self._file(e, fi) for fi in uf.tolist()]
+        nwin = np.fromiter((len(w[0]) for w in info), dtype=np.int64, count=len(info))
+        wbase = np.zeros(len(info) + 1, dtype=np.int64)
+        np.cumsum(nwin, out=wbase[1:])
+        # the touched files' window ends in the sequence: increasing, as the files are taken in epoch order
+        ends = np.concatenate([w[1] for w in info]) + np.repeat(first, nwin)
+        kw = np.searchsorted(ends, pos, side="right")  # the window's place among the touched files' windows
+        win = np.concatenate([w[0] for w in info])[kw]  # window index in its file
+        sizes = np.concatenate([w[2] for w in info])[wbase[ik] + win]
+        j = pos - (ends[kw] - sizes)  # place in the window's row permutation
+        f = uf[ik]
+        wstart = self.starts[self.offsets[f] + win]
+        uw, iw = np.unique(kw, return_inverse=True)
+        rep = np.zeros(len(uw), dtype=np.int64)
+        rep[iw] = np.arange(len(pos))  # one position in each touched window
+        perms = [
+            self._rows(e, fi, wi, si) for fi, wi, si in zip(f[rep].tolist(), win[rep].tolist(), sizes[rep].tolist())
+        ]
+        at = np.zeros(len(perms), dtype=np.int64)  # where each permutation starts in their concatenation
+        np.cumsum(np.fromiter((len(p) for p in perms[:-1]), dtype=np.int64, count=len(perms) - 1), out=at[1:])
+        rows = wstart + np.concatenate(perms)[at[iw] + j]
+        return f, rows

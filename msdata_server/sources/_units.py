@@ -56,9 +56,8 @@ class UnitColumnsSource(FileSource):
         keys, inverse = np.unique(g, return_inverse=True)
         good: list[list[pa.Array]] = []
         slot = np.full(len(keys), -1, dtype=np.int64)  # each unit's place in `good`, -1 for a bad unit
-        for i, key in enumerate(keys.tolist()):
-            f = int(self._unit_file[key])
-            u = key - int(self._unit_base[f])
+        kf = self._unit_file[keys]
+        for i, (f, u) in enumerate(zip(kf.tolist(), (keys - self._unit_base[kf]).tolist())):
             got = self._unit(f, u)
             if isinstance(got, Exception):
                 name, reason = self._unit_name(), self.error_reason(got)
@@ -124,7 +123,8 @@ def gather(
             arr = units[s][c]
             got = local[order[lo:hi]]
             if hi - lo <= _SLICE_MAX:
-                parts.extend(arr.slice(r, 1) for r in got.tolist())
+                cut = arr.slice
+                parts.extend([cut(r, 1) for r in got.tolist()])
             else:
                 parts.append(arr.take(pa.array(got, type=pa.int64())))
         cols.append(parts[0] if len(parts) == 1 else pa.concat_arrays(parts))

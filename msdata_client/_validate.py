@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from msdata_client.choices import DEFAULT_TRANSFORM, is_import_path, is_transform_name
+from msdata_client.choices import DEFAULT_TRANSFORM, ShuffleMode, is_import_path, is_transform_name
 from msdata_client.errors import ConfigError
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "check_int",
     "check_keys",
     "check_name",
+    "check_shuffle",
     "check_str_tuple",
     "check_transform",
     "check_weights",
@@ -154,6 +155,36 @@ def finite_sum(values: Iterable[float]) -> float | None:
     except OverflowError:
         return None
     return total if math.isfinite(total) else None
+
+
+_SHUFFLE_KEYS = ("mode", "spread", "window")
+_SHUFFLE_FIX = "e.g. shuffle = { spread = 64 }, shuffle = { mode = 'file' } or shuffle = false (a fixed order)"
+
+
+def check_shuffle(where: str, value: Any) -> bool | FrozenMap:
+    """A `[[source]] shuffle` value: true (the default order), false (a fixed order) or a table of `mode`
+    ('mix', 'file', 'none'), `spread` (files read at once, mix only, 2..1024) and `window` (rows shuffled
+    together, 1..2**31-1; not with 'none'). A table comes back as a FrozenMap of the keys it set."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, Mapping):
+        keys = ", ".join(_SHUFFLE_KEYS)
+        raise ConfigError(f"{where}={value!r} must be true, false or a table of {keys}; {_SHUFFLE_FIX}")
+    check_keys(where, value, _SHUFFLE_KEYS)
+    mode = ShuffleMode.parse(value.get("mode", ShuffleMode.MIX.value), f"{where} mode")
+    out: dict[str, Any] = {}
+    if "mode" in value:
+        out["mode"] = mode.value
+    if "spread" in value:
+        if mode != ShuffleMode.MIX:
+            raise ConfigError(f"{where} sets spread with mode={mode.value!r}; spread is the mixed order's, remove it")
+        out["spread"] = check_int(f"{where} spread", value["spread"], low=2, high=1024, fix="32 (the default) or more")
+    if "window" in value:
+        if mode == ShuffleMode.NONE:
+            raise ConfigError(f"{where} sets window with mode='none' (a fixed order shuffles nothing); remove window")
+        fix = "4096 (the default) rows shuffled together"
+        out["window"] = check_int(f"{where} window", value["window"], low=1, high=(1 << 31) - 1, fix=fix)
+    return FrozenMap(out)
 
 
 def resolve_path(path: str, base_dir: str | None) -> str:

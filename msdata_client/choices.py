@@ -22,6 +22,9 @@ __all__ = [
     "Interpolate",
     "LongDocs",
     "Method",
+    "SHUFFLE_SPREAD",
+    "SHUFFLE_WINDOW",
+    "ShuffleMode",
     "SourceFormat",
     "TRANSFORM_NAME",
     "is_import_path",
@@ -63,6 +66,18 @@ class SourceFormat(Choice):
     JSONL = "jsonl"
     WEBDATASET = "webdataset"  # tar shards; files sharing a key are one sample (a dict by extension)
     SYNTHETIC = "synthetic"  # generated token ids: reads no files
+
+
+class ShuffleMode(Choice):
+    """A source's read order ([[source]] shuffle = { mode = ... }; README "The order of a source")."""
+
+    MIX = "mix"  # the default: rows of `spread` files interleaved, files, windows and rows permuted per epoch
+    FILE = "file"  # file-local: files permuted, then one file at a time (windows and rows permuted inside it)
+    NONE = "none"  # fixed: files in path order, rows in file order (shuffle = false)
+
+
+SHUFFLE_SPREAD = 32  # files read at once by the mixed order: any 32 consecutive samples come from 32 files
+SHUFFLE_WINDOW = 4096  # rows shuffled together inside a file (aligned with row groups or record batches)
 
 
 class Method(Choice):

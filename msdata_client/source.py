@@ -11,15 +11,16 @@ from msdata_client._validate import (
     check_int,
     check_keys,
     check_name,
+    check_shuffle,
     check_str_tuple,
     check_transform,
     resolve_path,
 )
-from msdata_client.choices import DEFAULT_TRANSFORM, SourceFormat
+from msdata_client.choices import DEFAULT_TRANSFORM, SHUFFLE_SPREAD, SHUFFLE_WINDOW, ShuffleMode, SourceFormat
 from msdata_client.errors import ConfigError
 from msdata_client.tokenizer import resolve_tokenizer
 
-__all__ = ["SYNTHETIC_DEFAULTS", "SourceSpec", "synthetic_only"]
+__all__ = ["SYNTHETIC_DEFAULTS", "Shuffle", "SourceSpec", "synthetic_only"]
 
 # options of synthetic sources only, with their defaults
 SYNTHETIC_DEFAULTS: dict[str, Any] = {"samples": 10000, "median": 512.0, "sigma": 1.0, "min_len": 16, "max_len": 65536}
@@ -35,6 +36,29 @@ def synthetic_only(where: str, fmt: Any, options: Any, *, use: str) -> ConfigErr
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Shuffle:
+    """A source's read order, resolved from `[[source]] shuffle` (README "The order of a source").
+
+    `mode` "mix" (the default) interleaves the rows of `spread` files; "file" reads one file at a time;
+    "none" is a fixed order (files in path order, rows in file order). `window` rows are shuffled together.
+    """
+
+    mode: ShuffleMode = ShuffleMode.MIX
+    spread: int = SHUFFLE_SPREAD
+    window: int = SHUFFLE_WINDOW
+
+    @classmethod
+    def of(cls, value: bool | Mapping[str, Any]) -> Shuffle:
+        """The settings of a checked `shuffle` value (true, false or a table)."""
+        if value is True:
+            return cls()
+        if value is False:
+            return cls(mode=ShuffleMode.NONE)
+        mode = ShuffleMode(value.get("mode", ShuffleMode.MIX.value))
+        return cls(mode=mode, spread=value.get("spread", SHUFFLE_SPREAD), window=value.get("window", SHUFFLE_WINDOW))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SourceSpec:
     """One data source: where its samples live and how each becomes tokens.
 
@@ -44,6 +68,8 @@ class SourceSpec:
     `columns` selects several columns (fields; a WebDataset sample's extensions, "jpg;png" for either) and
     the transform gets a dict keyed by their names; without it a record is the value of `column` (a
     WebDataset sample without `columns` is a dict of the extensions most of its samples have).
+    `shuffle` picks the read order (see `Shuffle`): true (rows mixed across files), false (a fixed order)
+    or a table such as { spread = 64 } or { mode = "file" }.
     """
 
     name: str
@@ -58,6 +84,7 @@ class SourceSpec:
     sigma: float = 1.0
     min_len: int = 16
     max_len: int = 65536
+    shuffle: bool | Mapping[str, Any] = True
 
     def __post_init__(self) -> None:
         name = check_name("source name", self.name)
@@ -100,6 +127,12 @@ class SourceSpec:
         object.__setattr__(self, "paths", paths)
         object.__setattr__(self, "columns", columns)
         object.__setattr__(self, "transform", transform)
+        shuffle = check_shuffle(f"{where} shuffle", self.shuffle)
+        object.__setattr__(self, "shuffle", True if shuffle == {} else shuffle)
+
+    def shuffle_settings(self) -> Shuffle:
+        """The read order `shuffle` asks for, with the defaults filled in."""
+        return Shuffle.of(self.shuffle)
 
     def _check_columns(self, where: str, synthetic: bool) -> tuple[str, ...] | None:
         if self.columns is None:
@@ -125,11 +158,17 @@ class SourceSpec:
                 d["transform"] = self.transform
             d["max_sample_bytes"] = self.max_sample_bytes
             d.update({k: getattr(self, k) for k in SYNTHETIC_DEFAULTS})
-            return d
+            return self._with_shuffle(d)
         d.update(paths=list(self.paths), column=self.column)
         if self.columns is not None:  # written only when set: the digests of one-column jobs stay as they were
             d["columns"] = list(self.columns)
         d.update(transform=self.transform or "", max_sample_bytes=self.max_sample_bytes)
+        return self._with_shuffle(d)
+
+    def _with_shuffle(self, d: dict[str, Any]) -> dict[str, Any]:
+        """`d` with `shuffle`, written only when not the default (the digests of older jobs stay as they were)."""
+        if self.shuffle is not True:
+            d["shuffle"] = self.shuffle if isinstance(self.shuffle, bool) else dict(self.shuffle)
         return d
 
     @classmethod

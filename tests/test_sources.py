@@ -126,8 +126,9 @@ def test_locate_is_consistent_with_read_in_any_order(tmp_path, fmt):
 
 
 def test_windows_keep_reads_local(tmp_path):
-    """Consecutive ordinals stay inside one file and one window: bounded-window shuffling, not global."""
-    src, _ = make_source(tmp_path, "jsonl", rows_per_file=(3000,), n_files=2)
+    """The file-local order (shuffle = { mode = "file" }): consecutive ordinals stay inside one file and one
+    window: bounded-window shuffling, not global. (The default mixes files: tests/test_order.py.)"""
+    src, _ = make_source(tmp_path, "jsonl", rows_per_file=(3000,), n_files=2, shuffle={"mode": "file"})
     src.order  # noqa: B018
     _, f, r = src.locate_many(np.arange(0, 256))
     assert len(set(f.tolist())) == 1

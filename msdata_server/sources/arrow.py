@@ -1,13 +1,14 @@
 """Arrow IPC reader (file format, which Feather v2 is; also the stream format): memory-mapped, zero-copy
-record batches, a numpy record-batch index."""
+record batches, a numpy record-batch index; a batch's rows are gathered across its record batches and turned
+into records at once (_units.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
 
-from ._arrow import check_selected, selected_records
-from .base import FileSource
+from ._arrow import check_selected
+from ._units import UnitColumnsSource
 
 __all__ = ["ArrowSource"]
 
@@ -39,7 +40,7 @@ class _Mapped:
         self.mm.close()
 
 
-class ArrowSource(FileSource):
+class ArrowSource(UnitColumnsSource):
     """Rows of one column (or a dict of several ``columns``) of Arrow IPC / Feather v2 files."""
 
     format = "arrow"
@@ -59,29 +60,14 @@ class ArrowSource(FileSource):
         self.keep_open(i, m)
         return units
 
-    def _read_file(self, f: int, rows: np.ndarray) -> tuple[list, int]:
-        cum = self.unit_cum[f]
-        batches = np.searchsorted(cum, rows, side="right") - 1
-        out: list = [None] * len(rows)
-        nbytes = 0
-        for b in np.unique(batches).tolist():
-            sel = np.flatnonzero(batches == b)
-            frows = rows[sel]
-            try:
-                m = self.handle(f)
-                batch = m.batch(b)
-                cols = [batch.column(m.schema.get_field_index(c)) for c in (self.columns or (self.column,))]
-            except Exception as e:
-                reason = self.error_reason(e)
-                for k, r in zip(sel.tolist(), frows.tolist()):
-                    out[k] = self.bad_sample(f, r, reason, f"record batch {b}: {e}", f"{self.paths[f]} batch {b}")
-                continue
+    def _unit_name(self) -> str:
+        return "record batch"
 
-            def bad(k: int, reason: str, detail: str, _rows=frows) -> object:
-                return self.bad_sample(f, int(_rows[k]), reason, detail)
-
-            recs, nb = selected_records(cols, self.columns, frows - cum[b], max_bytes=self.max_bytes, bad=bad)
-            nbytes += nb
-            for k, rec in zip(sel.tolist(), recs):
-                out[k] = rec
-        return out, nbytes
+    def _unit(self, f: int, b: int) -> list[pa.Array] | Exception:
+        """The selected columns of record batch b of file f (zero-copy), or the exception that reading it raised."""
+        try:
+            m = self.handle(f)
+            batch = m.batch(b)
+            return [batch.column(m.schema.get_field_index(c)) for c in (self.columns or (self.column,))]
+        except Exception as e:
+            return e

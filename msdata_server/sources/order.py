@@ -14,12 +14,25 @@ from collections import OrderedDict
 
 import numpy as np
 
-__all__ = ["DEFAULT_WINDOW", "Order", "make_rng", "stable_seed", "window_starts"]
+from msdata_client.choices import SHUFFLE_SPREAD, SHUFFLE_WINDOW, ShuffleMode
 
-DEFAULT_WINDOW = 4096  # rows shuffled together: big enough to mix, small enough to keep reads local
+__all__ = [
+    "DEFAULT_SPREAD",
+    "DEFAULT_WINDOW",
+    "MODES",
+    "Order",
+    "lanes_for",
+    "make_rng",
+    "stable_seed",
+    "window_starts",
+]
+
+DEFAULT_WINDOW = SHUFFLE_WINDOW  # rows shuffled together: big enough to mix, small enough to keep reads local
+DEFAULT_SPREAD = SHUFFLE_SPREAD  # lanes of the mixed order: files read at once
+MODES = ShuffleMode.values()
 _EPOCH_CACHE = 4
-_FILE_CACHE = 64
-_WINDOW_CACHE = 32
+_FILE_CACHE = 64  # (epoch, file) window orders kept; the mixed order keeps lanes more
+_WINDOW_CACHE = 32  # row permutations kept (int32); the mixed order keeps lanes more: one per lane in reading
 
 
 def stable_seed(*parts: object) -> int:
@@ -62,38 +75,97 @@ def window_starts(unit_rows: np.ndarray, target: int = DEFAULT_WINDOW) -> np.nda
     return np.concatenate(starts) if starts else np.zeros(0, np.int64)
 
 
+def lanes_for(files: int, spread: int) -> int:
+    """Lanes of the mixed order for a source of `files` non-empty files: 1 for one file (nothing to mix);
+    `spread` for 2 * spread files or more; else up to 2 * spread (2 * files, at least spread), so that each
+    file holding at least half the average rows is read in every round of lanes ordinals (module docstring)."""
+    if files <= 1:
+        return 1
+    if files >= 2 * spread:
+        return spread
+    return min(2 * spread, max(spread, 2 * files))
+
+
 class Order:
     """Maps ordinals (epoch * num_samples + pos) to (epoch, file, row) for files of known row counts.
 
     ``counts[f]`` rows in file f (0 for a skipped file); ``starts[f]`` the window start rows of file f,
     flattened into one array with ``offsets`` (CSR layout, no per-file Python objects on the hot path).
+    ``mode`` one of MODES and ``spread`` the lanes of the mixed order (module docstring).
+    Memory: the index (O(files + windows)) and bounded caches: 4 epochs' file orders, max(64, 2 * lanes)
+    files' window orders and max(32, lanes + 8) row permutations (int32: 16 KiB per 4096-row window).
     """
 
-    def __init__(self, *, seed: int, name: str, counts: np.ndarray, starts: np.ndarray, offsets: np.ndarray):
+    def __init__(
+        self,
+        *,
+        seed: int,
+        name: str,
+        counts: np.ndarray,
+        starts: np.ndarray,
+        offsets: np.ndarray,
+        mode: str = ShuffleMode.MIX.value,
+        spread: int = DEFAULT_SPREAD,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"{mode=} is not one of {MODES}")
+        if not 1 <= spread <= 1 << 20:
+            raise ValueError(f"{spread=} must be in 1..2**20 (files read at once)")
         self.seed = int(seed)
         self.name = name
         self.counts = np.asarray(counts, dtype=np.int64)
         self.starts = np.asarray(starts, dtype=np.int64)
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.num_samples = int(self.counts.sum())
+        self.mode = ShuffleMode(mode)
+        self.lanes = lanes_for(int(np.count_nonzero(self.counts)), int(spread)) if self.mode == ShuffleMode.MIX else 1
+        self._file_cache = max(_FILE_CACHE, 2 * self.lanes)
+        self._window_cache = _WINDOW_CACHE if self.lanes == 1 else max(_WINDOW_CACHE, self.lanes + 8)
+        self._fixed_cum = np.cumsum(self.counts)
         self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._files: OrderedDict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = OrderedDict()
         self._windows: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()  # the caches are shared by the loop thread and reader threads
+        self._last: tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None  # last locate
 
     @classmethod
-    def from_units(cls, *, seed: int, name: str, units: list[np.ndarray], window: int = DEFAULT_WINDOW) -> Order:
+    def from_units(
+        cls,
+        *,
+        seed: int,
+        name: str,
+        units: list[np.ndarray],
+        window: int = DEFAULT_WINDOW,
+        mode: str = ShuffleMode.MIX.value,
+        spread: int = DEFAULT_SPREAD,
+    ) -> Order:
         """Build from each file's unit sizes (an empty array for a skipped file)."""
         counts = np.array([int(np.sum(u)) for u in units], dtype=np.int64)
         per_file = [window_starts(u, window) for u in units]
         offsets = np.zeros(len(units) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([len(s) for s in per_file])
         starts = np.concatenate(per_file) if per_file else np.zeros(0, np.int64)
-        return cls(seed=seed, name=name, counts=counts, starts=starts, offsets=offsets)
+        return cls(seed=seed, name=name, counts=counts, starts=starts, offsets=offsets, mode=mode, spread=spread)
+
+    def fixed_starts(self) -> np.ndarray:
+        """The first row of each file in the fixed order (files in path order): source-wide row numbers."""
+        return self._fixed_cum - self.counts
 
     @property
     def nbytes(self) -> int:
-        return self.counts.nbytes + self.starts.nbytes + self.offsets.nbytes
+        return self.counts.nbytes + self.starts.nbytes + self.offsets.nbytes + self._fixed_cum.nbytes
+
+    def lane_position(self, pos: np.ndarray) -> np.ndarray:
+        """Where positions of an epoch (0 <= pos < num_samples) of the mixed order sit in the file-local
+        sequence: ordinal p reads lane p mod lanes at its p div lanes-th row; the first N mod lanes lanes hold
+        one row more (their last rows are the last, partial round). A bijection of 0..N-1."""
+        lanes = self.lanes
+        q, r = divmod(self.num_samples, lanes)
+        full = q * lanes
+        head = pos < full
+        lane = np.where(head, pos % lanes, pos - full)
+        idx = np.where(head, pos // lanes, q)
+        return lane * q + np.minimum(lane, r) + idx
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         got = self._epochs.get(epoch)
@@ -118,7 +190,7 @@ class Order:
             perm = make_rng(self.seed, self.name, epoch, f, "windows").permutation(hi - lo)
             got = (perm, np.cumsum(sizes[perm]), sizes)
             self._files[key] = got
-            if len(self._files) > _FILE_CACHE:
+            if len(self._files) > self._file_cache:
                 self._files.popitem(last=False)
         else:
             self._files.move_to_end(key)
@@ -131,7 +203,7 @@ class Order:
             # int32 halves the cache (16 KiB, not 32, per 4096-row window; up to _WINDOW_CACHE per source)
             got = make_rng(self.seed, self.name, epoch, f, w).permutation(size).astype(np.int32)
             self._windows[key] = got
-            if len(self._windows) > _WINDOW_CACHE:
+            if len(self._windows) > self._window_cache:
                 self._windows.popitem(last=False)
         else:
             self._windows.move_to_end(key)
@@ -145,28 +217,62 @@ class Order:
         if len(o) and int(o.min()) < 0:
             raise ValueError(f"ordinals must be >= 0, got {int(o.min())}")
         with self._lock:
-            return self._locate(o)
+            last = self._last
+            if last is not None and len(last[0]) == len(o) and np.array_equal(last[0], o):
+                got = last[1]  # a loader locates each read batch twice: to read it, then for its sample ids
+            else:
+                got = self._locate(o)
+                self._last = (o.copy(), got)
+        return got[0].copy(), got[1].copy(), got[2].copy()
 
     def _locate(self, o: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         epoch, pos = np.divmod(o, self.num_samples)
+        if self.mode == ShuffleMode.NONE:
+            files = np.searchsorted(self._fixed_cum, pos, side="right")
+            return epoch, files, pos - (self._fixed_cum[files] - self.counts[files])
+        if self.lanes > 1:
+            pos = self.lane_position(pos)
+        if len(o) == 0 or epoch[0] == epoch[-1] and bool((epoch == epoch[0]).all()):  # one epoch: the usual
+            files, rows = self._locate_epoch(int(epoch[0]) if len(o) else 0, pos)
+            return epoch, files, rows
         files = np.empty_like(o)
         rows = np.empty_like(o)
         for e in np.unique(epoch).tolist():
             sel = np.flatnonzero(epoch == e)
-            perm, cum = self._epoch(e)
-            k = np.searchsorted(cum, pos[sel], side="right")
-            f = perm[k]
-            off = pos[sel] - (cum[k] - self.counts[f])
-            files[sel] = f
-            for fi in np.unique(f).tolist():
-                fs = sel[f == fi]
-                foff = off[f == fi]
-                wperm, wcum, sizes = self._file(e, fi)
-                kw = np.searchsorted(wcum, foff, side="right")
-                win = wperm[kw]
-                j = foff - (wcum[kw] - sizes[win])
-                base = self.starts[self.offsets[fi] + win]
-                for wi in np.unique(win).tolist():
-                    m = win == wi
-                    rows[fs[m]] = base[m] + self._rows(e, fi, wi, int(sizes[wi]))[j[m]]
+            files[sel], rows[sel] = self._locate_epoch(e, pos[sel])
         return epoch, files, rows
+
+    def _locate_epoch(self, e: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(file, row) of positions of the file-local sequence of epoch e, in a constant number of numpy calls:
+        the window orders of the files touched and the row permutations of the windows touched (cached) are
+        concatenated, so the Python work is one cache lookup per file and per window (the mixed order touches
+        lanes of each), not a pass of numpy calls per file and per window."""
+        perm, cum = self._epoch(e)
+        if len(pos) == 0:
+            return pos.copy(), pos.copy()
+        k = np.searchsorted(cum, pos, side="right")  # the file's place in the epoch's file order
+        uk, ik = np.unique(k, return_inverse=True)
+        uf = perm[uk]
+        first = cum[uk] - self.counts[uf]  # each touched file's first position in the sequence
+        info = [self._file(e, fi) for fi in uf.tolist()]
+        nwin = np.fromiter((len(w[0]) for w in info), dtype=np.int64, count=len(info))
+        wbase = np.zeros(len(info) + 1, dtype=np.int64)
+        np.cumsum(nwin, out=wbase[1:])
+        # the touched files' window ends in the sequence: increasing, as the files are taken in epoch order
+        ends = np.concatenate([w[1] for w in info]) + np.repeat(first, nwin)
+        kw = np.searchsorted(ends, pos, side="right")  # the window's place among the touched files' windows
+        win = np.concatenate([w[0] for w in info])[kw]  # window index in its file
+        sizes = np.concatenate([w[2] for w in info])[wbase[ik] + win]
+        j = pos - (ends[kw] - sizes)  # place in the window's row permutation
+        f = uf[ik]
+        wstart = self.starts[self.offsets[f] + win]
+        uw, iw = np.unique(kw, return_inverse=True)
+        rep = np.zeros(len(uw), dtype=np.int64)
+        rep[iw] = np.arange(len(pos))  # one position in each touched window
+        perms = [
+            self._rows(e, fi, wi, si) for fi, wi, si in zip(f[rep].tolist(), win[rep].tolist(), sizes[rep].tolist())
+        ]
+        at = np.zeros(len(perms), dtype=np.int64)  # where each permutation starts in their concatenation
+        np.cumsum(np.fromiter((len(p) for p in perms[:-1]), dtype=np.int64, count=len(perms) - 1), out=at[1:])
+        rows = wstart + np.concatenate(perms)[at[iw] + j]
+        return f, rows

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from .base import ReadResult, Source
+from .base import ReadResult, Source, shuffle_of
 from .order import Order, stable_seed
 
 __all__ = ["EOS", "SyntheticSource"]
@@ -58,7 +58,11 @@ class SyntheticSource(Source):
         key = stable_seed(self.seed, self.name, "synthetic")
         self._klen = np.array([key & _M64], dtype=np.uint64)
         self._ktok = np.array([(key >> 64) & _M64], dtype=np.uint64)
-        self.order = Order.from_units(seed=self.seed, name=self.name, units=[np.array([samples], np.int64)])
+        shuffle = shuffle_of(spec)  # one "file": mixed and file-local orders agree
+        units = [np.array([samples], np.int64)]
+        self.order = Order.from_units(
+            seed=self.seed, name=self.name, units=units, window=shuffle.window, mode=shuffle.mode, spread=shuffle.spread
+        )
 
     def lengths_of_rows(self, rows) -> np.ndarray:
         """int64 length (tokens incl. EOS) of each row."""

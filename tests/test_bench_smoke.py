@@ -79,6 +79,9 @@ PATHS = {
     "soak": lambda j: j["restarts"] >= 1,
     "statebytes": lambda j: j["exact"] is True and j["bytes_per_step_delta"] < j["bytes_per_step_full"],
 }
+# the fixture runs every smoke before the first test that uses it: the suite's 120 s per test cannot hold them
+pytestmark = pytest.mark.timeout(1200)
+STARTED: set[str] = set()  # the tags of the smokes started, for the clean-up after an interrupted run
 LONGEST_FIRST = ("chaos", "memory", "autoscale", "transport", "cluster", "soak", "memgrowth", "train_e2e")
 
 
@@ -111,6 +114,7 @@ def _tagged(tag: str) -> list[int]:
 def _run(name: str) -> dict:
     """One smoke in a session of its own; its output, time, and anything it left running (then killed)."""
     tag = uuid.uuid4().hex
+    STARTED.add(tag)
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", MSDATA_BENCH_SMOKE=tag)
     t0 = time.monotonic()
     proc = subprocess.Popen(
@@ -161,8 +165,16 @@ def smokes(request):
     before = _listing(*watched)
     segs_before = {n for n, _ in list_segments()}
     t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=max(1, int(os.environ.get("MSDATA_BENCH_SMOKE_JOBS", "2")))) as pool:
-        runs = dict(zip(names, pool.map(_run, names)))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, int(os.environ.get("MSDATA_BENCH_SMOKE_JOBS", "2")))) as pool:
+            runs = dict(zip(names, pool.map(_run, names)))
+    finally:  # interrupted (a timeout, ^C): nothing of the smokes stays running
+        for tag in STARTED:
+            for pid in _tagged(tag):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
     total = time.monotonic() - t0
     after = _listing(*watched)
     segs = [n for n, info in list_segments() if n not in segs_before and not owner_alive(info)]

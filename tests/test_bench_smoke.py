@@ -47,6 +47,7 @@ KEYS = {
         "data_wait_frac_static_mean",
         "data_wait_frac_static_peak",
         "worker_s_saving_vs_peak",
+        "trace",
     },
     "balance": {"gain_4k_dp8", "gain_4k_dp1024", "plan_ms_dp8", "baseline_imbalance_4k_dp8"},
     "chaos": {"faults", "lost", "duplicated", "mismatched", "takeover_s_cold", "takeover_s_shadow", "per_kind"},

@@ -30,7 +30,7 @@ lint: venv
 		$(BIN)/mypy && \
 		$(BIN)/python -m pytest -q tests/test_structure.py
 
-bench: venv  # every benchmark in bench/ (--quick); their JSON and the plots go to bench/results/
+bench: venv  # every benchmark in bench/ (--quick); their JSON and the plots go to bench/results/ (each one's --smoke runs in make test: tests/test_bench_smoke.py)
 	$(BIN)/python bench/suite.py --quick
 
 clean:

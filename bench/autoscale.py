@@ -61,6 +61,17 @@ DEFAULT_SHIFT = {
 }
 AFTER = 10  # steps after a shift whose waits are reported apart
 WARMUP = 5  # first steps (the job starts, the first reads): their wait is reported apart
+SMOKE_SHIFT = {  # --smoke: the same three phases, short, at a quarter of the tokens per step
+    "seq_len": 1024,
+    "micro_batches": 2,
+    "dp": 2,
+    "schedule": [
+        {"step": 0, "weights": {"text": 0.9, "image": 0.1}},
+        {"step": 12, "weights": {"text": 0.3, "image": 0.7}},
+        {"step": 24, "weights": {"text": 0.9, "image": 0.1}},
+    ],
+    "steps": 36,
+}
 IMAGE_NEED = 1.5  # CPU seconds per second of image decoding in the image-heavy phase: 1.5 of the 2 cores
 
 
@@ -354,15 +365,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", default="static-peak,static-mean,autoscale")
     ap.add_argument("--out", default=str(HERE / "results" / "autoscale.json"))
+    ap.add_argument("--smoke", action="store_true", help="seconds: 36 short steps per arm, 32 images; writes no --out")
     args = ap.parse_args()
-    wl = workload()
-    n_img = args.images or (160 if args.quick else 400)
+    wl = SMOKE_SHIFT if args.smoke else workload()
+    n_img = args.images or (32 if args.smoke else 160 if args.quick else 400)
+    n_text = 400 if args.smoke else 4000
     base = Path(tempfile.mkdtemp(prefix="msd-as-"))
     try:
         t = time.perf_counter()
-        recs, text_len = write_data(base, n_img, 4000, args.seed)
+        recs, text_len = write_data(base, n_img, n_text, args.seed)
         cost, img_tokens = image_cost(recs[:24])
-        print(f"data: {n_img} JPEGs, 4000 texts in {time.perf_counter() - t:.1f}s; image transform "
+        print(f"data: {n_img} JPEGs, {n_text} texts in {time.perf_counter() - t:.1f}s; image transform "
               f"{cost * 1e3:.2f} ms CPU and {img_tokens:.0f} tokens each", flush=True)  # fmt: skip
         tokens_per_step = wl["seq_len"] * wl["micro_batches"] * wl["dp"]
         shares = [p["weights"].get("image", 0.0) for p in wl["schedule"]]
@@ -380,7 +393,8 @@ def main() -> None:
         names = args.arms.split(",")
         compute_s = max(per_step) * cost / IMAGE_NEED
         need = [x * cost / compute_s for x in per_step]  # CPUs of decoding per phase
-        rate = decode_rate(recs[:24], n, 1.5)  # how much of its CPUs this shared machine gives us now
+        # how much of its CPUs this shared machine gives us now
+        rate = decode_rate(recs[:24], n, 0.3 if args.smoke else 1.5)
         print(f"machine: {n} CPUs decode {rate:.0f} images/s side by side now ({rate * cost / n:.0%} of them free); "
               f"trainer: {compute_s * 1e3:.0f} ms compute per step; image decoding per phase "
               f"{[round(x, 2) for x in need]} CPUs (mean {mean_need:.2f}); static-peak {peak}, static-mean {mean}",
@@ -420,9 +434,10 @@ def main() -> None:
         "react_lead_steps": min(leads) if leads else None,
         "trace": (auto or {}).get("trace", []),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=1))
-    short = {k: v for k, v in summary.items() if k not in ("arms", "trace")}
+    if not args.smoke:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    short = {k: v for k, v in summary.items() if k != "arms"}  # the trace too: bench/suite.py plots it from this line
     print(json.dumps(short))
 
 

@@ -121,7 +121,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--micro", type=int, default=MICRO, help="micro-batches per rank per step")
     ap.add_argument("--rows", type=int, default=ROWS, help="rows per micro-batch")
+    ap.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, every code path (CI)")
     args = ap.parse_args()
+    if args.smoke:  # every method, a dp above 512 (the short baseline, no "none"), the smallest step counts
+        args.steps, args.methods, args.dp, args.seq_lens = 1, "karmarkar_karp,greedy,none", "8,1024", "4096"
+        args.micro, args.rows = 2, 1
     MICRO, ROWS = args.micro, args.rows
 
     steps = args.steps or (4 if args.quick else 12)

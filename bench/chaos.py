@@ -492,14 +492,19 @@ def main() -> None:
     ap.add_argument("--no-takeover", action="store_true", help="skip the failover measurement after the chaos")
     ap.add_argument("--takeover-only", action="store_true", help="only the failover measurement")
     ap.add_argument("--takeover-at", type=int, default=8, help="the step after which the data owner is killed")
+    ap.add_argument(
+        "--smoke", action="store_true", help="seconds: each fault kind once, 3 s apart; lease 2 s; a short takeover"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.interval, args.ttl, args.settle, args.ckpt, args.pace, args.takeover_at = 3.0, 2.0, 40.0, 3, 0.02, 3
     if args.takeover_only:
         print(json.dumps(takeover_phase(args), sort_keys=True))
         return
     kinds = [k for k in args.kinds.split(",") if k]
     if bad := sorted(set(kinds) - set(KINDS)):
         raise SystemExit(f"--kinds: unknown {bad}; choose from {', '.join(KINDS)}")
-    duration = 90.0 if args.quick else args.minutes * 60.0
+    duration = len(kinds) * args.interval + 1 if args.smoke else 90.0 if args.quick else args.minutes * 60.0
     rng = random.Random(args.seed)
 
     import tests.cluster_util as tm
@@ -547,7 +552,7 @@ def main() -> None:
             if time.monotonic() < next_fault:
                 continue
             next_fault += args.interval
-            kind = rng.choice(kinds)
+            kind = kinds[len(faults) % len(kinds)] if args.smoke else rng.choice(kinds)  # smoke: every kind
             t0 = inject(kind, cluster, etcd, ranks, rng)
             for other in rng.sample(kinds, len(kinds)) if t0 is None else ():  # no victim of that kind now
                 skipped[kind] = skipped.get(kind, 0) + 1

@@ -367,12 +367,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     ap.add_argument("--ttl", type=float, default=3.0, help="lease TTL of the failover run (default 3 s)")
+    ap.add_argument("--smoke", action="store_true", help="seconds: 1 plan step, 1 failover round, lease 2 s, 3 steps")
     args = ap.parse_args()
     import logging
 
     logging.basicConfig(level=logging.ERROR)  # the election's step-down notices are expected here
     steps = 3 if args.quick else 8
     rounds = 2 if args.quick else 4
+    writes, data_steps = 20, 10 if args.quick else 30
+    if args.smoke:  # every phase once, at its smallest
+        steps, rounds, writes, data_steps = 1, 1, 3, 3
+        args.ttl = min(args.ttl, 2.0)
 
     say(
         f"planner load: text4, seq_len {SEQ}, {MICRO} micro-batches per rank, metadata only; "
@@ -386,7 +391,7 @@ def main() -> None:
         prog.update(1)
         res[dp] = r
         say(f"{dp:>5} {r['plan_ms']:>9.1f} {r['plans_per_s']:>8.2f} {r['docs']:>10} {r['state_bytes']:>8}")
-    w = asyncio.run(state_write(res[4096]["state"], 20))
+    w = asyncio.run(state_write(res[4096]["state"], writes))
     prog.update(1)
     say(f"fenced etcd write of the dp-4096 planner state ({res[4096]['state_bytes']} B): {w:.2f} ms median")
     fo = failover(args.ttl, rounds)
@@ -402,7 +407,7 @@ def main() -> None:
         f"failover with a job running (lease {args.ttl:g} s, leader SIGKILLed -> new leader plans): "
         f"{fd['planned_s']:.2f}s; -> surviving ranks get their next batch: {fd['delivered_s']:.2f}s"
     )
-    dpath = data_path(10 if args.quick else 30)
+    dpath = data_path(data_steps)
     prog.close()
     for k, label in (("one", "one node, 3 ranks"), ("three", "three nodes, 1 rank each")):
         say(

@@ -133,8 +133,13 @@ def measure(dp: int, *, steps: int, reps: int, reps_back: int, progress) -> dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (under three minutes)")
+    ap.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, every code path (CI)")
     args = ap.parse_args()
+    global BACK
     reps, reps_back = (5, 1) if args.quick else (9, 3)
+    steps = BACK + 2
+    if args.smoke:  # both dps (the keys), a replay of a few steps instead of 64
+        reps, reps_back, BACK, steps = 1, 1, 2, 4
     bar = None
     if sys.stdout.isatty():
         from tqdm import tqdm
@@ -148,7 +153,7 @@ def main() -> None:
 
     res = {}
     for dp in (512, 4096):
-        r = res[dp] = measure(dp, steps=BACK + 2, reps=reps, reps_back=reps_back, progress=progress)
+        r = res[dp] = measure(dp, steps=steps, reps=reps, reps_back=reps_back, progress=progress)
         if bar is not None:
             bar.clear()
         print(
@@ -166,6 +171,7 @@ def main() -> None:
         out[f"lineage_ms_dp{dp}_0back"] = round(r["lineage_0back_ms"], 2)
         out[f"lineage_ms_dp{dp}_64back"] = round(r["lineage_64back_ms"], 2)
         out[f"rows_dp{dp}"] = r["rows"]
+    out["back_steps"] = BACK
     out["ratio_0back_dp4096"] = round(res[4096]["lineage_0back_ms"] / res[4096]["plan_ms"], 3)
     out["ratio_64back_dp4096"] = round(res[4096]["lineage_64back_ms"] / res[4096]["plan_ms"], 2)
     out["ratio_0back_same_step_dp4096"] = round(res[4096]["lineage_0back_ms"] / res[4096]["plan_ms_step"], 3)

@@ -157,7 +157,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="30k steps (the default; kept for the bench suite)")
     ap.add_argument("--baseline", default=None, help="git revision to run side by side (e.g. HEAD~3)")
     ap.add_argument("--every", type=float, default=5.0, help="seconds between samples")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="seconds: 400 steps, both arms (the baseline from this tree unless --baseline)",
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.every, args.minutes = 400, 0.5, None
     steps = 10**9 if args.minutes else args.steps
     deadline = time.time() + (args.minutes * 60 if args.minutes else 10**9)
     base = Path(tempfile.mkdtemp(prefix="msmg-", dir="/tmp"))
@@ -172,6 +179,8 @@ def main() -> None:
                 ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(worktree), args.baseline], check=True
             )
             trees.insert(0, (f"baseline-{args.baseline}", worktree))
+        elif args.smoke:  # the A/B side by side, without a git worktree: both arms from this tree
+            trees.insert(0, ("baseline-smoke", ROOT))
         arms = [Arm(name, tree, base, steps, deadline) for name, tree in trees]
         t0 = time.monotonic()
         last_print = 0.0

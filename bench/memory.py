@@ -668,7 +668,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fresh", action="store_true", help="new trainer processes for every phase (slower)")
     ap.add_argument("--data", default=None, help="data directory to reuse (generated there if missing)")
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="seconds: S=3, R=2 (and R=1), W=1, 2 batches, both loaders")
     args = ap.parse_args(argv)
+    scale_S = 64  # the S at which --scale-ranks adds rows
+    if args.smoke:  # both loaders, a trainer restart for another R, the scaling rows: at S=3, not 64
+        args.sources, args.ranks, args.workers_per_rank, args.server_workers = "3", 2, 1, 1
+        args.scale_ranks, args.batches, args.loader, scale_S = "1", 2, "both", 3
 
     t_start = time.perf_counter()
     S_list = [int(x) for x in (args.sources or ("8,64" if args.quick else "8,32,64,128")).split(",") if x]
@@ -678,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     data = args.data or os.path.join(work, "data")
     try:
         os.makedirs(data, exist_ok=True)
-        g = _generate(data, max(S_list + [64 if scale_R else 0]))
+        g = _generate(data, max(S_list + [scale_S if scale_R else 0]))
         M = g["shape"]
         R = args.ranks or M["ranks"]
         W = args.workers_per_rank or M["workers_per_rank"]
@@ -693,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # msdata phases run before baseline phases on the same trainers: a trainer that ran the baseline has
         # pyarrow mapped, which would make the server's pyarrow pages look free
-        configs = [(S, R) for S in S_list] + [(64, r) for r in scale_R if r != R]
+        configs = [(S, R) for S in S_list] + [(scale_S, r) for r in scale_R if r != R]
         kinds = [k for k in ("msdata", "baseline") if args.loader == "both" or LOADERS[args.loader] == k]
         rows = {
             (S, r): {
@@ -751,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{m['loader_pss'] / MIB:.0f} MiB = {m['loader_pss'] / MIB / max(procs - m['R'], 1):.0f} MiB "
                     f"per DataLoader worker (rank and worker growth together)"
                 )
-        _print_scaling(results, R)
+        _print_scaling(results, R, scale_S)
         summary = _summary(results, R, W)
         summary["seconds"] = round(time.perf_counter() - t_start, 1)
         say(json.dumps(summary))
@@ -788,11 +793,11 @@ def _print_row(row: dict, header: bool) -> None:
     )
 
 
-def _print_scaling(results: list[dict], R: int) -> None:
-    at64 = sorted((row for row in results if row["S"] == 64), key=lambda x: x["R"])
+def _print_scaling(results: list[dict], R: int, S: int = 64) -> None:
+    at64 = sorted((row for row in results if row["S"] == S), key=lambda x: x["R"])
     if len(at64) < 2:
         return
-    say("\nscaling with R*W at S=64:")
+    say(f"\nscaling with R*W at S={S}:")
     for row in at64:
         parts = [f"R={row['R']} (R*W={row['R'] * row['W']})"]
         for kind in ("baseline", "msdata"):

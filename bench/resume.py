@@ -121,14 +121,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sources", type=int, default=64)
+    ap.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, every code path (CI)")
     args = ap.parse_args()
     dp, seq_len, micro = 8, 8192, 4
     steps = 3 if args.quick else 10
+    rows = 512 if args.quick else 2048
+    if args.smoke:
+        dp, seq_len, micro, steps, rows, args.sources = 2, 1024, 2, 2, 64, 3
     root = tempfile.mkdtemp(prefix="msdata-resume-")
     prog = bar(3, "resume", "phase")  # data, run A, cold resume
     try:
         t = time.perf_counter()
-        dirs = make_data(os.path.join(root, "data"), args.sources, 2, 512 if args.quick else 2048)
+        dirs = make_data(os.path.join(root, "data"), args.sources, 2, rows)
         say(f"data: {args.sources} parquet sources in {time.perf_counter() - t:.1f}s")
         prog.update(1)
         spec = job(dirs, dp, seq_len, micro)

@@ -50,7 +50,8 @@ OUT = ROOT / "bench" / "out"
 RANK = textwrap.dedent("""\
     import json, os, sys, time
     import msdata_client as msd
-    job, ep, rank, statefile, mix_every = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
+    job, ep, rank, statefile = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    mix_every, save_every = float(sys.argv[5]), int(sys.argv[6])
     spec = msd.DGraph.from_toml(job).plan()
     mixes = [{"chat": 0.3, "web": 0.5, "code": 0.2}, {"chat": 0.5, "web": 0.3, "code": 0.2}]
     with msd.DataClient(spec, endpoint=ep, rank=rank, world_size=spec.mesh.world_size, connect_timeout=120) as dc:
@@ -65,7 +66,7 @@ RANK = textwrap.dedent("""\
             if rank == 0 and time.monotonic() - last_mix > mix_every:
                 last_mix = time.monotonic()
                 dc.set_mixture(mixes[int(last_mix // mix_every) % 2])
-            if rank == 0 and n % (200 * spec.micro_batches) == 0:
+            if rank == 0 and n % (save_every * spec.micro_batches) == 0:
                 tmp = statefile + ".tmp"
                 with open(tmp, "w") as f:
                     json.dump(dc.state_dict(), f)
@@ -184,7 +185,19 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=10.0, help="seconds between samples")
     ap.add_argument("--mix-every", type=float, default=60.0)
     ap.add_argument("--restart-every", type=float, default=300.0)
+    ap.add_argument("--save-every", type=int, default=200, help="steps between rank 0's saved states")
+    ap.add_argument("--out", default=str(OUT), help="folder of the series and the plot")
+    ap.add_argument("--smoke", action="store_true", help="seconds: 12 s, mixture changes, 2 restarts, a temp --out")
     args = ap.parse_args()
+    if args.smoke:
+        args.minutes, args.quick, args.every, args.mix_every, args.restart_every, args.save_every = (
+            0.2,
+            False,
+            1,
+            1.5,
+            4,
+            20,
+        )
     # a soak stopped with SIGTERM (kill, a CI timeout) still stops its ranks and server (the finally below)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     minutes = 3.0 if args.quick else args.minutes
@@ -216,7 +229,17 @@ def main() -> None:
     def start_ranks() -> list[subprocess.Popen]:
         return [
             subprocess.Popen(
-                [sys.executable, "-c", RANK, str(JOB), sock, str(r), statefile, str(args.mix_every)],
+                [
+                    sys.executable,
+                    "-c",
+                    RANK,
+                    str(JOB),
+                    sock,
+                    str(r),
+                    statefile,
+                    str(args.mix_every),
+                    str(args.save_every),
+                ],
                 stderr=log,
                 cwd=str(ROOT),
             )
@@ -309,10 +332,13 @@ def main() -> None:
         "shm_left_after_stop": len(left),
     }
     if rows:
-        OUT.mkdir(parents=True, exist_ok=True)
-        (OUT / "soak_series.json").write_text(json.dumps(rows))
-        plot(rows, OUT / "soak.png")
-        print(f"plot: {OUT / 'soak.png'}")
+        out_dir = Path(tempfile.mkdtemp(prefix="mssoak-out-")) if args.smoke else Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "soak_series.json").write_text(json.dumps(rows))
+        plot(rows, out_dir / "soak.png")
+        print(f"plot: {out_dir / 'soak.png'}")
+        if args.smoke:  # drawn (the code path runs), then dropped
+            shutil.rmtree(out_dir)
     print(json.dumps(out))
 
 

@@ -46,8 +46,11 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=4096)
     ap.add_argument("--every", type=int, default=16, help="a base every N steps")
     ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, every code path (CI)")
     args = ap.parse_args()
-    steps = 24 if args.quick else args.steps
+    if args.smoke:  # bases and deltas both: two bases, deltas between
+        args.steps, args.dp, args.every, args.seq_len = 6, 64, 3, 4096
+    steps = args.steps if args.smoke else 24 if args.quick else args.steps
     cfg = PlannerConfig(
         sources=tuple(TEXT4.sources),
         seq_len=args.seq_len,

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 
@@ -396,7 +397,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="calibration repeats per length")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dump", default=None, help="write every timed micro-batch (lengths, predicted, measured) as JSON")
+    ap.add_argument("--smoke", action="store_true", help="seconds: 4k, dp 2 (every rank) and 8 (top + sample), 1 step")
     args = ap.parse_args()
+    smoke_dump = None
+    if args.smoke:  # every rank timed at dp 2, the sampled ranks at dp 8; both passes' orders; the dump written
+        args.seq_lens, args.dp, args.full_dp, args.steps, args.top, args.sample = "4096", "2,8", 2, 1, 1, 1
+        args.passes, args.repeats, args.layers = 2, 1, 1
+        if args.dump is None:
+            fd, smoke_dump = tempfile.mkstemp(prefix="msd-e2e-smoke-", suffix=".json")
+            os.close(fd)
+            args.dump = smoke_dump
     args.steps = args.steps or (1 if args.quick else 3)
     args.top = args.top if args.top is not None else (2 if args.quick else 4)
     args.sample = args.sample if args.sample is not None else (2 if args.quick else 4)
@@ -482,6 +492,8 @@ def main() -> None:
     if args.dump:
         with open(args.dump, "w") as f:
             json.dump(every, f)
+        if smoke_dump is not None:
+            os.unlink(smoke_dump)
     res["cost_model_r2"] = round(r_squared(every, "cpu"), 4)
     res["cost_model_r2_calibrated"] = round(r_squared(every, "cpu", calibrated=True), 4)
     res["cost_model_r2_wall"] = round(r_squared(every, "wall"), 4)

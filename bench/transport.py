@@ -257,10 +257,14 @@ def main() -> None:
     ap.add_argument("--sizes", default="64k,1m,16m")
     ap.add_argument("--readers", default="1,2")
     ap.add_argument("--loader", default="msdata,torch", help="arms to run: msdata,torch")
+    ap.add_argument("--smoke", action="store_true", help="seconds: 1 MiB, 8 batches, both arms, 1 and 2 readers")
     args = ap.parse_args()
+    if args.smoke:
+        args.sizes = "1m"
     budget = 256 << 20 if args.quick else 2 << 30  # bytes per arm and size
-    memcpy = {k: memcpy_gbps(SIZES[k], 20) for k in ("1m", "16m")}
-    memcpy["64m"] = memcpy_gbps(64 << 20, 5)
+    reps = 2 if args.smoke else 20
+    memcpy = {k: memcpy_gbps(SIZES[k], reps) for k in ("1m", "16m")}
+    memcpy["64m"] = memcpy_gbps(64 << 20, min(reps, 5))
     say(
         f"single-thread memcpy: 1 MiB {memcpy['1m']:.1f} GB/s, 16 MiB {memcpy['16m']:.1f} GB/s, "
         f"64 MiB {memcpy['64m']:.1f} GB/s"
@@ -271,9 +275,9 @@ def main() -> None:
     prog = bar(len(sizes) * len(readers_list) * len(arms), "transport", "arm")
     for size in sizes:
         nb = SIZES[size]
-        n = int(min(4000 if args.quick else 20000, max(40, budget // nb)))
-        for readers in map(int, args.readers.split(",")):
-            for arm in args.loader.split(","):
+        n = 8 if args.smoke else int(min(4000 if args.quick else 20000, max(40, budget // nb)))
+        for readers in map(int, readers_list):
+            for arm in arms:
                 r = run_msdata(nb, n, readers) if arm == "msdata" else run_torch(nb, n, readers)
                 results[(arm, size, readers)] = r
                 rows.append((arm, size, readers, n, r))
@@ -283,7 +287,7 @@ def main() -> None:
                 )
                 prog.update(1)
     prog.close()
-    say()
+    say("")
     say(
         f"{'size':>5} {'readers':>7} {'msdata GB/s':>12} {'torch GB/s':>11} {'ratio':>7} "
         f"{'msdata p50 us':>14} {'torch p50 us':>13}"

@@ -16,7 +16,7 @@ from msdata_client.wire import PROTOCOL_VERSION
 from . import faults, shm
 from .admission import Admission
 from .config import ServerConfig
-from .endpoint import ClientConn, UnixEndpoint
+from .endpoint import ClientConn, ClientLimits, UnixEndpoint
 from .errors import ClosedError, ConfigError, MsdataError, ProtocolError
 from .job import Job, RankPosition
 from .job.rings import RingConfig
@@ -48,7 +48,7 @@ class NodeServer:
         self.table = JobTable(self._new_job, lambda: self.starter, self.tasks.spawn)
         self.jobs = self.table.jobs  # by name; the same dicts as the table's
         self.pending = self.table.pending  # a new run of a job whose previous run is still winding down
-        self.endpoint = UnixEndpoint(config.node.socket, self._handle)
+        self.endpoint = UnixEndpoint(config.node.socket, self._handle, ClientLimits.of(config.node))
         self.admission = Admission(config.node)  # [node] allow_transforms and data_roots
         self.pool: WorkerPool | None = None
         self.autoscaler: Autoscaler | None = None  # with a pool: sizes it and shares it out ([autoscale])

@@ -27,6 +27,7 @@ from .ops.prometheus import start_metrics_server
 from .ops.sdnotify import Notifier
 from .shm import cleanup
 from .tasks import TaskSet
+from .transforms import MAX_IMAGE_PIXELS_ENV
 
 if TYPE_CHECKING:
     from .autoscale import Autoscaler
@@ -83,6 +84,7 @@ class NodeServer:
         if removed:
             log.warning("removed %d stale shared-memory segment(s) of a previous server: %s", len(removed), removed)
         self.endpoint.bind()
+        os.environ[MAX_IMAGE_PIXELS_ENV] = str(cfg.max_image_pixels)  # transforms here and in workers read it
         if cfg.workers > 0:
             from .autoscale import Autoscaler
             from .autoscale.controller import initial_size

@@ -4,14 +4,26 @@ image may decode to ([node] max_image_pixels), and a closed job's queued transfo
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import io
+import secrets
 import socket
 import struct
+import time
 
+import numpy as np
 import pytest
 
 import msdata_client as msd
 from msdata_client.wire import FrameReader, encode, recv_into_reader
+from msdata_server.config import parse_config
+from msdata_server.errors import ConfigError
+from msdata_server.pool import WorkerPool
+from msdata_server.sources import BadSample
+from msdata_server.transforms import MAX_IMAGE_PIXELS_ENV, image_patches, run_transform, vlm
 
+from .aio import LOOPS, run
 from .e2e_util import small_job
 from .polling import wait_for
 
@@ -111,3 +123,67 @@ def test_prefetch_steps_is_bounded(server_factory):
             next(c)
     with msd.DataClient(small_job("near", dp=1, prefetch=4), endpoint=srv.socket, rank=0, world_size=1) as c:
         next(c)
+
+
+# ---- one sample's image: bounded before its pixels are decoded ------------------------------------------------
+def _image(fmt: str, w: int, h: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (200, 30, 90)).save(buf, fmt)
+    return buf.getvalue()
+
+
+def test_an_image_over_max_image_pixels_is_an_oversize_bad_sample(monkeypatch):
+    monkeypatch.setenv(MAX_IMAGE_PIXELS_ENV, str(300 * 300))
+    png, jpeg = _image("PNG", 400, 400), _image("JPEG", 1600, 1600)
+    out = run_transform(functools.partial(image_patches, patch=8, grid=(4, 4)), [png, jpeg], seed=0, sample_ids=[0, 1])
+    assert isinstance(out[0], BadSample) and out[0].reason == "oversize", out[0]
+    assert "max_image_pixels = 90000" in out[0].detail
+    assert out[1].shape == (16, 8 * 8 * 3)  # 2.56 Mpx, but decoded at 1/8 (200 x 200) by DCT scaling
+    out = run_transform(
+        vlm(max_pixels=56 * 56 * 4),
+        [{"image": png, "caption": b"x"}, {"image": jpeg, "caption": b"x"}],
+        seed=0,
+        sample_ids=[0, 1],
+    )
+    assert isinstance(out[0], BadSample) and out[0].reason == "oversize", out[0]
+    assert not isinstance(out[1], BadSample), out[1]
+
+
+def test_max_image_pixels_is_a_node_setting():
+    assert parse_config({}).node.max_image_pixels == 50_000_000
+    with pytest.raises(ConfigError, match="max_image_pixels = 0 must be an integer"):
+        parse_config({"node": {"max_image_pixels": 0}})
+
+
+# ---- a closed job's queued transform work: cancelled, not run ---------------------------------------------
+def slow_mark(record, **_):
+    """Append a byte to the file the record names, then take a while (a costly decode)."""
+    with open(bytes(record), "ab") as f:
+        f.write(b".")
+    time.sleep(0.1)
+    return np.zeros(1, dtype=np.int32)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_cancelled_transform_work_leaves_the_queue(tmp_path, loop):
+    marks = tmp_path / "marks"
+    marks.write_bytes(b"")
+    records = [str(marks).encode()] * 40
+
+    async def main():
+        async with WorkerPool(1, max_task=1, shm_prefix="msdb" + secrets.token_hex(3)) as pool:
+            job = asyncio.create_task(pool.transform(f"{__name__}:slow_mark", records, seed=0, sample_ids=range(40)))
+            while marks.stat().st_size == 0:  # the first task is on the worker
+                await asyncio.sleep(0.01)
+            job.cancel()  # what a closing job does to its constructors
+            with pytest.raises(asyncio.CancelledError):
+                await job
+            assert pool.statistics().queued == 0
+            # FIFO with one worker: this runs after the task already on the worker, before any of the rest
+            await pool.transform(f"{__name__}:slow_mark", records[:1], seed=0, sample_ids=[99])
+        return marks.stat().st_size
+
+    ran = run(main(), loop)
+    assert ran <= 3, f"{ran} of the closed job's 40 samples were transformed (39 queued ones should be dropped)"

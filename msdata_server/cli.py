@@ -220,18 +220,17 @@ _PROBE_RECORDS = 8  # records of each source validate --job transforms
 
 def _cmd_validate(args) -> int:
     cfg = load_config(args.config)
-    print(f"node config OK: id={cfg.node.id} socket={cfg.node.socket} role={cfg.role}")
     d = os.path.dirname(cfg.node.socket)
-    if os.path.exists(d) and not os.access(d, os.W_OK):
+    if os.path.isdir(d) and not os.access(d, os.W_OK):
         raise MsdataError(f"socket directory {d!r} is not writable by this user; choose another [node] socket")
-    if os.path.exists(d):
-        from .endpoint import check_socket_dir
+    from .endpoint import check_socket_place
 
-        check_socket_dir(d)
+    check_socket_place(cfg.node.socket)  # its directory can be made and takes a socket (not /proc, not a file)
     if cfg.cluster is not None:
         from .cluster.net.handshake import load_token
 
         load_token(cfg.cluster.token_file)  # exists, holds a secret, and only this user may read it
+    print(f"node config OK: id={cfg.node.id} socket={cfg.node.socket} role={cfg.role}")
     if args.job:
         from msdata_client.graph import DGraph
 

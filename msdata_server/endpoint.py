@@ -25,7 +25,7 @@ from .clientframes import check_frame
 from .errors import ClosedError, ConfigError, ProtocolError
 from .peerprocess import PeerProcess
 
-__all__ = ["ClientConn", "ClientLimits", "UnixEndpoint", "check_socket_dir"]
+__all__ = ["ClientConn", "ClientLimits", "UnixEndpoint", "check_socket_dir", "check_socket_place"]
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +283,39 @@ def check_socket_dir(d: str) -> None:
         )
 
 
+def _unusable(d: str, e: OSError) -> ConfigError:
+    return ConfigError(
+        f"cannot make the client socket in {d!r}: {e.strerror or e}; set [node] socket to a path in a directory "
+        f"this user can write on a local filesystem (not under a file, not in /proc or /sys)"
+    )
+
+
+def check_socket_place(path: str) -> None:
+    """ConfigError unless a server could make its socket at ``path`` (``validate``): the nearest existing
+    directory on its way must take a socket (a probe is bound and removed there), and if the socket's
+    directory exists, it must pass ``check_socket_dir``."""
+    d = os.path.dirname(path) or "."
+    a = d
+    while not os.path.lexists(a):
+        a = os.path.dirname(a) or "."
+    if not os.path.isdir(a):
+        raise _unusable(d, NotADirectoryError(errno.ENOTDIR, f"{a!r} is a file, not a directory"))
+    if a == d:
+        check_socket_dir(d)
+    probe = os.path.join(a, f".msdata-probe-{os.getpid()}")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(probe)
+    except OSError as e:
+        raise _unusable(d, e) from None
+    finally:
+        s.close()
+    try:
+        os.unlink(probe)
+    except OSError:
+        pass
+
+
 class UnixEndpoint:
     """Listening Unix socket for local clients; removes a stale socket file on start, its own on close."""
 
@@ -297,7 +330,10 @@ class UnixEndpoint:
 
     def bind(self) -> None:
         d = os.path.dirname(self.path) or "."
-        os.makedirs(d, mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise _unusable(d, e) from None
         check_socket_dir(d)
         if os.path.exists(self.path):
             mode = os.lstat(self.path).st_mode
@@ -321,6 +357,9 @@ class UnixEndpoint:
         old = os.umask(0o077)  # the socket file: this user only (group access: chmod it after start)
         try:
             s.bind(self.path)
+        except OSError as e:
+            s.close()
+            raise _unusable(d, e) from None
         finally:
             os.umask(old)
         s.listen(256)

@@ -172,6 +172,10 @@ def _cmd_health(args) -> int:
             file=sys.stderr,
         )
         return 1
+    sd = st.get("state_dir") or {}
+    if sd.get("error"):  # a job here waits (or would) for its planner state to be saved: not healthy
+        print(f"msdata-server health: degraded: node {st.get('node')}: {sd['error']}", file=sys.stderr)
+        return 1
     print(f"ok: node {st.get('node')} role {role} jobs {len(st.get('jobs') or [])}")
     return 0
 
@@ -212,6 +216,10 @@ def _format_status(st: dict) -> str:
             lines.append(f"  source {name}: " + ", ".join(f"{k}={v}" for k, v in s.items() if not isinstance(v, dict)))
         if j.get("error"):
             lines.append(f"  error: {j['error']}")
+        if j.get("waiting_for"):
+            lines.append(f"  waiting for: {j['waiting_for']}")
+    if (st.get("state_dir") or {}).get("error"):
+        lines.append(f"state_dir: {st['state_dir']['error']}")
     return "\n".join(lines)
 
 
@@ -314,7 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", action="store_true", help="redraw a live screen until interrupted")
     st.add_argument("--interval", type=_positive, default=2.0, help="seconds between --watch redraws (default 2)")
     st.set_defaults(fn=_cmd_status)
-    h = sub.add_parser("health", help="exit 0 when the server answers with a known role, else 1 (for probes)")
+    h = sub.add_parser(
+        "health",
+        help="exit 0 when the server answers with a known role and can save planner states, else 1 (for probes)",
+    )
     h.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
     h.add_argument("--timeout", type=_positive, default=5.0, help="seconds to wait for the answer (default 5)")
     h.set_defaults(fn=_cmd_health)

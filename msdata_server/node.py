@@ -26,6 +26,7 @@ from .ops.memory import proc_memory, tree_memory
 from .ops.prometheus import start_metrics_server
 from .ops.sdnotify import Notifier
 from .shm import cleanup
+from .statedir import probe
 from .tasks import TaskSet
 from .transforms import MAX_IMAGE_PIXELS_ENV
 
@@ -302,12 +303,22 @@ class NodeServer:
             "autoscale": self.autoscaler.status() if self.autoscaler is not None else {"enabled": False, "sources": {}},
             "memory": {"server_pss": proc_memory()["pss"], "total_pss": mem["pss"], "total_uss": mem["uss"]},
             "jobs": [j.status() for j in self.jobs.values()],
+            "state_dir": self._state_dir_status(),
             **(
                 {"cluster": {**self.cluster.status(), "runs": self.cluster_jobs.status() if self.cluster_jobs else []}}
                 if self.cluster is not None
                 else {}
             ),
         }
+
+    def _state_dir_status(self) -> dict:
+        """Where planner states are saved here and why they cannot be now (None: they can); a cluster keeps
+        them in etcd. ``health`` fails while ``error`` is set: a job that starts would wait for it."""
+        if self.config.cluster is not None:
+            return {"path": None, "error": None}
+        path = self.config.node.state_path
+        failing = [j.saving.failing for j in self.jobs.values() if j.saving is not None and j.saving.failing]
+        return {"path": path, "error": failing[0] if failing else probe(path)}
 
     # ---- shutdown --------------------------------------------------------------------------------------
     async def aclose(self) -> None:

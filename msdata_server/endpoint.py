@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from msdata_client.wire import FrameReader, encode
 
 from .clientframes import check_frame
+from .config import NodeConfig
 from .errors import ClosedError, ConfigError, ProtocolError
 from .peerprocess import PeerProcess
 
@@ -43,7 +44,7 @@ class ClientLimits:
     frame_timeout: float = 30.0  # seconds a frame may stay half received
 
     @classmethod
-    def of(cls, node) -> ClientLimits:
+    def of(cls, node: NodeConfig) -> ClientLimits:
         """The limits a NodeConfig sets."""
         return cls(
             max_frame=node.max_client_frame_kib << 10,

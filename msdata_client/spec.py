@@ -20,7 +20,16 @@ from msdata_client.mix import MixSpec
 from msdata_client.source import SourceSpec
 from msdata_client.tokenizer import default_pad
 
-__all__ = ["BalanceSpec", "IMAGE_TOKEN_ID", "JobSpec", "MixSpec", "SourceSpec", "VISION_ALPHA", "VISION_BETA"]
+__all__ = [
+    "BalanceSpec",
+    "IMAGE_TOKEN_ID",
+    "JobSpec",
+    "MAX_PREFETCH_STEPS",
+    "MixSpec",
+    "SourceSpec",
+    "VISION_ALPHA",
+    "VISION_BETA",
+]
 
 IMAGE_TOKEN_ID = 258  # [job] image_token_id by default (byte tokens are 0..255, EOS 256, padding 257)
 VISION_ALPHA, VISION_BETA = 1.0, 2048.0  # [balance] alpha_v, beta_v by default
@@ -104,6 +113,9 @@ class BalanceSpec:
         return cls(**check_keys("[balance]", d, [f.name for f in fields(cls)]))
 
 
+MAX_PREFETCH_STEPS = 4096  # planned steps are held in memory: no node allows more ([node] max_prefetch_steps)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobSpec:
     """A validated, frozen job: what the ranks register and the planner runs."""
@@ -143,7 +155,8 @@ class JobSpec:
             raise ConfigError(f"job image_token_id={self.image_token_id} equals pad_id; {fix}")
         LongDocs.parse(self.long_docs, "job long_docs")
         Distribute.parse(self.distribute, "job distribute")
-        check_int("job prefetch_steps", self.prefetch_steps, low=1, fix="plan at least 1 step ahead (2 by default)")
+        fix = f"plan 1..{MAX_PREFETCH_STEPS} steps ahead (2 by default; a node may allow fewer: max_prefetch_steps)"
+        check_int("job prefetch_steps", self.prefetch_steps, low=1, high=MAX_PREFETCH_STEPS, fix=fix)
         check_int(
             "job shadow_loaders", self.shadow_loaders, low=0, fix="use 0 (no standbys) or the standbys per partition"
         )

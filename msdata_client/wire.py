@@ -55,11 +55,13 @@ def decode(body: bytes | memoryview) -> dict:
 class FrameReader:
     """Incremental frame parser fed with received bytes and descriptors (used by both sides)."""
 
-    __slots__ = ("_buf", "fds")
+    __slots__ = ("_buf", "fds", "hint", "max_frame")
 
-    def __init__(self) -> None:
+    def __init__(self, max_frame: int = MAX_FRAME, hint: str = "not an msdata peer?") -> None:
         self._buf = bytearray()
         self.fds: deque[int] = deque()
+        self.max_frame = max_frame  # a longer frame is a ProtocolError (the server bounds its clients' frames)
+        self.hint = hint  # what the error adds (the setting that bounds it)
 
     def feed(self, data: bytes, fds: list[int] | tuple[int, ...] = ()) -> None:
         self._buf += data
@@ -70,12 +72,15 @@ class FrameReader:
         if len(self._buf) < 4:
             return None
         (n,) = _HEADER.unpack_from(self._buf)
-        if n > MAX_FRAME:
-            raise ProtocolError(f"frame length {n} exceeds MAX_FRAME={MAX_FRAME}: not an msdata peer?")
+        if n > self.max_frame:
+            raise ProtocolError(f"frame length {n} exceeds MAX_FRAME={self.max_frame}: {self.hint}")
         if len(self._buf) < 4 + n:
             return None
         body = bytes(self._buf[4 : 4 + n])
-        del self._buf[: 4 + n]
+        if len(self._buf) == 4 + n:
+            self._buf = bytearray()  # give back what a large frame made the buffer hold
+        else:
+            del self._buf[: 4 + n]
         return decode(body)
 
     def buffered(self) -> int:

@@ -19,7 +19,15 @@ from .errors import ConfigError
 from .sources.paths import expand_paths
 from .transforms import parse_transform_name
 
-__all__ = ["BUILTIN_FUNCTIONS", "Admission", "check_files", "check_functions", "check_job", "check_paths"]
+__all__ = [
+    "BUILTIN_FUNCTIONS",
+    "Admission",
+    "check_bounds",
+    "check_files",
+    "check_functions",
+    "check_job",
+    "check_paths",
+]
 
 # msdata_server's own transforms and cost functions: always allowed ([node] allow_transforms extends them)
 BUILTIN_FUNCTIONS = frozenset(
@@ -130,8 +138,21 @@ def check_files(spec: JobSpec, roots: tuple[str, ...]) -> None:
                     raise _outside(s.name, f, roots)
 
 
+def check_bounds(spec: JobSpec, node: NodeConfig) -> None:
+    """ConfigError unless the job keeps within this node's bounds on what one job may hold ([node]
+    max_prefetch_steps: each step planned ahead holds its plan and payloads in the server)."""
+    if spec.prefetch_steps > node.max_prefetch_steps:
+        raise ConfigError(
+            f"job {spec.name!r}: prefetch_steps = {spec.prefetch_steps} is over this node's [node] "
+            f"max_prefetch_steps = {node.max_prefetch_steps}; plan fewer steps ahead (2 is the default; a few "
+            f"cover any stall) or ask the node's operator to raise max_prefetch_steps in node.toml"
+        )
+
+
 def check_job(spec: JobSpec, node: NodeConfig) -> None:
-    """Every check of a job against this node's [node] allow_transforms and data_roots (the CLI's validate)."""
+    """Every check of a job against this node's [node] allow_transforms, data_roots and bounds (the CLI's
+    validate)."""
+    check_bounds(spec, node)
     check_functions(spec, node.allow_transforms)
     check_paths(spec, node.data_roots)
     check_files(spec, node.data_roots)
@@ -149,6 +170,7 @@ class Admission:
         file-level check runs in a thread (it walks directories)."""
         if digest in self._admitted:
             return
+        check_bounds(spec, self.node)
         check_functions(spec, self.node.allow_transforms)
         check_paths(spec, self.node.data_roots)
         if self.node.data_roots:

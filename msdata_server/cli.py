@@ -173,6 +173,10 @@ def _cmd_health(args) -> int:
             file=sys.stderr,
         )
         return 1
+    sd = st.get("state_dir") or {}
+    if sd.get("error"):  # a job here waits (or would) for its planner state to be saved: not healthy
+        print(f"msdata-server health: degraded: node {st.get('node')}: {sd['error']}", file=sys.stderr)
+        return 1
     print(f"ok: node {st.get('node')} role {role} jobs {len(st.get('jobs') or [])}")
     return 0
 
@@ -213,6 +217,10 @@ def _format_status(st: dict) -> str:
             lines.append(f"  source {name}: " + ", ".join(f"{k}={v}" for k, v in s.items() if not isinstance(v, dict)))
         if j.get("error"):
             lines.append(f"  error: {j['error']}")
+        if j.get("waiting_for"):
+            lines.append(f"  waiting for: {j['waiting_for']}")
+    if (st.get("state_dir") or {}).get("error"):
+        lines.append(f"state_dir: {st['state_dir']['error']}")
     return "\n".join(lines)
 
 
@@ -221,18 +229,17 @@ _PROBE_RECORDS = 8  # records of each source validate --job transforms
 
 def _cmd_validate(args) -> int:
     cfg = load_config(args.config)
-    print(f"node config OK: id={cfg.node.id} socket={cfg.node.socket} role={cfg.role}")
     d = os.path.dirname(cfg.node.socket)
-    if os.path.exists(d) and not os.access(d, os.W_OK):
+    if os.path.isdir(d) and not os.access(d, os.W_OK):
         raise MsdataError(f"socket directory {d!r} is not writable by this user; choose another [node] socket")
-    if os.path.exists(d):
-        from .endpoint import check_socket_dir
+    from .endpoint import check_socket_place
 
-        check_socket_dir(d)
+    check_socket_place(cfg.node.socket)  # its directory can be made and takes a socket (not /proc, not a file)
     if cfg.cluster is not None:
         from .cluster.net.handshake import load_token
 
         load_token(cfg.cluster.token_file)  # exists, holds a secret, and only this user may read it
+    print(f"node config OK: id={cfg.node.id} socket={cfg.node.socket} role={cfg.role}")
     if args.job:
         from msdata_client.graph import DGraph
 
@@ -333,7 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", action="store_true", help="redraw a live screen until interrupted")
     st.add_argument("--interval", type=_positive, default=2.0, help="seconds between --watch redraws (default 2)")
     st.set_defaults(fn=_cmd_status)
-    h = sub.add_parser("health", help="exit 0 when the server answers with a known role, else 1 (for probes)")
+    h = sub.add_parser(
+        "health",
+        help="exit 0 when the server answers with a known role and can save planner states, else 1 (for probes)",
+    )
     h.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
     h.add_argument("--timeout", type=_positive, default=5.0, help="seconds to wait for the answer (default 5)")
     h.set_defaults(fn=_cmd_health)

@@ -88,6 +88,12 @@ class NodeConfig:
     # msdata_server's own; and path/URI prefixes jobs may read (empty: any). Checked as a job registers.
     allow_transforms: tuple[str, ...] = ()
     data_roots: tuple[str, ...] = ()
+    # what one client or one sample may cost this server (README "Operations: limits")
+    max_prefetch_steps: int = 64  # a job that plans further ahead (prefetch_steps) is refused as it registers
+    max_client_frame_kib: int = 4096  # a longer frame from a local client is a protocol error (hello + state: KiBs)
+    client_buffer_mib: int = 64  # partly received client frames held at once, all clients together
+    frame_timeout: float = 30.0  # seconds a client may leave a frame half sent before it is dropped
+    max_image_pixels: int = 50_000_000  # an image decoding to more pixels (after JPEG draft scaling) is a bad sample
 
     def __post_init__(self):
         if not self.id or not all(c.isalnum() or c in "-_." for c in self.id):
@@ -113,6 +119,14 @@ class NodeConfig:
             raise ConfigError(
                 f"[node] reconnect_grace = {self.reconnect_grace!r} must be a finite number >= 0 (seconds)"
             )
+        _int("node", "max_prefetch_steps", self.max_prefetch_steps, 1, 4096)
+        _int("node", "max_client_frame_kib", self.max_client_frame_kib, 64, 16 * 1024)
+        _int("node", "client_buffer_mib", self.client_buffer_mib, 1)
+        _int("node", "max_image_pixels", self.max_image_pixels, 1 << 16)
+        if isinstance(self.frame_timeout, bool) or not isinstance(self.frame_timeout, (int, float)):
+            raise ConfigError(f"[node] frame_timeout = {self.frame_timeout!r} must be a number of seconds > 0")
+        if not 0 < self.frame_timeout < float("inf"):
+            raise ConfigError(f"[node] frame_timeout = {self.frame_timeout!r} must be a finite number > 0 (seconds)")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"[node] log_level = {self.log_level!r} must be one of {', '.join(LOG_LEVELS)}")
         for a in self.allow_transforms:

@@ -14,21 +14,52 @@ import os
 import socket
 import stat
 import struct
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from msdata_client.wire import FrameReader, encode
 
 from .clientframes import check_frame
-from .errors import ClosedError, ConfigError
+from .config import NodeConfig
+from .errors import ClosedError, ConfigError, ProtocolError
 from .peerprocess import PeerProcess
 
-__all__ = ["ClientConn", "UnixEndpoint", "check_socket_dir"]
+__all__ = ["ClientConn", "ClientLimits", "UnixEndpoint", "check_socket_dir", "check_socket_place"]
 
 log = logging.getLogger(__name__)
 
 MAX_OUTBOX = 64 << 20  # bytes queued for one client before it is considered stuck and dropped
 _ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientLimits:
+    """What the clients' incoming frames may hold in this server ([node] max_client_frame_kib,
+    client_buffer_mib, frame_timeout): a client's largest frame is a hello with its job and states (KiBs)."""
+
+    max_frame: int = 4096 << 10  # bytes of one frame
+    buffer_bytes: int = 64 << 20  # bytes of partly received frames, all clients together
+    frame_timeout: float = 30.0  # seconds a frame may stay half received
+
+    @classmethod
+    def of(cls, node: NodeConfig) -> ClientLimits:
+        """The limits a NodeConfig sets."""
+        return cls(
+            max_frame=node.max_client_frame_kib << 10,
+            buffer_bytes=node.client_buffer_mib << 20,
+            frame_timeout=float(node.frame_timeout),
+        )
+
+
+class _Held:
+    """Bytes of partly received frames held by all connections of one endpoint (bounded by buffer_bytes)."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self) -> None:
+        self.bytes = 0
 
 
 class ClientConn:
@@ -38,11 +69,21 @@ class ClientConn:
     socket once that task has finished, so no descriptor is closed under a pending read.
     """
 
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, cid: int):
+    def __init__(
+        self,
+        sock: socket.socket,
+        loop: asyncio.AbstractEventLoop,
+        cid: int,
+        limits: ClientLimits | None = None,
+        held: _Held | None = None,
+    ):
         self.sock = sock
         self.loop = loop
         self.id = cid
-        self.reader = FrameReader()
+        self.limits = limits or ClientLimits()
+        self._held = held or _Held()
+        hint = f"a client frame is at most [node] max_client_frame_kib = {self.limits.max_frame >> 10} KiB"
+        self.reader = FrameReader(self.limits.max_frame, hint)
         self._out: deque[list] = deque()  # [memoryview, fds]
         self._out_bytes = 0
         self._writing = False
@@ -161,9 +202,32 @@ class ClientConn:
             self.eof = True
 
     async def _frames(self):
+        try:
+            async for frame in self._read():
+                yield frame
+        finally:
+            self._held.bytes -= self.reader.buffered()
+
+    async def _recv(self, partial_since: float) -> bytes:
+        """The next bytes; ProtocolError once a frame has stayed half received for [node] frame_timeout."""
+        if not self.reader.buffered():
+            return await self.loop.sock_recv(self.sock, 1 << 16)
+        left = partial_since + self.limits.frame_timeout - time.monotonic()
+        try:
+            async with asyncio.timeout(max(left, 0.0)):
+                return await self.loop.sock_recv(self.sock, 1 << 16)
+        except TimeoutError:
+            raise ProtocolError(
+                f"sent {self.reader.buffered()} bytes of a frame, then nothing more for "
+                f"{self.limits.frame_timeout:g} s ([node] frame_timeout): a client sends each frame whole"
+            ) from None
+
+    async def _read(self):
+        """Frames as they arrive; what is held of a partial frame counts in the endpoint's ``_Held``."""
+        partial_since = 0.0  # when the bytes now buffered (a frame not yet whole) began to arrive
         while not self.closed:
             try:
-                data = await self.loop.sock_recv(self.sock, 1 << 16)
+                data = await self._recv(partial_since)
             except (ConnectionError, OSError):
                 return
             if not data:
@@ -172,12 +236,25 @@ class ClientConn:
                         "%r closed its socket inside a frame (%d bytes of it arrived)", self, self.reader.buffered()
                     )
                 return
+            before = self.reader.buffered()
+            if not before:
+                partial_since = time.monotonic()
             self.reader.feed(data)
-            while not self.closed and (frame := self.reader.next_frame()) is not None:
-                check_frame(frame)
-                if frame["t"] == "bye":
-                    self.ended = True
-                yield frame
+            try:
+                while not self.closed and (frame := self.reader.next_frame()) is not None:
+                    partial_since = time.monotonic()  # what is left began to arrive now
+                    check_frame(frame)
+                    if frame["t"] == "bye":
+                        self.ended = True
+                    yield frame
+            finally:
+                self._held.bytes += self.reader.buffered() - before
+                before = self.reader.buffered()
+            if before and self._held.bytes > self.limits.buffer_bytes:
+                raise ProtocolError(
+                    f"clients hold {self._held.bytes} bytes of partly sent frames, over [node] client_buffer_mib = "
+                    f"{self.limits.buffer_bytes >> 20} MiB; this client, with {before} of them, is dropped"
+                )
 
 
 def _peer_pid(sock: socket.socket) -> int | None:
@@ -207,19 +284,57 @@ def check_socket_dir(d: str) -> None:
         )
 
 
+def _unusable(d: str, e: OSError) -> ConfigError:
+    return ConfigError(
+        f"cannot make the client socket in {d!r}: {e.strerror or e}; set [node] socket to a path in a directory "
+        f"this user can write on a local filesystem (not under a file, not in /proc or /sys)"
+    )
+
+
+def check_socket_place(path: str) -> None:
+    """ConfigError unless a server could make its socket at ``path`` (``validate``): the nearest existing
+    directory on its way must take a socket (a probe is bound and removed there), and if the socket's
+    directory exists, it must pass ``check_socket_dir``."""
+    d = os.path.dirname(path) or "."
+    a = d
+    while not os.path.lexists(a):
+        a = os.path.dirname(a) or "."
+    if not os.path.isdir(a):
+        raise _unusable(d, NotADirectoryError(errno.ENOTDIR, f"{a!r} is a file, not a directory"))
+    if a == d:
+        check_socket_dir(d)
+    probe = os.path.join(a, f".msdata-probe-{os.getpid()}")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(probe)
+    except OSError as e:
+        raise _unusable(d, e) from None
+    finally:
+        s.close()
+    try:
+        os.unlink(probe)
+    except OSError:
+        pass
+
+
 class UnixEndpoint:
     """Listening Unix socket for local clients; removes a stale socket file on start, its own on close."""
 
-    def __init__(self, path: str, handler: Callable[[ClientConn], Awaitable[None]]):
+    def __init__(self, path: str, handler: Callable[[ClientConn], Awaitable[None]], limits: ClientLimits | None = None):
         self.path = path
         self.handler = handler
+        self.limits = limits or ClientLimits()
+        self._held = _Held()  # partly received frames of all its clients
         self.sock: socket.socket | None = None
         self._next_id = 0
         self.conns: set[ClientConn] = set()
 
     def bind(self) -> None:
         d = os.path.dirname(self.path) or "."
-        os.makedirs(d, mode=0o700, exist_ok=True)
+        try:
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise _unusable(d, e) from None
         check_socket_dir(d)
         if os.path.exists(self.path):
             mode = os.lstat(self.path).st_mode
@@ -243,6 +358,9 @@ class UnixEndpoint:
         old = os.umask(0o077)  # the socket file: this user only (group access: chmod it after start)
         try:
             s.bind(self.path)
+        except OSError as e:
+            s.close()
+            raise _unusable(d, e) from None
         finally:
             os.umask(old)
         s.listen(256)
@@ -271,7 +389,7 @@ class UnixEndpoint:
         """Start serving one accepted client (its own task; nothing here outlives the call)."""
         conn_sock.setblocking(False)
         self._next_id += 1
-        conn = ClientConn(conn_sock, loop, self._next_id)
+        conn = ClientConn(conn_sock, loop, self._next_id, self.limits, self._held)
         self.conns.add(conn)
         tasks.spawn(self._run(conn), name=f"client-{conn.id}")
 

@@ -16,7 +16,7 @@ from msdata_client.wire import PROTOCOL_VERSION
 from . import faults, shm
 from .admission import Admission
 from .config import ServerConfig
-from .endpoint import ClientConn, UnixEndpoint
+from .endpoint import ClientConn, ClientLimits, UnixEndpoint
 from .errors import ClosedError, ConfigError, MsdataError, ProtocolError
 from .job import Job, RankPosition
 from .job.rings import RingConfig
@@ -26,7 +26,9 @@ from .ops.memory import proc_memory, tree_memory
 from .ops.prometheus import start_metrics_server
 from .ops.sdnotify import Notifier
 from .shm import cleanup
+from .statedir import probe
 from .tasks import TaskSet
+from .transforms import MAX_IMAGE_PIXELS_ENV
 
 if TYPE_CHECKING:
     from .autoscale import Autoscaler
@@ -48,7 +50,7 @@ class NodeServer:
         self.table = JobTable(self._new_job, lambda: self.starter, self.tasks.spawn)
         self.jobs = self.table.jobs  # by name; the same dicts as the table's
         self.pending = self.table.pending  # a new run of a job whose previous run is still winding down
-        self.endpoint = UnixEndpoint(config.node.socket, self._handle)
+        self.endpoint = UnixEndpoint(config.node.socket, self._handle, ClientLimits.of(config.node))
         self.admission = Admission(config.node)  # [node] allow_transforms and data_roots
         self.pool: WorkerPool | None = None
         self.autoscaler: Autoscaler | None = None  # with a pool: sizes it and shares it out ([autoscale])
@@ -83,6 +85,7 @@ class NodeServer:
         if removed:
             log.warning("removed %d stale shared-memory segment(s) of a previous server: %s", len(removed), removed)
         self.endpoint.bind()
+        os.environ[MAX_IMAGE_PIXELS_ENV] = str(cfg.max_image_pixels)  # transforms here and in workers read it
         if cfg.workers > 0:
             from .autoscale import Autoscaler
             from .autoscale.controller import initial_size
@@ -300,12 +303,22 @@ class NodeServer:
             "autoscale": self.autoscaler.status() if self.autoscaler is not None else {"enabled": False, "sources": {}},
             "memory": {"server_pss": proc_memory()["pss"], "total_pss": mem["pss"], "total_uss": mem["uss"]},
             "jobs": [j.status() for j in self.jobs.values()],
+            "state_dir": self._state_dir_status(),
             **(
                 {"cluster": {**self.cluster.status(), "runs": self.cluster_jobs.status() if self.cluster_jobs else []}}
                 if self.cluster is not None
                 else {}
             ),
         }
+
+    def _state_dir_status(self) -> dict:
+        """Where planner states are saved here and why they cannot be now (None: they can); a cluster keeps
+        them in etcd. ``health`` fails while ``error`` is set: a job that starts would wait for it."""
+        if self.config.cluster is not None:
+            return {"path": None, "error": None}
+        path = self.config.node.state_path
+        failing = [j.saving.failing for j in self.jobs.values() if j.saving is not None and j.saving.failing]
+        return {"path": path, "error": failing[0] if failing else probe(path)}
 
     # ---- shutdown --------------------------------------------------------------------------------------
     async def aclose(self) -> None:

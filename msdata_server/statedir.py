@@ -21,7 +21,7 @@ from . import faults
 from .errors import CheckpointError
 from .planner.delta import DeltaWriter, expired, newest
 
-__all__ = ["StateStore", "atomic_write"]
+__all__ = ["StateStore", "atomic_write", "probe"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,20 @@ def explain(directory: str, e: OSError) -> str:
         f"cannot save the planner state in state_dir {directory}: {cause}: {what}; {fix}. "
         "Planning waits (no step leaves before its state is saved) and goes on by itself once it can write"
     )
+
+
+def probe(directory: str) -> str | None:
+    """Why the planner state could not be saved in ``directory`` now (``explain``), or None when a file can be
+    written there (made and removed: what ``status`` and ``health`` report, issue 25 item 11)."""
+    path = os.path.join(directory, f".probe-{os.getpid()}")
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        with open(path, "wb"):
+            pass
+        os.unlink(path)
+    except OSError as e:
+        return explain(directory, e)
+    return None
 
 
 class StateStore:

@@ -14,6 +14,7 @@ import ast
 import functools
 import io
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -32,12 +33,14 @@ from .sources.order import make_rng
 __all__ = [
     "EOS",
     "IMAGE_TOKEN",
+    "MAX_IMAGE_PIXELS_ENV",
     "byte_tokens",
     "check_image_fits",
     "hf_tokenizer",
     "identity",
     "image_patches",
     "load_transform",
+    "max_image_pixels",
     "max_image_tokens",
     "parse_transform_name",
     "run_transform",
@@ -131,6 +134,37 @@ def hf_tokenizer(path: str, *, eos: int | None = None, add_special_tokens: bool 
     return tokenize
 
 
+MAX_IMAGE_PIXELS_ENV = "MSDATA_MAX_IMAGE_PIXELS"  # [node] max_image_pixels, as the server hands it to its workers
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+_CROP_SIDE = 1 / math.sqrt(0.5)  # image_patches crops at least half the area: each side at least 1/_CROP_SIDE
+
+
+def max_image_pixels() -> int:
+    """The most pixels one image may decode to in this process ([node] max_image_pixels, through the
+    environment the server gives its transform workers)."""
+    try:
+        return int(os.environ.get(MAX_IMAGE_PIXELS_ENV, DEFAULT_MAX_IMAGE_PIXELS))
+    except ValueError:
+        return DEFAULT_MAX_IMAGE_PIXELS
+
+
+def _bound_decode(im, least: tuple[int, int], what: str) -> None:
+    """Before the pixels are decoded: a JPEG decodes at 1/2, 1/4 or 1/8 scale (DCT scaling, Pillow's draft) while
+    it stays at least ``least`` (w, h); an image that still decodes to more than max_image_pixels() is an
+    oversize bad sample (a 144-megapixel PNG costs seconds and gigabytes: issue 25, item 10)."""
+    w, h = im.size
+    if im.format == "JPEG" and (w >= 2 * least[0] and h >= 2 * least[1]):
+        im.draft("RGB", least)
+    dw, dh = im.size
+    limit = max_image_pixels()
+    if dw * dh > limit:
+        raise _Bad(
+            "oversize",
+            f"{what}: {w}x{h} pixels decode to {dw * dh} > [node] max_image_pixels = {limit}; shrink the image "
+            f"or raise max_image_pixels in node.toml",
+        )
+
+
 def image_patches(record, *, rng, patch: int = 16, grid: tuple[int, int] = (16, 16), **_) -> np.ndarray:
     """Image bytes -> uint8 [grid_h * grid_w, patch * patch * 3]: decode (Pillow), random crop of 50-100 %
     of the area, resize to grid * patch pixels, cut into patches. ``len()`` is the token count."""
@@ -140,8 +174,14 @@ def image_patches(record, *, rng, patch: int = 16, grid: tuple[int, int] = (16, 
         raise ConfigError("transform image_patches needs Pillow: pip install Pillow") from None
     gh, gw = grid
     try:
-        with Image.open(io.BytesIO(bytes(record))) as im:
+        with Image.open(io.BytesIO(bytes(record))) as im:  # reads the header only
+            least = math.ceil(gw * patch * _CROP_SIDE), math.ceil(gh * patch * _CROP_SIDE)
+            _bound_decode(im, least, "image")  # the smallest crop still covers the grid without upscaling
             img = im.convert("RGB")
+    except _Bad:
+        raise
+    except Image.DecompressionBombError as e:
+        raise _Bad("oversize", f"image: {e}") from None
     except (UnidentifiedImageError, OSError, ValueError, TypeError) as e:
         raise _Bad("corrupt", f"image does not decode: {e}") from None
     w, h = img.size
@@ -344,6 +384,7 @@ def _image_patches(Image, blob, i: int, *, patch: int, merge: int, min_pixels: i
         th, tw = smart_resize(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
         if im.format == "JPEG" and (w >= 2 * tw or h >= 2 * th):
             im.draft("RGB", (tw, th))  # DCT scaling: decode at 1/2, 1/4 or 1/8, still at least the target
+        _bound_decode(im, (im.size[0], im.size[1]), f"image {i}")  # drafted already: only the pixel limit
         img = _rgb(Image, im)
     except _Bad:
         raise

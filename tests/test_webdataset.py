@@ -287,3 +287,26 @@ def test_all_is_sorted_and_importable(module):
     mod = importlib.import_module(f"msdata_server.{module}")
     assert mod.__all__ == sorted(mod.__all__)
     assert all(hasattr(mod, n) for n in mod.__all__)
+
+
+@pytest.mark.parametrize("member", [7, 6])  # sample 3's caption header, or its image header (its first)
+def test_a_corrupt_header_mid_shard_is_skipped_and_the_rest_read(tmp_path, member, caplog):
+    d = tmp_path / "s"
+    d.mkdir()
+    samples = caption_samples(1, 8)
+    write_tar(d / "b.tar", samples)
+    m = _members(d / "b.tar")
+    data = bytearray((d / "b.tar").read_bytes())
+    data[m[member][1] : m[member][1] + 20] = b"\xff" * 20  # its name and mode: the checksum no longer holds
+    (d / "b.tar").write_bytes(bytes(data))
+    with caplog.at_level(logging.ERROR), open_source(spec(d), seed=2) as src:
+        assert src.num_samples == 8
+        recs = src.read(np.arange(8))
+        _, _, rows = src.locate_many(np.arange(8))
+        got = dict(zip(rows.tolist(), recs))
+        assert got[3].reason == "corrupt" and f"corrupt header at byte {m[member][1]}" in got[3].detail
+        for r in (0, 1, 2, 4, 5, 6, 7):
+            assert got[r] == samples[r][1], r
+        assert src.statistics().bad_samples == {"corrupt": 1}
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("damaged" in t for t in msgs) and not any("truncated" in t for t in msgs), msgs

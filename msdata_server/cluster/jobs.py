@@ -43,7 +43,7 @@ import numpy as np
 from msdata_client.spec import JobSpec
 
 from .. import faults
-from ..admission import check_functions, check_paths
+from ..admission import check_bounds, check_functions, check_paths
 from ..config import ServerConfig
 from ..errors import ConfigError, MsdataError, PeerLostError, ProtocolError
 from ..job import Job
@@ -329,6 +329,7 @@ class ClusterJobs:
         if run is None:
             spec = JobSpec.from_dict(frame["spec"])
             try:  # the ranks' nodes admitted it; this node's operator decides for what it opens and runs here
+                check_bounds(spec, self._admit)
                 check_functions(spec, self._admit.allow_transforms)
                 check_paths(spec, self._admit.data_roots)
             except ConfigError as e:

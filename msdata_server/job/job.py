@@ -25,6 +25,7 @@ from ..ops.waits import WaitStats
 from ..planner import StepPlan
 from ..reclaim import collect_soon
 from ..sources.base import dominant_reason
+from ..statedir import StateStore
 from ..tasks import TaskSet
 from .constructor import Constructor, estimate_slot
 from .late import LateGroups, history_depth
@@ -87,6 +88,7 @@ class Job:
         self.late: LateGroups | None = None  # while some group has no reader here (job.late)
         self._closing: asyncio.Task | None = None  # aclose() after a failure (it cancels self.tasks)
         self.mixture_listeners: list[Callable[[str, int], None]] = []  # (job, cut) after a set_mixture
+        self.saving: StateStore | None = None  # where its planner states are saved (status: why planning waits)
 
     # ---- ranks ------------------------------------------------------------------------------------------
     async def attach(

@@ -14,11 +14,12 @@ from msdata_client.spec import JobSpec
 from ..ops.waits import WaitStats
 from ..planner import PlanStats
 from ..planner.accounting import accounting
+from ..statedir import StateStore
 from .ranks import RankRegistry
 from .seams import PayloadSource, PlanFeed
 from .steps import Group
 
-__all__ = ["JobView", "PlanLog", "job_status"]
+__all__ = ["JobView", "PlanLog", "job_status", "waiting_for"]
 
 _RECENT = 64
 
@@ -82,6 +83,28 @@ class JobView(Protocol):
     payloads: PayloadSource | None
     source_sizes: dict[str, int]
     started_at: float | None
+    saving: StateStore | None
+
+
+def _ranks_text(ranks: list[int], most: int = 16) -> str:
+    shown = ", ".join(map(str, ranks[:most]))
+    return shown + (f" and {len(ranks) - most} more" if len(ranks) > most else "")
+
+
+def waiting_for(job: JobView) -> str | None:
+    """What keeps the job from delivering, in one line (None: nothing): the ranks its start barrier lacks, or a
+    state_dir the planner state cannot be saved in. Shown by ``status``; a waiting client logs it."""
+    if job.state == "waiting":
+        ws = job.mesh.world_size
+        here = job.ranks.connected_ranks()
+        missing = sorted(set(range(ws)) - set(here))
+        if missing:
+            return (
+                f"{len(here)} of {ws} ranks of job {job.name} registered here; missing ranks {_ranks_text(missing)} "
+                f"(each rank of the mesh must start a DataClient: check WORLD_SIZE and the [mesh])"
+            )
+        return f"all {ws} ranks of job {job.name} registered; its start is being prepared"
+    return job.saving.failing if job.saving is not None else None
 
 
 def job_status(job: JobView) -> dict:
@@ -100,6 +123,7 @@ def job_status(job: JobView) -> dict:
         "ranks": job.ranks.connected_ranks(),
         "ranks_away": sorted(job.ranks.away),
         "ranks_detail": job.waits.snapshot(),
+        "waiting_for": waiting_for(job),
         "steps_planned": plans.pop("steps_planned"),
         "micro_batches_published": published,
         "micro_batches_per_s": published / elapsed if elapsed else 0.0,

@@ -47,6 +47,7 @@ class LocalStarter:
     async def _prepare(self, job: Job) -> tuple[LocalPlanFeed, LocalPayloads, dict]:
         spec = job.spec
         store = StateStore(self.state_dir, spec.name, job.digest)
+        job.saving = store  # status says so while it cannot be written (planning waits for it)
         starts = job.ranks.starts()
         sp = start_point(starts, spec.layout())
         if sp.clear:

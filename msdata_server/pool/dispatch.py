@@ -119,11 +119,26 @@ class Dispatcher:
             )
             tasks.append((idx, t))
             self._submit(t)
-        for idx, t in tasks:
-            res = await t.future
-            for i, r in zip(idx, res):
-                out[i] = r
+        try:
+            for idx, t in tasks:
+                res = await t.future
+                for i, r in zip(idx, res):
+                    out[i] = r
+        finally:  # the caller went away (its job closed) or a task failed: no worker starts the rest
+            self.drop([t for _, t in tasks])
         return out
+
+    def drop(self, tasks: list[Task]) -> None:
+        """Cancel the tasks not answered yet and take them out of the queues (one running on a worker finishes
+        there; its answer is discarded)."""
+        gone = {t.id for t in tasks if not t.future.done()}
+        for t in tasks:
+            t.future.cancel()
+        if not gone:
+            return
+        for s, q in self.queues.items():
+            if any(t.id in gone for t in q):
+                self.queues[s] = deque(t for t in q if t.id not in gone)
 
     def _task_size(self, source: str, max_task: int) -> int:
         """Samples per task: about TASK_S of the source's measured work, at most ``max_task``."""

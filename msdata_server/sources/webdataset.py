@@ -5,7 +5,9 @@ Each shard's member headers are scanned once (tarfile) into numpy arrays of data
 ids, with a CSR index of samples over members; a read is one ``pread`` of a sample's span. Samples are rows
 in the deterministic order like rows of any other file format (one unit per shard), so seek, partitions and
 sample ids behave exactly as for Parquet. A truncated shard, a sample lacking a part (an extension most
-samples have, or one that ``columns`` asks for) or one with a part twice is a counted bad sample.
+samples have, or one that ``columns`` asks for) or one with a part twice is a counted bad sample. A corrupt
+header mid-shard is skipped to the next valid ustar header (512-byte blocks, checksum): the samples after it
+are read, the one that lost a member is bad.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ _SPAN_SLACK = 64 << 10  # a sample's unselected members up to this many bytes ar
 
 # why a sample is bad at scan time (ShardIndex.flags)
 _OK, _CUT, _DUPLICATE, _LAST = 0, 1, 2, 3  # _LAST: the last sample before a truncation (bad if it lacks parts)
+_DAMAGED = 4  # a sample next to a corrupt header (bad if it lacks parts: the lost member was one of them)
 
 
 def split_member_name(name: str) -> tuple[str, str] | None:
@@ -51,8 +54,9 @@ class ShardIndex:
     sizes: np.ndarray  # int64 per member
     exts: np.ndarray  # int32 per member: extension id (WebDatasetSource.extensions)
     starts: np.ndarray  # int64 [samples + 1]
-    flags: np.ndarray  # uint8 per sample: _OK, _CUT, _DUPLICATE or _LAST
+    flags: np.ndarray  # uint8 per sample: _OK, _CUT, _DUPLICATE, _LAST or _DAMAGED
     truncated: str  # why the shard looks truncated; "" when it ends with the end-of-archive blocks
+    damaged: str = ""  # where corrupt headers were skipped; "" when none
 
     @property
     def num_samples(self) -> int:
@@ -75,11 +79,39 @@ class ShardIndex:
         )
 
 
+def _valid_header(block: bytes) -> bool:
+    """Whether a 512-byte block is a ustar header with a good checksum (where to resume after damage)."""
+    if len(block) < _BLOCK or block[257:262] != b"ustar":
+        return False
+    try:
+        tarfile.TarInfo.frombuf(block, tarfile.ENCODING, "surrogateescape")
+    except tarfile.HeaderError:
+        return False
+    return True
+
+
+def _resync(fh, start: int, size: int) -> int | None:
+    """The offset of the first valid header after ``start`` (scanning 512-byte blocks), or None."""
+    pos = start + _BLOCK
+    chunk = 1 << 20
+    while pos < size:
+        fh.seek(pos)
+        buf = fh.read(chunk)
+        for k in range(0, len(buf) - _BLOCK + 1, _BLOCK):
+            if buf[k + 257 : k + 262] == b"ustar" and _valid_header(buf[k : k + _BLOCK]):
+                return pos + k
+        pos += max(_BLOCK, len(buf) - len(buf) % _BLOCK)
+        if len(buf) < chunk:
+            return None
+    return None
+
+
 def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
     """Scan a tar shard's headers (data is skipped, never read); ``ext_ids`` assigns extension ids and grows.
 
     tarfile.ReadError for a file that is no tar at all; a shard cut short keeps the samples before the cut and
-    marks the ones it touches.
+    marks the ones it touches. A corrupt header mid-shard is skipped: the scan resumes at the next valid ustar
+    header, and the samples on either side of the damage are bad if they lack a part (``damaged``).
     """
     size = os.path.getsize(path)
     offsets: list[int] = []
@@ -88,17 +120,36 @@ def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
     starts: list[int] = []
     flags: list[int] = []
     truncated = ""
+    damaged: list[str] = []
+    after_damage = False
     key = None
     seen: set[int] = set()
-    with open(path, "rb") as fh, tarfile.open(fileobj=fh, mode="r:") as tf:
+    with open(path, "rb") as fh:
+        tf = tarfile.open(fileobj=fh, mode="r:")
         while True:
             try:
                 m = tf.next()
             except tarfile.ReadError as e:
-                truncated = str(e)
-                break
+                m, err = None, str(e)
+            else:
+                err = ""
             if m is None:
-                break
+                end = tf.offset  # where the next header would be: the end-of-archive blocks (zeros) must lie there
+                fh.seek(end)
+                tail = fh.read(_BLOCK)
+                if not err and len(tail) == _BLOCK and tail.count(0) == _BLOCK:
+                    break
+                resume = _resync(fh, end, size) if len(tail) == _BLOCK else None
+                if resume is None:
+                    truncated = err or f"no end-of-archive marker at byte {end} of {size}"
+                    break
+                damaged.append(f"a corrupt header at byte {end}, next valid one at byte {resume}")
+                if flags and flags[-1] == _OK:
+                    flags[-1] = _DAMAGED  # the lost member may have been one of its parts
+                after_damage = True  # ... or the first part of the sample that comes next
+                fh.seek(resume)
+                tf = tarfile.open(fileobj=fh, mode="r:")
+                continue
             if not m.isreg():
                 continue
             ke = split_member_name(m.name)
@@ -108,7 +159,8 @@ def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
                 key = ke[0]
                 seen.clear()
                 starts.append(len(offsets))
-                flags.append(_OK)
+                flags.append(_DAMAGED if after_damage else _OK)
+            after_damage = False
             if m.offset_data + m.size > size:
                 flags[-1] = _CUT
                 truncated = f"member {m.name!r} ends at byte {m.offset_data + m.size} of {size}"
@@ -120,12 +172,6 @@ def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
             offsets.append(m.offset_data)
             sizes.append(m.size)
             exts.append(e_id)
-        if not truncated:
-            end = tf.offset  # where the next header would be: the end-of-archive blocks (zeros) must lie there
-            fh.seek(end)
-            tail = fh.read(_BLOCK)
-            if len(tail) < _BLOCK or tail.count(0) != _BLOCK:
-                truncated = f"no end-of-archive marker at byte {end} of {size}"
     if truncated and flags and flags[-1] == _OK:
         flags[-1] = _LAST
     starts.append(len(offsets))
@@ -136,6 +182,7 @@ def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
         starts=np.array(starts, dtype=np.int64),
         flags=np.array(flags, dtype=np.uint8),
         truncated=truncated,
+        damaged="; ".join(damaged),
     )
 
 
@@ -190,6 +237,15 @@ class WebDatasetSource(FileSource):
             self.shards.append(ShardIndex.empty())
             raise
         self.shards.append(idx)
+        if idx.damaged:
+            log.error(
+                "source %s: shard %s is damaged (%s); the scan resumed at the next valid header, %d samples "
+                "indexed, a sample that lost a part is counted bad",
+                self.name,
+                path,
+                idx.damaged,
+                idx.num_samples,
+            )
         if idx.truncated:
             log.error(
                 "source %s: shard %s is truncated (%s); %d samples before the cut indexed, a sample it "
@@ -233,6 +289,9 @@ class WebDatasetSource(FileSource):
         found = [next((e for e in g if e in present), -1) for g in self.wanted]
         missing = [t for t, e in zip(self._wanted_text, found) if e < 0]
         if missing:
+            if flag == _DAMAGED:
+                detail = f"a tar header next to it is corrupt ({shard.damaged}); the sample lacks {missing}"
+                return self.bad_sample(f, row, "corrupt", detail, f"{self.paths[f]} damaged"), 0
             if flag == _LAST:
                 detail = f"shard truncated ({shard.truncated}); the sample lacks {missing}"
                 return self.bad_sample(f, row, "corrupt", detail, f"{self.paths[f]} cut"), 0

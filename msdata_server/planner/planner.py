@@ -29,8 +29,8 @@ from .balance import method_of, place
 from .cost import check_cost_fn, make_cost
 from .deferred import Deferred, Insert
 from .layout import Layout
-from .listings import Listings
 from .lengths import LengthReader, MetadataView
+from .listings import Listings
 from .mixture import Mixture
 from .pack import long_docs_mode, pieces
 from .rows import order_by

@@ -24,7 +24,8 @@ __all__ = [
     "K_COUNTS",
     "K_DEFERRED",
     "K_LISTING",
-    "K_SKIPS",    "STATE_VERSION",
+    "K_SKIPS",
+    "STATE_VERSION",
     "VISION_KEYS",
     "Position",
 ]

@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import ConfigError
-from .order import DEFAULT_WINDOW, Order
 from .listing import Listing, list_files
+from .order import DEFAULT_WINDOW, Order
 
 __all__ = [
     "BAD_REASONS",

@@ -44,7 +44,9 @@ class Listing:
         """blake2b-128 hex over (entry, name, size, mtime_ns) of every file in order."""
         h = hashlib.blake2b(digest_size=16)
         for e in self.entries:
-            h.update(b"%d\x1f%s\x1f%d\x1f%d\x1e" % (e.entry, e.name.encode("utf-8", "surrogatepass"), e.size, e.mtime_ns))
+            h.update(
+                b"%d\x1f%s\x1f%d\x1f%d\x1e" % (e.entry, e.name.encode("utf-8", "surrogatepass"), e.size, e.mtime_ns)
+            )
         return h.hexdigest()
 
     @property

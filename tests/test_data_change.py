@@ -157,3 +157,16 @@ def test_on_data_change_is_validated():
                 "mix": {"weights": {"a": 1.0}},
             }
         )
+
+
+def test_lineage_refuses_steps_read_from_the_old_file_list(tmp_path):
+    from msdata_server.lineage.query import Query, check_files
+
+    spec = _job(tmp_path, "lin")
+    new, now = listings_now(spec)
+    old = {"step": 4, "listing": Listings(digests=("1" * 32,), files=(3,)).to_dict()}
+    went = check_listings(dataclasses.replace(spec, on_data_change="continue"), old, now, new, lambda d: None)
+    later = {"step": 6, "listing": went.to_dict()}
+    with pytest.raises(msd.ConfigError, match="steps before 4 .* another file list of source 'web'"):
+        check_files(spec, Query(start=2, stop=5), [old, later])
+    check_files(spec, Query(start=4, stop=6), [later])  # steps from the change on replay over today's files

@@ -22,6 +22,7 @@ __all__ = [
     "Interpolate",
     "LongDocs",
     "Method",
+    "OnDataChange",
     "SHUFFLE_SPREAD",
     "SHUFFLE_WINDOW",
     "ShuffleMode",
@@ -102,6 +103,13 @@ class LongDocs(Choice):
 
     SPLIT = "split"  # pieces of seq_len tokens, then the remainder; each piece is its own document
     TRUNCATE = "truncate"  # keep the first seq_len tokens only
+
+
+class OnDataChange(Choice):
+    """What a resume does when a source's files changed since the state was saved ([job] on_data_change)."""
+
+    ERROR = "error"  # refuse, naming what changed
+    CONTINUE = "continue"  # go on from the saved position over the new files (the state records the change)
 
 
 class Distribute(Choice):

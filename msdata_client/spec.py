@@ -13,7 +13,16 @@ from typing import Any
 
 from msdata_client import _toml
 from msdata_client._validate import FrozenMap, check_float, check_int, check_keys, check_name, check_str_tuple
-from msdata_client.choices import ATTENTION_COST, BroadcastAxis, CostKind, Distribute, LongDocs, Method, is_import_path
+from msdata_client.choices import (
+    ATTENTION_COST,
+    BroadcastAxis,
+    CostKind,
+    Distribute,
+    LongDocs,
+    Method,
+    OnDataChange,
+    is_import_path,
+)
 from msdata_client.errors import ConfigError
 from msdata_client.mesh import PP_STAGES, ClientPlaceTree
 from msdata_client.mix import MixSpec
@@ -55,6 +64,7 @@ _JOB_TABLE_KEYS = (
     "pp_fields",
     "image_token_id",
     "shadow_loaders",
+    "on_data_change",
 )
 _TOP_KEYS = ("job", "mesh", "source", "mix", "balance")
 
@@ -135,6 +145,9 @@ class JobSpec:
     image_token_id: int = IMAGE_TOKEN_ID
     # hot standbys per source partition on other nodes (cluster layout only: never changes the data)
     shadow_loaders: int = 0
+    # a resume over a source whose files changed: refuse ("error") or go on over the new files ("continue");
+    # not part of the data identity (switching it must not itself break a resume)
+    on_data_change: str = OnDataChange.ERROR.value
     sources: tuple[SourceSpec, ...]
     mix: MixSpec
     balance: BalanceSpec = field(default_factory=BalanceSpec)
@@ -155,6 +168,7 @@ class JobSpec:
             raise ConfigError(f"job image_token_id={self.image_token_id} equals pad_id; {fix}")
         LongDocs.parse(self.long_docs, "job long_docs")
         Distribute.parse(self.distribute, "job distribute")
+        OnDataChange.parse(self.on_data_change, "job on_data_change")
         fix = f"plan 1..{MAX_PREFETCH_STEPS} steps ahead (2 by default; a node may allow fewer: max_prefetch_steps)"
         check_int("job prefetch_steps", self.prefetch_steps, low=1, high=MAX_PREFETCH_STEPS, fix=fix)
         check_int(
@@ -277,6 +291,8 @@ class JobSpec:
             job["image_token_id"] = self.image_token_id
         if self.shadow_loaders:  # written only when set: digests of jobs without standbys stay as they were
             job["shadow_loaders"] = self.shadow_loaders
+        if self.on_data_change != OnDataChange.ERROR.value:  # written only when set: digests stay as they were
+            job["on_data_change"] = self.on_data_change
         return {
             "job": job,
             "mesh": self.mesh.to_dict(),

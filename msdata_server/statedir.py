@@ -17,11 +17,13 @@ import logging
 import os
 import re
 
+import orjson
+
 from . import faults
 from .errors import CheckpointError
 from .planner.delta import DeltaWriter, expired, newest
 
-__all__ = ["StateStore", "atomic_write", "probe"]
+__all__ = ["ListingManifests", "StateStore", "atomic_write", "probe"]
 
 log = logging.getLogger(__name__)
 
@@ -199,3 +201,36 @@ class StateStore:
         except OSError as e:
             self._clear_pending = True
             log.error("%s", explain(self.dir, e))
+
+
+class ListingManifests:
+    """Sources' file listings (``sources.listing``) in ``{state_dir}/.listings/{digest}.json``, each written once:
+    when a resume finds the files changed, the saved listing names the files that did. Best effort: a manifest
+    that cannot be written is logged and the error then names counts and digests only."""
+
+    def __init__(self, state_dir: str):
+        self.dir = os.path.join(state_dir, ".listings")
+
+    def _path(self, digest: str) -> str:
+        if not re.fullmatch(r"[0-9a-f]{32}", digest):
+            raise ValueError(f"not a listing digest: {digest!r}")
+        return os.path.join(self.dir, f"{digest}.json")
+
+    def save(self, manifest: dict) -> None:
+        path = self._path(manifest["digest"])
+        if os.path.exists(path):
+            return
+        try:
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            atomic_write(path, orjson.dumps(manifest))
+        except OSError as e:
+            log.warning("could not keep the file listing %s: %s", path, e)
+
+    def load(self, digest: str) -> dict | None:
+        """The manifest of ``digest``, or None when this node does not hold it (or it does not read)."""
+        try:
+            with open(self._path(digest), "rb") as f:
+                raw = orjson.loads(f.read())
+        except (OSError, ValueError):
+            return None
+        return raw if isinstance(raw, dict) else None

@@ -17,12 +17,14 @@ from msdata_client.spec import JobSpec
 
 from ..errors import ConfigError
 from ..job.view import ThreadView
+from ..planner.listings import Listings
 from ..planner.spec import planner_config
+from ..planner.state import K_LISTING
 from .data import DataView
 from .replay import replay
 from .rows import join_columns, plan_columns
 
-__all__ = ["MAX_STEPS", "Query", "answer"]
+__all__ = ["MAX_STEPS", "Query", "answer", "check_files"]
 
 MAX_STEPS = 1 << 16  # steps one query may replay: a --sample search is bounded by its step range
 
@@ -63,6 +65,27 @@ def _skipped(step: int, skips: Sequence[Sequence[int]]) -> bool:
     return any(a <= step < b for a, b in skips)
 
 
+def check_files(spec: JobSpec, query: Query, states: Sequence[Mapping | None]) -> None:
+    """ConfigError when ``query`` asks for steps planned over another file list than the one a job went on
+    with (``[job] on_data_change = "continue"``): their rows refer to the old files, which a replay over
+    today's files would name wrongly."""
+    n = len(spec.sources)
+    changes = {
+        (c.step, c.source, c.was, c.now): c
+        for st in states
+        if st is not None and K_LISTING in st
+        for c in Listings.from_dict(st[K_LISTING], n).changes_after(query.start)
+    }
+    if changes:
+        c = min(changes.values(), key=lambda c: c.step)
+        raise ConfigError(
+            f"steps before {c.step} of job {spec.name!r} were read from another file list of source {c.source!r} "
+            f"(digest {c.was[:12] or 'unknown'}; from step {c.step} on: {c.now[:12]}; [job] on_data_change = "
+            f'"continue"): their rows refer to the old files and cannot be replayed over today\'s; ask for steps '
+            f">= {c.step}, or restore the old files and replay offline"
+        )
+
+
 async def answer(
     spec: JobSpec,
     query: Query,
@@ -74,6 +97,7 @@ async def answer(
 ) -> dict:
     """The lineage columns of ``query`` (wire form: numeric columns, sources, files per source), replayed from
     ``base`` (None: the beginning) with ``held`` later states; steps inside ``skips`` are marked skipped."""
+    check_files(spec, query, [base, *(held or {}).values()])
     cfg = planner_config(spec)
     if query.group is not None and query.group >= cfg.dp:
         raise ConfigError(f"lineage dp_rank {query.group} is outside job {spec.name!r}'s {cfg.dp} data groups")

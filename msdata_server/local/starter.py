@@ -11,13 +11,16 @@ from typing import TYPE_CHECKING
 from msdata_client.spec import JobSpec
 
 from ..checkpoint import Carried, StateStore, carried_start, start_point
+from ..datachange import data_start
 from ..job import Job
 from ..job.images import source_transform
 from ..lineage.skip import skip_ahead
 from ..loader import SourceLoader
 from ..planner import Planner
 from ..planner.spec import planner_config
+from ..planner.state import K_LISTING
 from ..sources import open_source
+from ..statedir import ListingManifests
 from .feed import LocalPlanFeed
 from .payloads import LocalPayloads
 
@@ -79,12 +82,17 @@ class LocalStarter:
                     "job %s: no checkpoint at or before step %d; replaying from the beginning", spec.name, sp.load_at
                 )
         planner = Planner(planner_config(spec), state=state)  # a state that does not fit fails before any I/O
+        # the files each source lists now against those the state was planned over (datachange.py)
+        listing = await data_start(spec, state, ListingManifests(self.state_dir))
+        if state is not None:  # skip_ahead plans from the state: it carries the listing on
+            state = {**state, K_LISTING: listing.to_dict()}
         if skip:  # loader.skip: plan the skipped steps, deliver from the step after them
             state, skipped = await skip_ahead(spec, state, skip, self.pool, defer=defer)
             for step, st in skipped.items():
                 await store.persist(step, st)  # lineage replays the skipped steps from these
             planner = Planner(planner_config(spec), state=state)
             log.info("job %s: skipped steps %d..%d (loader.skip)", spec.name, planner.step - skip, planner.step - 1)
+        planner.set_listing(listing)  # a new run (or one after a skip) records the files it plans over too
         if carried is not None:  # set_mixture calls the ranks' carried state records after its step
             for at, weights in carried.overrides:
                 if at >= planner.step:

@@ -30,6 +30,7 @@ from .cost import check_cost_fn, make_cost
 from .deferred import Deferred, Insert
 from .layout import Layout
 from .lengths import LengthReader, MetadataView
+from .listings import Listings
 from .mixture import Mixture
 from .pack import long_docs_mode, pieces
 from .rows import order_by
@@ -291,6 +292,12 @@ class Planner:
             d = d.with_insert(ins)
         self._pos = replace(self._pos, deferred=d)
 
+    def set_listing(self, listing: Listings) -> None:
+        """The file listings the steps from here are planned over (the starters check them: datachange.py)."""
+        if len(listing.digests) != len(self._cfg.sources):
+            raise ConfigError(f"set_listing: {len(listing.digests)} listings for {len(self._cfg.sources)} sources")
+        self._pos = replace(self._pos, listing=listing)
+
     def state_dict(self) -> dict:
         """Small JSON-able state at the current step boundary; Planner(cfg, state) continues from it."""
         return self._pos.state_dict(self._cfg.sources, self._cfg.seq_len, self._mode.value)
@@ -435,6 +442,7 @@ class Planner:
             skips=pos.skips,
             counts=counts,
             deferred=pos.deferred,
+            listing=pos.listing,
         )
         return pos.deferred.translate(plan) if pos.deferred else plan
 

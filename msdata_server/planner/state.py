@@ -15,9 +15,20 @@ import numpy as np
 from msdata_server.errors import CheckpointError, ConfigError
 
 from .deferred import Deferred
+from .listings import Listings
 from .mixture import Mixture
 
-__all__ = ["CARRY_KEYS", "COUNT_KEYS", "K_COUNTS", "K_DEFERRED", "K_SKIPS", "STATE_VERSION", "VISION_KEYS", "Position"]
+__all__ = [
+    "CARRY_KEYS",
+    "COUNT_KEYS",
+    "K_COUNTS",
+    "K_DEFERRED",
+    "K_LISTING",
+    "K_SKIPS",
+    "STATE_VERSION",
+    "VISION_KEYS",
+    "Position",
+]
 
 STATE_VERSION = 1
 # state_dict keys
@@ -34,6 +45,9 @@ K_SKIPS = "skips"
 K_COUNTS = "counts"
 # optional: pieces loader.skip(defer=True) put after the rest of their source's epoch (deferred.Deferred)
 K_DEFERRED = "deferred"
+# optional: the file listings the state was planned over and the changes a resume went on across
+# (listings.Listings); absent in states saved before they were kept (the file list is unknown then)
+K_LISTING = "listing"
 COUNT_KEYS = ("started", "bad", "skipped_docs", "skipped_tokens")
 CARRY_KEYS = ("source", "ordinal", "offset", "length")  # a column per carried piece
 # with the "vlm" cost, two more: the piece's image patches and patches squared (a document's first piece
@@ -55,6 +69,7 @@ class Position:
     skips: tuple[tuple[int, int], ...] = ()  # K_SKIPS: skipped step ranges [start, stop), oldest first
     counts: dict[str, np.ndarray] | None = None  # K_COUNTS: int64 per source each (None: all zero)
     deferred: Deferred | None = None  # K_DEFERRED: virtual ordinals that map to deferred pieces
+    listing: Listings | None = None  # K_LISTING: the files planned over (None: unknown)
 
     @classmethod
     def start(cls, n: int, mixture: Mixture, *, vision: bool = False) -> Position:
@@ -94,6 +109,7 @@ class Position:
             **({K_SKIPS: [list(r) for r in self.skips]} if self.skips else {}),
             K_COUNTS: {k: [int(x) for x in v] for k, v in self.count_arrays().items()},
             **({K_DEFERRED: self.deferred.to_list()} if self.deferred else {}),
+            **({K_LISTING: self.listing.to_dict()} if self.listing is not None else {}),
         }
 
     def count_arrays(self) -> dict[str, np.ndarray]:
@@ -111,7 +127,7 @@ class Position:
         n = len(sources)
         if not isinstance(state, Mapping):
             raise CheckpointError(f"planner state must be a dict, got {type(state).__name__}")
-        keys = set(state) - {K_SKIPS, K_COUNTS, K_DEFERRED}
+        keys = set(state) - {K_SKIPS, K_COUNTS, K_DEFERRED, K_LISTING}
         if keys != _STATE_KEYS:
             raise CheckpointError(
                 f"planner state keys differ: unknown {sorted(keys - _STATE_KEYS)}, missing {sorted(_STATE_KEYS - keys)}"
@@ -192,6 +208,7 @@ class Position:
             skips=_skips(state.get(K_SKIPS, []), step),
             counts=_counts(state.get(K_COUNTS), n),
             deferred=Deferred.from_list(state[K_DEFERRED], n) if K_DEFERRED in state else None,
+            listing=Listings.from_dict(state[K_LISTING], n) if K_LISTING in state else None,
             cursor=cursor,
             taken=taken,
             target=np.array(target, dtype=np.float64),

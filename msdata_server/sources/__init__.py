@@ -15,7 +15,8 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError
-from .base import BAD_REASONS, BadSample, ReadResult, Source, SourceStats
+from .base import BAD_REASONS, BadSample, FileSource, ReadResult, Source, SourceStats
+from .listing import Listing, list_files
 
 __all__ = [
     "ArrowSource",
@@ -23,12 +24,14 @@ __all__ = [
     "BadSample",
     "FORMATS",
     "JsonlSource",
+    "Listing",
     "ParquetSource",
     "ReadResult",
     "Source",
     "SourceStats",
     "SyntheticSource",
     "WebDatasetSource",
+    "list_source",
     "open_source",
 ]
 
@@ -63,6 +66,17 @@ def open_source(spec: Any, *, seed: int) -> Source:
     if spec.format not in _FORMAT_TABLE:
         raise ConfigError(f"source {spec.name!r}: unknown format {spec.format!r}; use one of {sorted(_FORMAT_TABLE)}")
     return _format_class(spec.format)(spec, seed=seed)
+
+
+def list_source(spec: Any) -> Listing | None:
+    """The file listing of the source a SourceSpec describes, without opening its files (None for a source
+    that reads no files); ConfigError as ``open_source`` raises it for paths that match nothing."""
+    if spec.format not in _FORMAT_TABLE:
+        raise ConfigError(f"source {spec.name!r}: unknown format {spec.format!r}; use one of {sorted(_FORMAT_TABLE)}")
+    cls = _format_class(spec.format)
+    if not issubclass(cls, FileSource):
+        return None
+    return list_files(spec.name, spec.format, spec.paths, cls.extensions)
 
 
 def _prefer_returning_allocator() -> None:

@@ -20,8 +20,8 @@ import numpy as np
 from msdata_client.source import Shuffle
 
 from ..errors import ConfigError
+from .listing import Listing, list_files
 from .order import Order
-from .paths import expand_paths
 
 __all__ = [
     "BAD_REASONS",
@@ -302,7 +302,9 @@ class FileSource(Source):
         self.column: str = spec.column
         self.columns: tuple[str, ...] | None = selected_columns(spec)
         self.max_bytes: int = int(spec.max_sample_bytes)
-        self.paths: tuple[str, ...] = tuple(expand_paths(spec.name, spec.format, spec.paths, self.extensions))
+        # the files and what identifies them (a resume compares the digest: datachange.py)
+        self.listing: Listing = list_files(spec.name, spec.format, spec.paths, self.extensions)
+        self.paths: tuple[str, ...] = self.listing.paths
         self._handles: _Lru = _Lru(max_items=self.max_open or 4, max_bytes=1 << 62)  # resized once ordered
         self.skipped: dict[int, str] = {}
         units: list[np.ndarray] = []

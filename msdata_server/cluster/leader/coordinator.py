@@ -34,6 +34,7 @@ from msdata_client.spec import JobSpec
 from ...autoscale.cluster import RunView, Scaler, run_view, start_costs
 from ...autoscale.controller import SPINUP_S
 from ...checkpoint import RankStart, start_point
+from ...datachange import data_start
 from ...errors import CheckpointError, ClosedError, ConfigError, MsdataError, PeerLostError
 from ...job.view import ThreadView
 from ...lineage.skip import skip_ahead
@@ -415,11 +416,15 @@ class JobCoordinator:
             await after._closed.wait()
         try:
             state, positions = await self._start_state(per, resume)
+            # the files the leader lists now against those the state was planned over (datachange.py); the
+            # leader keeps no manifests: an error names the counts and digests
+            listing = await data_start(self.spec, state, None)
         except MsdataError as e:
             log.error("job %s cannot start: %s", self.spec.name, e)
             return False
         cfg = planner_config(self.spec)
         planner = Planner(cfg, state=state)
+        planner.set_listing(listing)
         self.rank_nodes = {int(r): nid for nid, j in per.items() for r in j["ranks"]}
         live = self.ctx.live_nodes()
         self.start_frame = {

@@ -37,6 +37,8 @@ BENCHES = (
     "autoscale",
     "chaos",
     "lineage",
+    "order",
+    "tls",
 )
 MICRO_DUMP = "train_e2e_micro.json"  # predicted vs measured seconds per micro-batch (the cost-model plot)
 
@@ -55,9 +57,10 @@ def last_json(text: str) -> dict | None:
     return None
 
 
-def run_bench(name: str, *, quick: bool, extra: list[str], results: Path, timeout: float) -> dict:
+def run_bench(name: str, *, quick: bool, extra: list[str], results: Path, timeout: float, smoke: bool = False) -> dict:
     """Run bench/<name>.py, stream its output, store its JSON; a record of the run (never raises)."""
-    cmd = [sys.executable, str(HERE / f"{name}.py"), *(["--quick"] if quick else []), *extra]
+    mode = ["--smoke"] if smoke else ["--quick"] if quick else []
+    cmd = [sys.executable, str(HERE / f"{name}.py"), *mode, *extra]
     dump = None
     if name == "train_e2e" and "--dump" not in extra:
         dump = Path(tempfile.mkstemp(prefix="msdata-e2e-", suffix=".json")[1])
@@ -392,6 +395,11 @@ def draw(results: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="pass --smoke to every benchmark (seconds each); results go to a temp folder, bench/results/ untouched",
+    )
     ap.add_argument("--only", action="append", default=None, help="run only this benchmark (repeatable)")
     ap.add_argument(
         "--args",
@@ -404,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot-only", action="store_true", help="draw the plots from the JSON files already there")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one benchmark may take")
     args = ap.parse_args(argv)
+    if args.smoke and args.results == str(RESULTS):
+        args.results = tempfile.mkdtemp(prefix="msdata-bench-smoke-")  # a smoke's figures are not results
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     extra: dict[str, list[str]] = {}
@@ -420,7 +430,14 @@ def main(argv: list[str] | None = None) -> int:
             if not (HERE / f"{name}.py").exists():
                 skipped.append(name)
                 continue
-            rec = run_bench(name, quick=args.quick, extra=extra.get(name, []), results=results, timeout=args.timeout)
+            rec = run_bench(
+                name,
+                quick=args.quick,
+                smoke=args.smoke,
+                extra=extra.get(name, []),
+                results=results,
+                timeout=args.timeout,
+            )
             records[name] = rec
             (failed if "error" in rec else ran).append(name)
         suite = results / "suite.json"

@@ -113,3 +113,23 @@ def test_unknown_benchmark_is_refused(tmp_path):
         cwd=ROOT,
     )
     assert out.returncode == 2 and "--only ['nope']: the benchmarks are" in out.stderr
+
+
+def test_smoke_runs_the_benchmarks_smokes_and_writes_nothing_into_results():
+    """``suite.py --smoke`` passes --smoke to each benchmark and keeps their JSON in a temp folder."""
+    results = ROOT / "bench" / "results"
+    before = {p.name: p.stat().st_mtime_ns for p in results.iterdir()} if results.exists() else {}
+    out = subprocess.run(
+        [sys.executable, str(SUITE), "--smoke", "--only", "statebytes"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["ran"] == ["statebytes"] and not summary["failed"]
+    assert "--smoke" in out.stdout and Path(summary["results"]) != results
+    assert json.loads((Path(summary["results"]) / "statebytes.json").read_text())
+    after = {p.name: p.stat().st_mtime_ns for p in results.iterdir()} if results.exists() else {}
+    assert after == before

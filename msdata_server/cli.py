@@ -29,7 +29,13 @@ log = logging.getLogger("msdata_server")
 
 
 def _endpoint(args) -> str:
-    return args.endpoint or os.environ.get(ENDPOINT_ENV) or default_endpoint()
+    """The server's socket: --endpoint, else the [node] socket of --config, else $MSDATA_ENDPOINT, else the
+    default (as for clients)."""
+    if args.endpoint:
+        return args.endpoint
+    if args.config:
+        return load_config(args.config).node.socket
+    return os.environ.get(ENDPOINT_ENV) or default_endpoint()
 
 
 def _at_least_one(v: str) -> int:
@@ -294,7 +300,10 @@ def _cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="msdata-server", description="msdata node data server")
+    p.add_argument("--version", action="version", version=f"msdata-server {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run the node daemon in the foreground")
     s.add_argument("--config", help="node.toml (default: built-in defaults)")
@@ -311,12 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_cmd_demo)
     st = sub.add_parser("status", help="show a running server's jobs, ranks, rates and memory")
     st.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
+    st.add_argument("--config", help="node.toml: use its [node] socket (when --endpoint is not given)")
     st.add_argument("--json", action="store_true", help="print exactly one JSON object")
     st.add_argument("--watch", action="store_true", help="redraw a live screen until interrupted")
     st.add_argument("--interval", type=_positive, default=2.0, help="seconds between --watch redraws (default 2)")
     st.set_defaults(fn=_cmd_status)
     h = sub.add_parser("health", help="exit 0 when the server answers with a known role, else 1 (for probes)")
     h.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
+    h.add_argument("--config", help="node.toml: use its [node] socket (when --endpoint is not given)")
     h.add_argument("--timeout", type=_positive, default=5.0, help="seconds to wait for the answer (default 5)")
     h.set_defaults(fn=_cmd_health)
     v = sub.add_parser("validate", help="check configs and data paths without serving")
@@ -331,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     ln.add_argument("--sample", type=int, help="only the rows of this sample id (where one document went)")
     ln.add_argument("--out", help="write Parquet here instead of printing a table")
     ln.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
+    ln.add_argument("--config", help="node.toml: use its [node] socket (when --endpoint is not given)")
     ln.add_argument("--timeout", type=_positive, default=600.0, help="seconds to wait for the server (default 600)")
     ln.set_defaults(fn=_cmd_lineage)
     c = sub.add_parser("cleanup", help="remove shared-memory segments whose server is gone")

@@ -64,3 +64,20 @@ def test_serve_refuses_a_bad_config_clearly(tmp_path):
 def test_status_without_a_server_says_where_it_looked(tmp_path):
     out = cli("status", "--endpoint", str(tmp_path / "none.sock"))
     assert out.returncode == 2 and "none.sock" in out.stderr
+
+
+def test_status_and_health_read_the_socket_from_config(server_factory):
+    """The node.toml a user served with tells status and health where the socket is (no --endpoint)."""
+    import json
+    import os
+
+    srv = server_factory().start()
+    env = {k: v for k, v in os.environ.items() if k != "MSDATA_ENDPOINT"}
+    got = {}
+    for cmd in ("status", "health"):
+        extra = ["--json"] if cmd == "status" else []
+        args = [sys.executable, "-m", "msdata_server", cmd, "--config", srv.config, *extra]
+        got[cmd] = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
+        assert got[cmd].returncode == 0, got[cmd].stderr
+    assert json.loads(got["status"].stdout)["node"] == "test-node"
+    assert got["health"].stdout.startswith("ok: node test-node")

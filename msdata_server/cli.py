@@ -182,43 +182,15 @@ def _cmd_health(args) -> int:
     return 0
 
 
-def _stage_figures(j: dict) -> str:
-    """The two-stage cost's imbalances of a status job ("" for a one-stage job)."""
-    enc, bb = j.get("encoder_imbalance"), j.get("backbone_imbalance")
-    return "" if enc is None or bb is None else f" (encoder {enc:.3f}, backbone {bb:.3f})"
-
-
 def _format_status(st: dict) -> str:
-    from .ops.scaletable import autoscale_table
+    """The one-shot status for people: the table ``--watch`` draws (ops.watch.render), once, as wide as the
+    terminal (80 columns when piped)."""
+    import shutil
 
-    mem = st.get("memory", {})
-    lines = [
-        f"node {st.get('node')}  role {st.get('role')}  pid {st.get('pid')}  up {st.get('uptime_s', 0):.0f}s  "
-        f"workers {st.get('workers')}  memory PSS {mem.get('total_pss', 0) / 2**20:.1f} MiB",
-        f"socket {st.get('socket')}",
-        *autoscale_table(st.get("autoscale")),
-    ]
-    jobs = st.get("jobs", [])
-    if not jobs:
-        lines.append("no jobs")
-    for j in jobs:
-        imb = j.get("imbalance")
-        lines.append(
-            f"job {j['name']} [{j['state']}] ranks {len(j['ranks'])}/{j['world_size']}  "
-            f"steps {j['steps_planned']}  "
-            f"{j['micro_batches_per_s']:.1f} micro-batches/s  {j['bytes_per_s'] / 1e9:.2f} GB/s  "
-            f"imbalance {imb if imb is None else f'{imb:.3f}'}" + _stage_figures(j)
-        )
-        for r in j.get("rings", []):
-            lines.append(
-                f"  ring {r['ring']} group {r['group']}: {r['in_use']}/{r['slots']} slots of "
-                f"{r['slot_size'] >> 10} KiB in use"
-            )
-        for name, s in j.get("sources", {}).items():
-            lines.append(f"  source {name}: " + ", ".join(f"{k}={v}" for k, v in s.items() if not isinstance(v, dict)))
-        if j.get("error"):
-            lines.append(f"  error: {j['error']}")
-    return "\n".join(lines)
+    from .ops.watch import render
+
+    width = shutil.get_terminal_size((80, 24)).columns if sys.stdout.isatty() else 80
+    return f"socket {st.get('socket')}\n" + render(st, max(width, 20))
 
 
 _PROBE_RECORDS = 8  # records of each source validate --job transforms

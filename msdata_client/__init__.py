@@ -21,6 +21,8 @@ from .errors import (
 from .graph import DGraph, JobSpec, SourceSpec
 from .mesh import ClientPlaceTree
 
+__version__ = "0.1.0"  # the package's version (pyproject.toml's; a test keeps them equal)
+
 if TYPE_CHECKING:
     from .calibration import Calibration, calibrate
     from .client import DataClient

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import threading
 import time
@@ -34,6 +35,7 @@ from .errors import (
     RemoteError,
 )
 from .ring import RingMap
+from .waiting import log_every, server_view
 from .wire import PROTOCOL_VERSION, FrameReader, encode, recv_into_reader
 
 __all__ = ["Connection", "Registration", "Ticket"]
@@ -106,12 +108,18 @@ class Connection:
         # Release notices wake the server: send them in small groups (a quarter of the ring), and always
         # before this rank waits for the server, so no slot stays taken while anyone waits for it.
         self._release_batch = 1
+        self._welcomed = False  # this connection's welcome arrived: the job runs (before it, the start barrier)
+        self._hello_at = 0.0  # when this connection registered (monotonic): how long the rank waits for its peers
 
     # ---- connect, drop, close ------------------------------------------------------------------------------
     def _open_socket(self) -> socket.socket:
         """A socket connected to the endpoint, retried with backoff until ``connect_timeout``; the one place
-        a socket to the server is opened (checks of the server's identity go just before the return)."""
-        deadline = time.monotonic() + self.connect_timeout
+        a socket to the server is opened (checks of the server's identity go just before the return). While
+        nobody answers it logs, every few seconds, the socket it tries and how long it has waited."""
+        t0 = time.monotonic()
+        deadline = t0 + self.connect_timeout
+        every = log_every(self.connect_timeout)
+        next_log = t0 + every
         delay = 0.02
         while True:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -125,8 +133,19 @@ class Connection:
                         f"{self.connect_timeout:.0f}s ({type(e).__name__}: {e}); start one with "
                         f"`msdata-server serve` or point {ENDPOINT_ENV} at its socket"
                     ) from None
+                if time.monotonic() >= next_log:
+                    log.warning(
+                        "waiting for the msdata server at %s (%.1fs of %.0fs: %s); start it with "
+                        "`msdata-server serve` or point %s at its socket",
+                        self.endpoint,
+                        time.monotonic() - t0,
+                        self.connect_timeout,
+                        type(e).__name__,
+                        ENDPOINT_ENV,
+                    )
+                    next_log += every
                 time.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                delay = min(delay * 2, 0.5, every)
                 continue
             try:
                 check_server_uid(s, self.endpoint)  # the server's uid is the socket's, before any batch is trusted
@@ -140,6 +159,7 @@ class Connection:
         s = self._open_socket()
         self.sock = s
         self._reader = FrameReader()
+        self._welcomed, self._hello_at = False, time.monotonic()
         with self._send_lock:
             s.sendall(encode(self._hello()))
         return s
@@ -257,8 +277,11 @@ class Connection:
             if frame is not None:
                 return frame
             self.flush_releases()  # about to wait: the server gets our releases first
+            sock = self.live_socket()
+            if not self._welcomed:
+                self._await_start(sock)
             try:
-                recv_into_reader(self.live_socket(), self._reader)
+                recv_into_reader(sock, self._reader)
             except (PeerLostError, OSError) as e:
                 log.warning(
                     "lost the msdata server at %s (%s); reconnecting at step %d micro %d",
@@ -272,9 +295,37 @@ class Connection:
                 if on_reconnect is not None:
                     on_reconnect()
 
+    def _await_start(self, sock: socket.socket) -> None:
+        """Before this connection's welcome the job has not started: its other ranks have not all registered.
+        Wait for the server's next frame, logging every few seconds what the rank waits for (the server's view of
+        the job's ranks, ``waiting.server_view``); past ``connect_timeout`` with ranks still missing, a
+        ConnectError that names them. A job whose ranks all registered is starting: that wait is not bounded."""
+        every = log_every(self.connect_timeout)
+        while not select.select([sock], [], [], every)[0]:
+            reg = self._reg
+            view = server_view(self.endpoint, str(reg.job["job"]["name"]), reg.digest, reg.rank, reg.world_size)
+            waited = time.monotonic() - self._hello_at
+            if view.missing and waited >= self.connect_timeout:
+                self.drop()  # the server forgets this rank's registration
+                raise ConnectError(
+                    f"rank {reg.rank} waited {waited:.0f}s at {self.endpoint!r} for the other ranks of its job: "
+                    f"{view.detail()}; start every rank of the mesh (world size {reg.world_size}) against "
+                    "their node servers, or raise connect_timeout"
+                )
+            log.warning(
+                "rank %d of %d waits at %s for its job to start (%.1fs; %.0fs at most while ranks are missing): %s",
+                reg.rank,
+                reg.world_size,
+                self.endpoint,
+                waited,
+                self.connect_timeout,
+                view.detail(),
+            )
+
     def _control(self, frame: dict[str, Any]) -> None:
         t = frame["t"]
         if t == "welcome":
+            self._welcomed = True
             self._add_rings(frame["rings"], frame.get("fds", 0))
             self.node = frame.get("node")
             self._carry_over(frame.get("kept") or [])

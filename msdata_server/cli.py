@@ -30,7 +30,13 @@ log = logging.getLogger("msdata_server")
 
 
 def _endpoint(args) -> str:
-    return args.endpoint or os.environ.get(ENDPOINT_ENV) or default_endpoint()
+    """The server's socket: --endpoint, else the [node] socket of --config, else $MSDATA_ENDPOINT, else the
+    default (as for clients)."""
+    if args.endpoint:
+        return args.endpoint
+    if args.config:
+        return load_config(args.config).node.socket
+    return os.environ.get(ENDPOINT_ENV) or default_endpoint()
 
 
 def _at_least_one(v: str) -> int:
@@ -181,44 +187,18 @@ def _cmd_health(args) -> int:
     return 0
 
 
-def _stage_figures(j: dict) -> str:
-    """The two-stage cost's imbalances of a status job ("" for a one-stage job)."""
-    enc, bb = j.get("encoder_imbalance"), j.get("backbone_imbalance")
-    return "" if enc is None or bb is None else f" (encoder {enc:.3f}, backbone {bb:.3f})"
-
-
 def _format_status(st: dict) -> str:
-    from .ops.scaletable import autoscale_table
+    """The one-shot status for people: the table ``--watch`` draws (ops.watch.render), once, as wide as the
+    terminal (80 columns when piped)."""
+    import shutil
 
-    mem = st.get("memory", {})
-    lines = [
-        f"node {st.get('node')}  role {st.get('role')}  pid {st.get('pid')}  up {st.get('uptime_s', 0):.0f}s  "
-        f"workers {st.get('workers')}  memory PSS {mem.get('total_pss', 0) / 2**20:.1f} MiB",
-        f"socket {st.get('socket')}",
-        *autoscale_table(st.get("autoscale")),
-    ]
-    jobs = st.get("jobs", [])
-    if not jobs:
-        lines.append("no jobs")
-    for j in jobs:
-        imb = j.get("imbalance")
-        lines.append(
-            f"job {j['name']} [{j['state']}] ranks {len(j['ranks'])}/{j['world_size']}  "
-            f"steps {j['steps_planned']}  "
-            f"{j['micro_batches_per_s']:.1f} micro-batches/s  {j['bytes_per_s'] / 1e9:.2f} GB/s  "
-            f"imbalance {imb if imb is None else f'{imb:.3f}'}" + _stage_figures(j)
-        )
-        for r in j.get("rings", []):
-            lines.append(
-                f"  ring {r['ring']} group {r['group']}: {r['in_use']}/{r['slots']} slots of "
-                f"{r['slot_size'] >> 10} KiB in use"
-            )
-        for name, s in j.get("sources", {}).items():
-            lines.append(f"  source {name}: " + ", ".join(f"{k}={v}" for k, v in s.items() if not isinstance(v, dict)))
-        if j.get("error"):
-            lines.append(f"  error: {j['error']}")
+    from .ops.watch import render
+
+    width = shutil.get_terminal_size((80, 24)).columns if sys.stdout.isatty() else 80
+    lines = [f"socket {st.get('socket')}", render(st, max(width, 20))]
+    for j in st.get("jobs", []):
         if j.get("waiting_for"):
-            lines.append(f"  waiting for: {j['waiting_for']}")
+            lines.append(f"job {j['name']} waiting for: {j['waiting_for']}")
     if (st.get("state_dir") or {}).get("error"):
         lines.append(f"state_dir: {st['state_dir']['error']}")
     return "\n".join(lines)
@@ -319,7 +299,10 @@ def _cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="msdata-server", description="msdata node data server")
+    p.add_argument("--version", action="version", version=f"msdata-server {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run the node daemon in the foreground")
     s.add_argument("--config", help="node.toml (default: built-in defaults)")
@@ -336,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_cmd_demo)
     st = sub.add_parser("status", help="show a running server's jobs, ranks, rates and memory")
     st.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
+    st.add_argument("--config", help="node.toml: use its [node] socket (when --endpoint is not given)")
     st.add_argument("--json", action="store_true", help="print exactly one JSON object")
     st.add_argument("--watch", action="store_true", help="redraw a live screen until interrupted")
     st.add_argument("--interval", type=_positive, default=2.0, help="seconds between --watch redraws (default 2)")
@@ -345,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 0 when the server answers with a known role and can save planner states, else 1 (for probes)",
     )
     h.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
+    h.add_argument("--config", help="node.toml: use its [node] socket (when --endpoint is not given)")
     h.add_argument("--timeout", type=_positive, default=5.0, help="seconds to wait for the answer (default 5)")
     h.set_defaults(fn=_cmd_health)
     v = sub.add_parser("validate", help="check configs and data paths without serving")
@@ -362,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ln.add_argument("--out", help="write Parquet here instead of printing a table")
     ln.add_argument("--endpoint", help="the server's Unix socket (default: as for clients)")
+    ln.add_argument("--config", help="node.toml: use its [node] socket (when --endpoint is not given)")
     ln.add_argument("--timeout", type=_positive, default=600.0, help="seconds to wait for the server (default 600)")
     ln.set_defaults(fn=_cmd_lineage)
     c = sub.add_parser("cleanup", help="remove shared-memory segments whose server is gone")

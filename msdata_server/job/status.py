@@ -15,6 +15,7 @@ from ..ops.waits import WaitStats
 from ..planner import PlanStats
 from ..planner.accounting import accounting
 from ..statedir import StateStore
+from .mixview import mixture_view
 from .ranks import RankRegistry
 from .seams import PayloadSource, PlanFeed
 from .steps import Group
@@ -113,6 +114,8 @@ def job_status(job: JobView) -> dict:
     published = sum(g.published for g in job.groups)
     nbytes = sum(g.bytes_published for g in job.groups)
     plans = job.plans.summary()
+    newest = job.feed.newest_state() if job.feed else None
+    acct = accounting(newest, job.spec, job.source_sizes)
     return {
         "name": job.name,
         "digest": job.digest[:16],
@@ -133,5 +136,6 @@ def job_status(job: JobView) -> dict:
         "sources": job.payloads.status(job.feed.newest_state() if job.feed else None)
         if job.payloads is not None
         else {},
-        "accounting": accounting(job.feed.newest_state() if job.feed else None, job.spec, job.source_sizes),
+        "accounting": acct,
+        "mixture": mixture_view(newest, job.spec.source_names(), job.source_sizes, acct),
     }

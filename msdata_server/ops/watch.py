@@ -140,6 +140,14 @@ def _job(j: Mapping[str, Any]) -> list[str]:
                 f"{_f(s.get('buffer_fill'), '.2f'):>5} "
                 f"{bad:>6} {s.get('errors', '-'):>5}"
             )
+    mix = j.get("mixture") or {}
+    if mix:
+        lines.append(f"  {'source':<18} {'target':>8} {'delivered':>10} {'epochs':>7} {'epoch read':>11}")
+        for name, m in mix.items():
+            lines.append(
+                f"  {_clip(str(name), 18):<18} {_pct(m.get('target')):>8} {_pct(m.get('delivered')):>10} "
+                f"{_f(m.get('epochs_completed'), 'd'):>7} {_pct(m.get('epoch_progress')):>11}"
+            )
     groups: dict[Any, list[int]] = {}
     for r in j.get("rings") or []:
         g = groups.setdefault(r.get("group"), [0, 0, 0])

@@ -7,6 +7,8 @@ import threading
 
 import pytest
 
+import msdata_client as msd
+
 from .cluster_util import NODES, TTL, at_pause, node_ranks, node_status, run_spread, send_peer_frame, spread
 from .e2e_util import batch_record, run_ranks, small_job
 from .polling import wait_for
@@ -524,3 +526,19 @@ def test_leader_dies_after_the_other_ranks_left_the_rank_behind_gets_the_rest(
     assert not errs, errs
     for r in range(NODES):
         assert got[r] == want[r], f"rank {r} saw other batches than an uninterrupted run"
+
+
+def test_a_run_the_leader_cannot_start_fails_its_ranks_with_the_reason(etcd_server, cluster_factory):
+    """Ranks that bring states of different steps: the leader cannot start the run (the states must agree);
+    every rank, on every node, gets that CheckpointError (a ``jfail`` frame) instead of waiting forever."""
+    spec = small_job("jfail", dp=3, samples=300, seed=4)
+    c = cluster_factory(etcd_server.url).start()
+    wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
+    world, place = spec.mesh.world_size, spread(spec.mesh.world_size)
+    first: dict = {}
+    run_spread(c, spec, 2 * spec.micro_batches, place, saved=first)
+    later: dict = {}
+    run_spread(c, spec, 2 * spec.micro_batches, place, states={r: first[r] for r in range(world)}, saved=later)
+    states = {r: (first if r == 0 else later)[r] for r in range(world)}
+    with pytest.raises(msd.errors.CheckpointError, match="states of different positions.*same checkpoint"):
+        run_spread(c, spec, spec.micro_batches, place, states=states)

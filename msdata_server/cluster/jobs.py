@@ -18,6 +18,7 @@ plan        leader -> nodes    one step's plan (payload), its planner state, gen
                                the run's partition table (splits and merges: ``cluster.parts``)
 ack / need  node -> leader     the last step fed here / the step it lacks (the leader re-sends)
 jstop       leader -> nodes    the run ended (every rank left)
+jfail       leader -> nodes    the run cannot start (the error): the registrations waiting for it fail
 len, fetch  node -> owner      lengths for the planner / a step's payloads (replied with ``rep``)
 skip        node -> owner      occurrences this node will not build (their references drop)
 mix         node -> leader     a rank's set_mixture (replied with the cut step or the refusal)
@@ -128,6 +129,7 @@ class ClusterJobs:
             "plan": self._on_plan,
             "jstart": self._on_jstart,
             "jstop": self._on_jstop,
+            "jfail": self._on_jfail,
             "len": self._on_serve,
             "vis": self._on_serve,
             "fetch": self._on_serve,
@@ -257,6 +259,17 @@ class ClusterJobs:
         run = self.runs.named(frame)
         if run is not None:
             self._end_run(run, "every rank left")
+
+    async def _on_jfail(self, peer: str, frame: dict, payload: memoryview | None) -> None:
+        """The leader cannot start the run our registrations wait for: they fail with its error (their ranks get
+        it); a frame of an older leader is dropped."""
+        if self._leader_token is not None and int(frame.get("token") or 0) < self._leader_token:
+            return
+        digest, name = str(frame["digest"]), str(frame["job"])
+        insts = set(frame.get("insts", {}).get(self.node_id, ()))
+        for job in (self.table.jobs.get(name), self.table.pending.get(name)):
+            if job is not None and job.digest == digest and job.inst in insts and job.state == "waiting":
+                job.fail(str(frame["message"]), kind=str(frame.get("kind") or "MsdataError"))
 
     async def _on_serve(self, peer: str, frame: dict, payload: memoryview | None) -> None:
         self.tasks.spawn(self._serve(frame), name=f"serve-{frame['t']}")

@@ -421,6 +421,7 @@ class JobCoordinator:
             listing = await data_start(self.spec, state, None)
         except MsdataError as e:
             log.error("job %s cannot start: %s", self.spec.name, e)
+            await self._fail_start(per, e)
             return False
         cfg = planner_config(self.spec)
         planner = Planner(cfg, state=state)
@@ -467,6 +468,21 @@ class JobCoordinator:
         )
         await self._plan_loop(planner)
         return True
+
+    async def _fail_start(self, per: dict[str, dict], error: MsdataError) -> None:
+        """Tell the nodes whose ranks registered why the run cannot start (a state that does not fit, changed
+        files...): they fail those registrations, so their ranks get the error instead of waiting."""
+        frame = {
+            "t": "jfail",
+            "job": self.spec.name,
+            "digest": self.digest,
+            "insts": self.insts_frame(),
+            "kind": type(error).__name__,
+            "message": str(error),
+            "token": self.token,
+        }
+        for nid in per:
+            await self.ctx.rpc.quiet_send(nid, frame)
 
     def _costs(self, nparts: int, resume: bool, held: HeldRun | None) -> list[float] | None:
         """Partition costs for placement: a resumed run keeps those of the run the nodes hold; a new one weighs

@@ -169,8 +169,12 @@ class JobSpec:
         LongDocs.parse(self.long_docs, "job long_docs")
         Distribute.parse(self.distribute, "job distribute")
         OnDataChange.parse(self.on_data_change, "job on_data_change")
-        fix = f"plan 1..{MAX_PREFETCH_STEPS} steps ahead (2 by default; a node may allow fewer: max_prefetch_steps)"
-        check_int("job prefetch_steps", self.prefetch_steps, low=1, high=MAX_PREFETCH_STEPS, fix=fix)
+        check_int("job prefetch_steps", self.prefetch_steps, low=1, fix="plan at least 1 step ahead (2 by default)")
+        if self.prefetch_steps > MAX_PREFETCH_STEPS:  # the step queues and rings it would pin grow without bound
+            raise ConfigError(
+                f"job prefetch_steps={self.prefetch_steps} is over {MAX_PREFETCH_STEPS}; plan 1..{MAX_PREFETCH_STEPS}"
+                " steps ahead (2 by default; a node may allow fewer: [node] max_prefetch_steps)"
+            )
         check_int(
             "job shadow_loaders", self.shadow_loaders, low=0, fix="use 0 (no standbys) or the standbys per partition"
         )

@@ -195,7 +195,11 @@ def _format_status(st: dict) -> str:
     from .ops.watch import render
 
     width = shutil.get_terminal_size((80, 24)).columns if sys.stdout.isatty() else 80
-    lines = [f"socket {st.get('socket')}", render(st, max(width, 20))]
+    head, _, rest = render(st, max(width, 20)).partition("\n")
+    ident = f"{st.get('node')}  {st.get('role')}  pid {st.get('pid')}"
+    if head.startswith(ident):  # one-shot output names its fields (the watch screen saves the width)
+        head = f"node {st.get('node')}  role {st.get('role')}  pid {st.get('pid')}" + head[len(ident) :]
+    lines = [head, f"socket {st.get('socket')}", rest.rstrip("\n")]
     for j in st.get("jobs", []):
         if j.get("waiting_for"):
             lines.append(f"job {j['name']} waiting for: {j['waiting_for']}")

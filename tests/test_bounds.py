@@ -115,7 +115,7 @@ def test_idle_partial_frames_do_not_pin_memory(server_factory):
 
 
 def test_prefetch_steps_is_bounded(server_factory):
-    with pytest.raises(msd.ConfigError, match=r"prefetch_steps=100000 must be an integer in 1\.\.4096"):
+    with pytest.raises(msd.ConfigError, match=r"prefetch_steps=100000 is over 4096; plan 1\.\.4096 steps ahead"):
         small_job(dp=1, prefetch=100_000)
     srv = server_factory(extra="max_prefetch_steps = 4\n").start()
     with pytest.raises(msd.ConfigError, match=r"prefetch_steps = 5 is over .* max_prefetch_steps = 4"):

@@ -17,7 +17,18 @@ from msdata_server.errors import CheckpointError, ConfigError
 from .deferred import Deferred
 from .mixture import Mixture
 
-__all__ = ["CARRY_KEYS", "COUNT_KEYS", "K_COUNTS", "K_DEFERRED", "K_SKIPS", "STATE_VERSION", "VISION_KEYS", "Position"]
+__all__ = [
+    "CARRY_KEYS",
+    "COUNT_KEYS",
+    "K_COUNTS",
+    "K_DEFERRED",
+    "K_PENDING",
+    "K_SKIPS",
+    "STATE_VERSION",
+    "VISION_KEYS",
+    "PendingSkip",
+    "Position",
+]
 
 STATE_VERSION = 1
 # state_dict keys
@@ -34,11 +45,27 @@ K_SKIPS = "skips"
 K_COUNTS = "counts"
 # optional: pieces loader.skip(defer=True) put after the rest of their source's epoch (deferred.Deferred)
 K_DEFERRED = "deferred"
+# optional: a skip of steps [start, stop) still to come (loader.skip(steps=(A, B)) from a state saved before A);
+# the planning home skips them when it reaches start. Absent while there is none.
+K_PENDING = "pending_skip"
 COUNT_KEYS = ("started", "bad", "skipped_docs", "skipped_tokens")
 CARRY_KEYS = ("source", "ordinal", "offset", "length")  # a column per carried piece
 # with the "vlm" cost, two more: the piece's image patches and patches squared (a document's first piece
 # holds its images), so a restored planner prices its carry-over without reading old ordinals again
 VISION_KEYS = ("patches", "patches_sq")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PendingSkip:
+    """Steps [start, stop) to plan and never deliver once the planner reaches ``start`` (``defer``: their pieces
+    after the rest of their source's epoch), as ``loader.skip(steps=(start, stop), defer=...)`` asks."""
+
+    start: int
+    stop: int
+    defer: bool = False
+
+    def to_dict(self) -> dict:
+        return {"start": self.start, "stop": self.stop, "defer": self.defer}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -55,6 +82,7 @@ class Position:
     skips: tuple[tuple[int, int], ...] = ()  # K_SKIPS: skipped step ranges [start, stop), oldest first
     counts: dict[str, np.ndarray] | None = None  # K_COUNTS: int64 per source each (None: all zero)
     deferred: Deferred | None = None  # K_DEFERRED: virtual ordinals that map to deferred pieces
+    pending: PendingSkip | None = None  # K_PENDING: a skip still to come
 
     @classmethod
     def start(cls, n: int, mixture: Mixture, *, vision: bool = False) -> Position:
@@ -94,6 +122,7 @@ class Position:
             **({K_SKIPS: [list(r) for r in self.skips]} if self.skips else {}),
             K_COUNTS: {k: [int(x) for x in v] for k, v in self.count_arrays().items()},
             **({K_DEFERRED: self.deferred.to_list()} if self.deferred else {}),
+            **({K_PENDING: self.pending.to_dict()} if self.pending is not None else {}),
         }
 
     def count_arrays(self) -> dict[str, np.ndarray]:
@@ -111,7 +140,7 @@ class Position:
         n = len(sources)
         if not isinstance(state, Mapping):
             raise CheckpointError(f"planner state must be a dict, got {type(state).__name__}")
-        keys = set(state) - {K_SKIPS, K_COUNTS, K_DEFERRED}
+        keys = set(state) - {K_SKIPS, K_COUNTS, K_DEFERRED, K_PENDING}
         if keys != _STATE_KEYS:
             raise CheckpointError(
                 f"planner state keys differ: unknown {sorted(keys - _STATE_KEYS)}, missing {sorted(_STATE_KEYS - keys)}"
@@ -192,6 +221,7 @@ class Position:
             skips=_skips(state.get(K_SKIPS, []), step),
             counts=_counts(state.get(K_COUNTS), n),
             deferred=Deferred.from_list(state[K_DEFERRED], n) if K_DEFERRED in state else None,
+            pending=_pending(state[K_PENDING], step) if K_PENDING in state else None,
             cursor=cursor,
             taken=taken,
             target=np.array(target, dtype=np.float64),
@@ -215,6 +245,21 @@ def _skips(raw: object, step: int) -> tuple[tuple[int, int], ...]:
             )
         out.append((r[0], r[1]))
     return tuple(out)
+
+
+def _pending(raw: object, step: int) -> PendingSkip:
+    """The K_PENDING skip of a state at ``step``: {start, stop, defer} with step <= start < stop."""
+    ok = isinstance(raw, Mapping) and set(raw) == {"start", "stop", "defer"}
+    if ok:
+        a, b, d = raw["start"], raw["stop"], raw["defer"]  # type: ignore[index]
+        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b))
+        ok = ints and isinstance(d, bool) and step <= a < b
+    if not ok:
+        raise CheckpointError(
+            f"planner state {K_PENDING!r} holds {raw!r}: it must be {{'start': A, 'stop': B, 'defer': bool}} with"
+            f" step {step} <= A < B"
+        )
+    return PendingSkip(start=a, stop=b, defer=d)
 
 
 def _counts(raw: object, n: int) -> dict[str, np.ndarray] | None:

@@ -29,8 +29,9 @@ def replay(
     sizes: Sequence[int] = (),
 ) -> Iterator[StepPlan]:
     """The plans of steps [start, stop), in order, planned from ``base`` (a planner state at a step <= start;
-    None: the job's beginning) with lengths from ``view`` (``sizes``: samples per epoch of each source). ``held``: other saved states by step (a mixture cut
-    among them is followed). CheckpointError when ``base`` is past ``start``."""
+    None: the job's beginning) with lengths from ``view`` (``sizes``: samples per epoch of each source, for a
+    deferring skip). ``held``: other saved states by step (a mixture cut among them is followed).
+    CheckpointError when ``base`` is past ``start``."""
     planner = Planner(cfg, state=base)
     if planner.step > start:
         raise CheckpointError(

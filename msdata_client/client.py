@@ -254,12 +254,14 @@ class DataClient:
         cols = _lineage.fetch(self.endpoint, self.spec.name, step, step + 1, rank=self.rank)
         return _lineage.table_or_rows(cols)
 
-    def skip(self, steps: int, defer: bool = False) -> None:
-        """Advance the whole job's plan ``steps`` steps from the loaded state without delivering them (after a
-        loss spike: reload the checkpoint of step s, skip s..s+k). Call after ``load_state_dict`` and before
-        iterating, with the same arguments on every rank (the start refuses ranks that disagree). The skipped
-        steps' pieces are dropped from this epoch, or with ``defer`` delivered after the rest of their source's
-        epoch; ``lineage`` shows the skipped steps as skipped."""
+    def skip(self, steps: int | tuple[int, int], defer: bool = False) -> None:
+        """Advance the whole job's plan without delivering some steps (after a loss spike). ``steps=k``: the k
+        steps from the loaded state (reload the checkpoint of step s, skip s..s+k-1). ``steps=(A, B)``: the
+        absolute steps A..B-1, from a state saved at or before A (steps before A are delivered as usual; from B
+        on the run is the one ``skip(steps=B-A)`` from the state at A gives). Call after ``load_state_dict`` and
+        before iterating, with the same arguments on every rank (the start refuses ranks that disagree). The
+        skipped steps' pieces are dropped from this epoch, or with ``defer`` delivered after the rest of their
+        source's epoch; ``lineage`` shows the skipped steps as skipped."""
         skip = _lineage.check_skip(steps, defer)
         if self._iterating:
             raise CheckpointError("skip() after iteration started; call it after load_state_dict, before next()")
@@ -267,6 +269,12 @@ class DataClient:
             raise CheckpointError("skip() counts from a loaded position: call load_state_dict(state) before skip()")
         if "skip" in self._reg.state:
             raise CheckpointError("skip() was already called on this state; call it once with the total steps")
+        at = self._reg.step
+        if "start" in skip and skip["start"] < at:
+            raise CheckpointError(
+                f"skip(steps=({skip['start']}, {skip['stop']})): the loaded state is at step {at}, past step "
+                f"{skip['start']}; load a checkpoint saved at or before step {skip['start']}"
+            )
         self._reg.state = {**self._reg.state, "skip": skip}
 
     # ---- iteration -----------------------------------------------------------------------------------------

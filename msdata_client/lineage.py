@@ -117,11 +117,22 @@ def write_parquet(cols: Mapping[str, np.ndarray], path: str) -> None:
 
 
 def check_skip(steps: object, defer: object) -> dict:
-    """The skip a rank asks for, as it travels in its state; ConfigError naming the fix."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ConfigError(f"skip(steps={steps!r}): steps must be an int >= 1 (the number of steps to skip)")
+    """The skip a rank asks for, as it travels in its state: ``{"steps": k, "defer": d}`` for k steps from the
+    loaded state, ``{"start": A, "stop": B, "defer": d}`` for the absolute steps A..B-1; ConfigError naming the fix."""
     if not isinstance(defer, bool):
         raise ConfigError(f"skip(defer={defer!r}) must be True or False")
+    if isinstance(steps, (tuple, list)):
+        ok = len(steps) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in steps)
+        if not ok:
+            raise ConfigError(f"skip(steps={steps!r}): a range must be (A, B), two ints >= 0 (the steps A..B-1)")
+        a, b = steps
+        if a >= b:
+            raise ConfigError(f"skip(steps=({a}, {b})): A must be below B (it skips the steps A..B-1)")
+        return {"start": a, "stop": b, "defer": defer}
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(
+            f"skip(steps={steps!r}): steps must be an int >= 1 (the number of steps to skip) or a range (A, B)"
+        )
     return {"steps": steps, "defer": defer}
 
 

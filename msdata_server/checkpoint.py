@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from msdata_client.lineage import check_skip
 
 from .errors import CheckpointError, ConfigError
+from .planner.state import K_PENDING
 from .statedir import StateStore
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "carried_start",
     "skip_of",
     "start_from_states",
+    "start_skip",
     "start_point",
 ]
 
@@ -45,7 +47,7 @@ def start_from_states(states: dict, layout: dict) -> tuple[dict, dict[int, tuple
                 f"{st['planner'].get('step')}, others at {first['planner'].get('step')}); "
                 "load the same checkpoint on every rank"
             )
-    skip, defer = skip_of(first)
+    planner, skip, defer = start_skip(first)
     for r, st in given.items():
         if st.get("skip") != first.get("skip"):
             raise CheckpointError(
@@ -57,22 +59,45 @@ def start_from_states(states: dict, layout: dict) -> tuple[dict, dict[int, tuple
     for r, st in states.items():
         same = st is not None and st.get("layout") == layout
         positions[r] = (step, int(st["position"]["micro"]) if same else 0)
-    return first["planner"], positions, (skip, defer)
+    return planner, positions, (skip, defer)
 
 
 def skip_of(state: Mapping) -> tuple[int, bool]:
     """The steps a rank's state asks to skip (``loader.skip``) before delivering, and whether their pieces are
-    deferred to the end of their source's epoch; CheckpointError if malformed."""
-    raw = state.get("skip")
+    deferred to the end of their source's epoch; CheckpointError if malformed. A range (``skip(steps=(A, B))``)
+    skips nothing before delivering unless the state is at A (then B - A): see ``start_skip``."""
+    _, skip, defer = start_skip(state)
+    return skip, defer
+
+
+def start_skip(state: Mapping) -> tuple[dict, int, bool]:
+    """Where a run from a rank's state starts (``loader.skip``): the planner state to plan from, the steps to
+    skip before delivering and whether their pieces are deferred. ``skip(steps=(A, B))`` from a state at A is
+    ``skip(steps=B-A)``; from a state before A it rides in the planner state as its pending skip (the planning
+    home skips A..B-1 when it gets there). CheckpointError if malformed or the state is past A."""
+    raw, planner = state.get("skip"), state["planner"]
     if raw is None:
-        return 0, False
+        return planner, 0, False
     try:
-        if not isinstance(raw, Mapping) or set(raw) != {"steps", "defer"}:
-            raise ConfigError(f"a state's skip must be {{'steps': k, 'defer': bool}}, got {raw!r}")
-        check_skip(raw["steps"], raw["defer"])
+        if not isinstance(raw, Mapping) or set(raw) not in ({"steps", "defer"}, {"start", "stop", "defer"}):
+            raise ConfigError(
+                f"a state's skip must be {{'steps': k, 'defer': bool}} or {{'start': A, 'stop': B, 'defer': bool}},"
+                f" got {raw!r}"
+            )
+        check_skip(raw["steps"] if "steps" in raw else (raw["start"], raw["stop"]), raw["defer"])
     except ConfigError as e:
         raise CheckpointError(str(e)) from None
-    return int(raw["steps"]), bool(raw["defer"])
+    if "steps" in raw:
+        return planner, int(raw["steps"]), bool(raw["defer"])
+    step, start, stop = int(planner["step"]), int(raw["start"]), int(raw["stop"])
+    if start < step:
+        raise CheckpointError(
+            f"skip(steps=({start}, {stop})) from a state at step {step}: the state is already past step {start};"
+            f" load a checkpoint saved at or before step {start}"
+        )
+    if start == step:
+        return planner, stop - start, bool(raw["defer"])
+    return {**planner, K_PENDING: {"start": start, "stop": stop, "defer": bool(raw["defer"])}}, 0, False
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,5 +175,5 @@ def carried_start(ranks: Mapping[int, RankStart], step: int) -> Carried | None:
     )
     if base is None:
         return Carried(None, overrides=overrides)
-    skip, defer = skip_of(base)
-    return Carried(base["planner"], skip, defer, overrides)
+    planner, skip, defer = start_skip(base)
+    return Carried(planner, skip, defer, overrides)

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import msdata_client as msd
 
 SAVE_AT = 3  # run_job keeps each rank's state after this many steps
 
 
-def run_job(spec, endpoint: str | dict[int, str], steps: int, *, state=None, skip=None, lineage: bool = True):
+def run_job(
+    spec,
+    endpoint: str | dict[int, str],
+    steps: int,
+    *,
+    state=None,
+    skip=None,
+    lineage: bool = True,
+    save_at: int = SAVE_AT,
+    ask: Sequence[int] = (),
+):
     """Every rank in a thread: read ``steps`` steps (after load_state_dict/skip), ask lineage(step) of each step
-    while connected; returns {rank: [(step, micro, batch)]}, {rank: {step: rows}}, {rank: state after SAVE_AT}.
-    ``endpoint``: one socket, or each rank's (a cluster: its node's)."""
+    while connected; returns {rank: [(step, micro, batch)]}, {rank: {step: rows}}, {rank: state after save_at
+    steps}. ``endpoint``: one socket, or each rank's (a cluster: its node's). ``ask``: steps whose lineage each
+    rank also asks once it read its last step (the steps a skip never delivered)."""
     world = spec.mesh.world_size
     got: dict = {r: [] for r in range(world)}
     lin: dict = {r: {} for r in range(world)}
@@ -35,8 +47,10 @@ def run_job(spec, endpoint: str | dict[int, str], steps: int, *, state=None, ski
                     if micro == spec.micro_batches - 1:
                         if lineage:
                             lin[r][step] = dc.lineage(step).to_pylist()
-                        if len(got[r]) == SAVE_AT * spec.micro_batches:
+                        if len(got[r]) == save_at * spec.micro_batches:
                             saved[r] = dc.state_dict()
+                for step in ask:
+                    lin[r][step] = dc.lineage(step).to_pylist()
         except BaseException as e:  # reported to the test
             errs[r] = e
 

@@ -250,6 +250,7 @@ class ClusterJobs:
                 (int(frame.get("token") or 0), int(frame.get("gen", 0))),
                 None if cut is None else int(cut),
                 frame.get("parts"),
+                skipped=bool(frame.get("skipped")),
             )
 
     async def _on_jstart(self, peer: str, frame: dict, payload: memoryview | None) -> None:

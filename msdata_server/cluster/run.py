@@ -80,7 +80,8 @@ class Run:
         self.shard.cursor = frame.get("cursor")
         self.shard.costs = placement_costs(frame, len(spec.sources)) or self.shard.costs  # measured (autoscale)
         self.plans: dict[int, StepPlan] = {}
-        self.early: dict[int, tuple[StepPlan, dict | None, list | None]] = {}
+        self.early: dict[int, tuple[StepPlan, dict | None, list | None, bool]] = {}  # (..., skipped)
+        self.passed: set[int] = set()  # steps received as skipped (loader.skip): the feed hands them to nobody
         self.states = StateHistory(KEEP_STATES)  # the planner state at the start of each recent step
         self.next_step = self.start_step  # the lowest step not yet received
         self.fed_step = self.start_step - 1  # the last step every constructor here queued
@@ -128,13 +129,16 @@ class Run:
         key: tuple[int, int] = (0, 0),
         cut: int | None = None,
         parts: list | None = None,
+        *,
+        skipped: bool = False,
     ) -> None:
-        """A plan from the leader (``parts``: its partition table, applied before the plan is counted)."""
+        """A plan from the leader (``parts``: its partition table, applied before the plan is counted;
+        ``skipped``: a step ``loader.skip`` skips, its pieces released here and never handed out)."""
         if key < self.gen_key:
             return  # planned before a mixture change: its steps were planned again
         if cut is not None and key > self.gen_key:
             self.cut(cut, key)  # the leader's mixcut to this node was lost: the first plan after it says the cut
-        if plan.step < self.next_step or plan.step in self.early or plan.step in self.plans:
+        if plan.step < self.next_step or plan.step in self.early or plan.step in self.plans or plan.step in self.passed:
             return  # a re-sent plan (a new leader re-plans from an earlier step): identical, ignored
         if plan.step > self.next_step + KEEP_STATES:
             log.warning(
@@ -144,7 +148,8 @@ class Run:
                 self.next_step,
             )
             return
-        self.early[plan.step] = (plan, state, parts)  # a later step may overtake a re-sent one: keep it till its turn
+        # a later step may overtake a re-sent one: keep it till its turn
+        self.early[plan.step] = (plan, state, parts, skipped)
         self._take_turns()
 
     def _take_turns(self) -> None:
@@ -155,20 +160,27 @@ class Run:
         if self.next_step not in self.early:
             return
         while self.next_step in self.early:
-            plan, state, parts = self.early.pop(self.next_step)
-            self.plans[plan.step] = plan
+            plan, state, parts, skipped = self.early.pop(self.next_step)
+            if skipped:
+                self.passed.add(plan.step)
+            else:
+                self.plans[plan.step] = plan
             if state is not None:
                 self.states.record(plan.step, state)  # forgets the states of steps <= step - KEEP_STATES
                 self.shard.cursor = state.get("cursor")
                 self.shard.state = state
             self.repartition(parts)
             self.next_step = plan.step + 1
-            self.shard.add_refs(plan, self.group_nodes)
+            if skipped:
+                self.shard.skip_refs(plan)
+            else:
+                self.shard.add_refs(plan, self.group_nodes)
             if self.shard.where.table.ended:
                 retire(self.shard)
             self._skip_held()
             if self.inst is None:  # no ranks here (the node only owns data): no feed takes the plans
                 _forget_through(self.plans, plan.step - KEEP_STATES)  # a cut or joining ranks take none older
+                self.passed = {s for s in self.passed if s > plan.step - KEEP_STATES}
         self.arrived.set()
 
     def repartition(self, parts: list | None) -> None:
@@ -193,7 +205,7 @@ class Run:
 
     def _skip_held(self) -> None:
         """Past the steps already received (they arrived before the node's ranks said where they are)."""
-        while self.next_step in self.plans:
+        while self.next_step in self.plans or self.next_step in self.passed:
             self.next_step += 1
 
     # ---- PlanFeed -----------------------------------------------------------------------------------------
@@ -201,13 +213,20 @@ class Run:
         self.steps = steps
 
     async def next(self) -> tuple[StepPlan, int]:
-        while self.feed_next not in self.plans:
+        while self._pass_skipped() not in self.plans:
             self.arrived.clear()
             try:  # a plan lost on a broken link: after a quiet while, tell the leader what we lack
                 await asyncio.wait_for(self.arrived.wait(), self.ctx.probe)
             except TimeoutError:
                 self.ctx.need(self)
         return self.plans.pop(self.feed_next), self.cuts.epoch
+
+    def _pass_skipped(self) -> int:
+        """The next step to hand to the job, past those received as skipped (``loader.skip``)."""
+        while self.feed_next in self.passed:
+            self.passed.discard(self.feed_next)
+            self.feed_next += 1
+        return self.feed_next
 
     def stale(self, plan: StepPlan, epoch: int) -> bool:
         return self.cuts.stale(plan, epoch)
@@ -327,6 +346,7 @@ class Run:
                 del self.plans[s]
             for s in [s for s in self.early if s >= cut]:
                 del self.early[s]  # never counted (add_refs runs when a plan takes its turn)
+            self.passed = {s for s in self.passed if s < cut}  # skipped again (or not) as the leader re-plans
             self.states.forget_from(cut)
             if self.steps is not None:
                 dropped.update({id(p): p for p in self.steps.drop_from(cut)})

@@ -250,6 +250,9 @@ class JobShard:
     def add_refs(self, plan: StepPlan, group_nodes: dict[int, tuple[str, ...]]) -> None:
         self.counts.add(plan, group_nodes)
 
+    def skip_refs(self, plan: StepPlan) -> None:
+        self.counts.skipped(plan)
+
     def drop_refs(self, plan: StepPlan, group_nodes: dict[int, tuple[str, ...]]) -> None:
         self.counts.drop(plan, group_nodes)
 

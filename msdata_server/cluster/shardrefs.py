@@ -102,6 +102,14 @@ class ShardRefs:
         if got is not None:
             self.refs.unplan(*got)
 
+    def skipped(self, plan: StepPlan) -> None:
+        """A plan nobody builds (``loader.skip``): its pieces owned here count planned and done at once, so what
+        the loaders read ahead for them is freed (a document with pieces carried on stays)."""
+        idx, _ = self._owned(plan, {})
+        src, ords = plan.source[idx], plan.ordinal[idx]
+        self._free(self.refs.plan(src, ords, plan.last[idx]))
+        self._free(self.refs.done(src, ords))
+
     def done(self, src: np.ndarray, ords: np.ndarray) -> None:
         """Occurrences fetched or skipped (one reference each)."""
         self._free(self.refs.done(src, ords))

@@ -16,6 +16,7 @@ from msdata_client.spec import JobSpec
 
 from ..errors import CheckpointError, ConfigError, MsdataError
 from ..planner.spec import planner_config
+from ..planner.state import K_PENDING
 from .data import DataView
 from .query import Query, answer
 
@@ -45,10 +46,12 @@ def planner_state(saved: object) -> tuple[dict, list[list[int]]]:
     if not isinstance(planner, dict) or "step" not in planner:
         raise CheckpointError("--state holds no planner position (saved before the job started?); leave it out")
     skips = [list(r) for r in planner.get("skips", [])]
-    pending = saved.get("skip")
-    if isinstance(pending, dict):
-        step = int(planner["step"])
-        skips.append([step, step + int(pending["steps"])])
+    for pending in (saved.get("skip"), planner.get(K_PENDING)):  # asked for (loader.skip), or still to come
+        if isinstance(pending, dict) and "start" in pending:  # skip(steps=(A, B))
+            skips.append([int(pending["start"]), int(pending["stop"])])
+        elif isinstance(pending, dict):
+            step = int(planner["step"])
+            skips.append([step, step + int(pending["steps"])])
     return planner, skips
 
 

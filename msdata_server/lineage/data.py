@@ -42,6 +42,10 @@ class DataView:
         ]
         return cls(sources, loaders, vision=vision)
 
+    def sizes(self) -> list[int]:
+        """Samples per epoch of each source."""
+        return [src.num_samples for src in self.sources]
+
     async def lengths(self, source: int, start: int, count: int) -> np.ndarray:
         out = await self.loaders[source].lengths(start, count)
         if not self._vision:

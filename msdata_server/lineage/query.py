@@ -105,7 +105,7 @@ async def answer(
 
     def compute() -> dict[str, np.ndarray]:
         parts = []
-        for plan in replay(cfg, base, view, query.start, query.stop, held):
+        for plan in replay(cfg, base, view, query.start, query.stop, held, sizes=data.sizes()):
             cols = plan_columns(
                 plan,
                 data,

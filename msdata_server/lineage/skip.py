@@ -4,21 +4,28 @@ the same), so the skipped pieces are the only ones missing; the state records th
 
 Both planning homes call ``skip_ahead`` with the start point's ``skip`` (``checkpoint.start_point``) before they
 open their loaders at the new position, and store the states of the skipped steps like any others.
+
+``loader.skip(steps=(A, B))`` from a state saved before A travels in the planner state as its pending skip
+(``planner.state.PendingSkip``); each planning home calls ``skip_pending`` before it plans a step, which at
+step A plans A..B-1 the same way (``skip_steps``, one rule for both) and hands back the skipped plans: their
+pieces were read ahead by the loaders, which release them (they are counted planned and done at once).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from msdata_client.spec import JobSpec
 
 from ..job.view import ThreadView
-from ..planner import Planner
+from ..planner import MetadataView, Planner, StepPlan
 from ..planner.deferred import Deferred, Insert, pieces_of
 from ..planner.spec import planner_config
+from ..sources import open_source
 from .data import DataView
 
-__all__ = ["skip_ahead"]
+__all__ = ["skip_ahead", "skip_pending", "skip_steps", "source_sizes"]
 
 
 async def skip_ahead(
@@ -33,13 +40,7 @@ async def skip_ahead(
 
     def plan() -> tuple[dict, dict[int, dict]]:
         planner = Planner(cfg, state=state)
-        before, states, plans = planner.state_dict(), {}, []
-        for _ in range(steps):
-            states[planner.step] = planner.state_dict()
-            plans.append(planner.plan_step(view))
-        planner.record_skip(before)
-        if defer:
-            planner.defer(epoch_end_inserts(planner, plans, [src.num_samples for src in data.sources]))
+        states = skip_steps(planner, view, steps, [src.num_samples for src in data.sources], defer=defer)[1]
         return planner.state_dict(), states
 
     try:
@@ -47,6 +48,44 @@ async def skip_ahead(
     finally:
         view.close()
         await data.aclose()
+
+
+async def source_sizes(spec: JobSpec) -> list[int]:
+    """Samples per epoch of each of ``spec``'s sources (a planning home without loaders: the cluster leader)."""
+    sources = await asyncio.to_thread(lambda: [open_source(s, seed=spec.seed) for s in spec.sources])
+    return [src.num_samples for src in sources]
+
+
+def skip_steps(
+    planner: Planner, view: MetadataView, steps: int, sizes: Sequence[int], *, defer: bool
+) -> tuple[list[StepPlan], dict[int, dict]]:
+    """Plan the next ``steps`` steps on ``planner`` (in place) never to deliver them: the state records the skip
+    (``defer``: and puts their pieces after the rest of each source's epoch; ``sizes``: samples per epoch).
+    Returns the skipped plans and the states at the start of each skipped step (lineage replays from them)."""
+    if defer and len(sizes) != len(planner.config.sources):
+        raise ValueError(f"skip_steps(defer=True) needs the samples per epoch of each source, got {list(sizes)}")
+    before, states, plans = planner.state_dict(), {}, []
+    for _ in range(steps):
+        states[planner.step] = planner.state_dict()
+        plans.append(planner.plan_step(view))
+    planner.record_skip(before)
+    if defer:
+        planner.defer(epoch_end_inserts(planner, plans, list(sizes)))
+    return plans, states
+
+
+def skip_pending(planner: Planner, view: MetadataView, sizes: Sequence[int]) -> tuple[list[StepPlan], dict[int, dict]]:
+    """At the first step of the planner's pending skip (``loader.skip(steps=(A, B))``): plan A..B-1 in place never
+    to deliver them (``skip_steps``); the skipped plans and the states at their starts (the one at A still
+    holds the pending skip, so a checkpoint there skips again). ([], {}) at any other step. Runs in a thread."""
+    pending = planner.pending_skip
+    if pending is None or pending.start != planner.step:
+        return [], {}
+    at_start = planner.state_dict()
+    planner.take_pending_skip()
+    plans, states = skip_steps(planner, view, pending.stop - pending.start, sizes, defer=pending.defer)
+    states[pending.start] = at_start
+    return plans, states
 
 
 def epoch_end_inserts(planner: Planner, plans: list, sizes: list[int]) -> list[Insert]:

@@ -83,7 +83,10 @@ async def serve_replay(conn, frame: Mapping, jobs: Mapping, pool) -> None:
         data = await DataView.open(spec, pool)
         view = ThreadView(data.lengths, asyncio.get_running_loop(), closed="replay stopped")
         try:
-            plans = await asyncio.to_thread(lambda: list(replay(cfg, base, view, query.start, query.stop, held)))
+            sizes = data.sizes()
+            plans = await asyncio.to_thread(
+                lambda: list(replay(cfg, base, view, query.start, query.stop, held, sizes=sizes))
+            )
             sent = 0
             for plan in plans:
                 assert query.group is not None  # target() sets it: a rank was required

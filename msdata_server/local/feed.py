@@ -14,6 +14,7 @@ from ..checkpoint import StateStore
 from ..errors import CheckpointError
 from ..job.seams import CutLog, Steps
 from ..job.view import ThreadView
+from ..lineage.skip import skip_pending
 from ..planner import Mixture, Planner, StepPlan
 from ..planner.history import StateHistory, held_window
 from .payloads import LocalPayloads
@@ -55,9 +56,30 @@ class LocalPlanFeed:
             state = planner.state_dict()
             self.history.record(step, state)
             await self.store.persist(step, state)  # small; a SIGKILL loses nothing (waits while state_dir fails)
+            if planner.pending_skip is not None:  # loader.skip(steps=(A, B)): at A, plan A..B-1 and skip them
+                await self._skip_pending(planner)
             plan = await asyncio.to_thread(planner.plan_step, self._view)
             self.payloads.planned(plan)
             return plan, self.cuts.epoch
+
+    async def _skip_pending(self, planner: Planner) -> None:
+        """At the first step of the planner's pending skip: plan its steps, store their states (lineage), and
+        release what the loaders read ahead for them (their pieces count planned and done at once)."""
+        assert self._view is not None
+        sizes = [ld.source.num_samples for ld in self.payloads.loaders]
+        skipped, states = await asyncio.to_thread(skip_pending, planner, self._view, sizes)
+        if not skipped:
+            return
+        for step, st in sorted(states.items()):
+            self.history.record(step, st)
+            await self.store.persist(step, st)
+        for p in skipped:
+            self.payloads.planned(p)
+            await self.payloads.skip(p.source, p.ordinal)
+        state = planner.state_dict()
+        self.history.record(planner.step, state)
+        await self.store.persist(planner.step, state)
+        log.info("job %s: skipped steps %d..%d (loader.skip)", self.name, skipped[0].step, skipped[-1].step)
 
     def stale(self, plan: StepPlan, epoch: int) -> bool:
         return self.cuts.stale(plan, epoch)

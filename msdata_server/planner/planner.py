@@ -34,7 +34,7 @@ from .listings import Listings
 from .mixture import Mixture
 from .pack import long_docs_mode, pieces
 from .rows import order_by
-from .state import CARRY_KEYS, VISION_KEYS, Position
+from .state import CARRY_KEYS, VISION_KEYS, PendingSkip, Position
 from .vlm_cost import VlmCost, load_imbalance
 
 __all__ = ["MetadataView", "PlanStats", "Planner", "PlannerConfig", "StepPlan"]
@@ -281,6 +281,20 @@ class Planner:
         counts["skipped_tokens"] += self._pos.placed - old.placed
         self._pos = replace(self._pos, skips=self._pos.skips + ((old.step, self._pos.step),), counts=counts)
 
+    @property
+    def pending_skip(self) -> PendingSkip | None:
+        """The skip still to come (``loader.skip(steps=(A, B))`` from a state saved before A), if any."""
+        return self._pos.pending
+
+    def take_pending_skip(self) -> PendingSkip | None:
+        """The pending skip when this planner stands at its first step, now taken out of the state (the caller
+        plans and skips its steps: ``lineage.skip.skip_pending``); None at any other step."""
+        p = self._pos.pending
+        if p is None or p.start != self._pos.step:
+            return None
+        self._pos = replace(self._pos, pending=None)
+        return p
+
     def defer(self, inserts: Sequence[Insert]) -> None:
         """Read these deferred pieces at their virtual positions (``loader.skip(defer=True)``; deferred.py)."""
         if self._vlm is not None:
@@ -443,6 +457,7 @@ class Planner:
             counts=counts,
             deferred=pos.deferred,
             listing=pos.listing,
+            pending=pos.pending if pos.pending is not None and pos.pending.start > pos.step else None,  # a replay
         )
         return pos.deferred.translate(plan) if pos.deferred else plan
 

@@ -24,9 +24,11 @@ __all__ = [
     "K_COUNTS",
     "K_DEFERRED",
     "K_LISTING",
+    "K_PENDING",
     "K_SKIPS",
     "STATE_VERSION",
     "VISION_KEYS",
+    "PendingSkip",
     "Position",
 ]
 
@@ -48,11 +50,27 @@ K_DEFERRED = "deferred"
 # optional: the file listings the state was planned over and the changes a resume went on across
 # (listings.Listings); absent in states saved before they were kept (the file list is unknown then)
 K_LISTING = "listing"
+# optional: a skip of steps [start, stop) still to come (loader.skip(steps=(A, B)) from a state saved before A);
+# the planning home skips them when it reaches start. Absent while there is none.
+K_PENDING = "pending_skip"
 COUNT_KEYS = ("started", "bad", "skipped_docs", "skipped_tokens")
 CARRY_KEYS = ("source", "ordinal", "offset", "length")  # a column per carried piece
 # with the "vlm" cost, two more: the piece's image patches and patches squared (a document's first piece
 # holds its images), so a restored planner prices its carry-over without reading old ordinals again
 VISION_KEYS = ("patches", "patches_sq")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PendingSkip:
+    """Steps [start, stop) to plan and never deliver once the planner reaches ``start`` (``defer``: their pieces
+    after the rest of their source's epoch), as ``loader.skip(steps=(start, stop), defer=...)`` asks."""
+
+    start: int
+    stop: int
+    defer: bool = False
+
+    def to_dict(self) -> dict:
+        return {"start": self.start, "stop": self.stop, "defer": self.defer}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -70,6 +88,7 @@ class Position:
     counts: dict[str, np.ndarray] | None = None  # K_COUNTS: int64 per source each (None: all zero)
     deferred: Deferred | None = None  # K_DEFERRED: virtual ordinals that map to deferred pieces
     listing: Listings | None = None  # K_LISTING: the files planned over (None: unknown)
+    pending: PendingSkip | None = None  # K_PENDING: a skip still to come
 
     @classmethod
     def start(cls, n: int, mixture: Mixture, *, vision: bool = False) -> Position:
@@ -110,6 +129,7 @@ class Position:
             K_COUNTS: {k: [int(x) for x in v] for k, v in self.count_arrays().items()},
             **({K_DEFERRED: self.deferred.to_list()} if self.deferred else {}),
             **({K_LISTING: self.listing.to_dict()} if self.listing is not None else {}),
+            **({K_PENDING: self.pending.to_dict()} if self.pending is not None else {}),
         }
 
     def count_arrays(self) -> dict[str, np.ndarray]:
@@ -127,7 +147,7 @@ class Position:
         n = len(sources)
         if not isinstance(state, Mapping):
             raise CheckpointError(f"planner state must be a dict, got {type(state).__name__}")
-        keys = set(state) - {K_SKIPS, K_COUNTS, K_DEFERRED, K_LISTING}
+        keys = set(state) - {K_SKIPS, K_COUNTS, K_DEFERRED, K_LISTING, K_PENDING}
         if keys != _STATE_KEYS:
             raise CheckpointError(
                 f"planner state keys differ: unknown {sorted(keys - _STATE_KEYS)}, missing {sorted(_STATE_KEYS - keys)}"
@@ -209,6 +229,7 @@ class Position:
             counts=_counts(state.get(K_COUNTS), n),
             deferred=Deferred.from_list(state[K_DEFERRED], n) if K_DEFERRED in state else None,
             listing=Listings.from_dict(state[K_LISTING], n) if K_LISTING in state else None,
+            pending=_pending(state[K_PENDING], step) if K_PENDING in state else None,
             cursor=cursor,
             taken=taken,
             target=np.array(target, dtype=np.float64),
@@ -232,6 +253,21 @@ def _skips(raw: object, step: int) -> tuple[tuple[int, int], ...]:
             )
         out.append((r[0], r[1]))
     return tuple(out)
+
+
+def _pending(raw: object, step: int) -> PendingSkip:
+    """The K_PENDING skip of a state at ``step``: {start, stop, defer} with step <= start < stop."""
+    ok = isinstance(raw, Mapping) and set(raw) == {"start", "stop", "defer"}
+    if ok:
+        a, b, d = raw["start"], raw["stop"], raw["defer"]  # type: ignore[index]
+        ints = all(isinstance(x, int) and not isinstance(x, bool) for x in (a, b))
+        ok = ints and isinstance(d, bool) and step <= a < b
+    if not ok:
+        raise CheckpointError(
+            f"planner state {K_PENDING!r} holds {raw!r}: it must be {{'start': A, 'stop': B, 'defer': bool}} with"
+            f" step {step} <= A < B"
+        )
+    return PendingSkip(start=a, stop=b, defer=d)
 
 
 def _counts(raw: object, n: int) -> dict[str, np.ndarray] | None:

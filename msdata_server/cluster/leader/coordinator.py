@@ -37,7 +37,7 @@ from ...checkpoint import RankStart, start_point
 from ...datachange import data_start
 from ...errors import CheckpointError, ClosedError, ConfigError, MsdataError, PeerLostError
 from ...job.view import ThreadView
-from ...lineage.skip import skip_ahead
+from ...lineage.skip import skip_ahead, skip_pending, source_sizes
 from ...planner import Planner
 from ...planner.history import StateHistory
 from ...planner.spec import planner_config
@@ -521,6 +521,8 @@ class JobCoordinator:
     async def _plan_one(self, view: ThreadView) -> bool:
         """Plan, record and send one step (under the plan lock); False once we no longer lead."""
         planner = self._planning
+        if planner.pending_skip is not None and not await self._skip_pending(planner, view):
+            return False
         step = planner.step
         state = planner.state_dict()
         # the fenced etcd write overlaps the planning (no plan leaves before its state is stored)
@@ -545,6 +547,29 @@ class JobCoordinator:
         self.planned = step + 1
         for nid in self.ctx.live_nodes():
             await self.ctx.rpc.quiet_send(nid, header, buf)
+        return True
+
+    async def _skip_pending(self, planner: Planner, view: ThreadView) -> bool:
+        """``loader.skip(steps=(A, B))`` at A: plan A..B-1 (``lineage.skip.skip_pending``), store their states and
+        send their plans marked skipped (nodes release their pieces and hand them to nobody); False once we no
+        longer lead. Nothing at any other step."""
+        sizes = await source_sizes(self.spec) if planner.pending_skip and planner.pending_skip.defer else []
+        skipped, states = await asyncio.to_thread(skip_pending, planner, view, sizes)
+        for plan in skipped:
+            state = states[plan.step]
+            if not await self.store.save(plan.step, state):
+                log.warning("job %s: no longer leader at step %d; planning stops", self.spec.name, plan.step)
+                return False
+            header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
+            parts = self.parts.at(plan.step, state.get("cursor"))
+            header.update(state=state, gen=self.gen, run=self.run_id, cut=self.last_cut, parts=parts, skipped=True)
+            self.sent[plan.step] = (header, buf)
+            self.states.record(plan.step, state)
+            self.planned = plan.step + 1
+            for nid in self.ctx.live_nodes():
+                await self.ctx.rpc.quiet_send(nid, header, buf)
+        if skipped:
+            log.info("job %s: skipped steps %d..%d (loader.skip)", self.spec.name, skipped[0].step, skipped[-1].step)
         return True
 
     async def set_mixture(self, weights: dict) -> int:
@@ -712,6 +737,15 @@ class JobCoordinator:
             while planner.step < self.planned and not self.stopped:
                 if planner.step in self.mix_states and planner.step > step:  # a mixture change from this step on
                     planner = Planner(planner_config(self.spec), state=self.mix_states[planner.step])
+                pending = planner.pending_skip
+                sizes = await source_sizes(self.spec) if pending is not None and pending.defer else []
+                skipped, states = await asyncio.to_thread(skip_pending, planner, view, sizes)  # loader.skip
+                for p in skipped:
+                    header, buf = encode_plan(p, job=self.spec.name, digest=self.digest, token=self.token)
+                    header.update(state=states[p.step], gen=gen, run=self.run_id, cut=last_cut, skipped=True)
+                    await self.ctx.rpc.quiet_send(nid, header, buf)
+                if skipped:
+                    continue
                 st = planner.state_dict()
                 plan = await asyncio.to_thread(planner.plan_step, view)
                 header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)

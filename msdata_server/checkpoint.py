@@ -22,8 +22,8 @@ __all__ = [
     "carried_start",
     "skip_of",
     "start_from_states",
-    "start_skip",
     "start_point",
+    "start_skip",
 ]
 
 log = logging.getLogger(__name__)

@@ -106,7 +106,27 @@ def write_data(d: Path, images: int, texts: int, seed: int) -> tuple[list[dict],
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(seed)
-    words = "the of and to in is was for on that with as by at from data model train token".split()
+    words = [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "was",
+        "for",
+        "on",
+        "that",
+        "with",
+        "as",
+        "by",
+        "at",
+        "from",
+        "data",
+        "model",
+        "train",
+        "token",
+    ]
     text = [" ".join(rng.choice(words, int(rng.lognormal(math.log(120), 0.6)) + 4)) for _ in range(texts)]
     (d / "text").mkdir()
     (d / "image").mkdir()
@@ -181,7 +201,7 @@ class Server:
             """)
         )
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
-        self.log = open(self.dir / "server.log", "ab")
+        self.log = open(self.dir / "server.log", "ab")  # noqa: SIM115  (the server's log: open while it runs, closed when it stops)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "msdata_server", "serve", "--config", str(cfg), "--log-level", "INFO"],
             stdout=subprocess.PIPE,
@@ -373,7 +393,7 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="msd-as-"))
     try:
         t = time.perf_counter()
-        recs, text_len = write_data(base, n_img, n_text, args.seed)
+        recs, _text_len = write_data(base, n_img, n_text, args.seed)
         cost, img_tokens = image_cost(recs[:24])
         print(f"data: {n_img} JPEGs, {n_text} texts in {time.perf_counter() - t:.1f}s; image transform "
               f"{cost * 1e3:.2f} ms CPU and {img_tokens:.0f} tokens each", flush=True)  # fmt: skip

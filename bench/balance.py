@@ -27,11 +27,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from progress import say, track  # noqa: E402
-from workloads import COST, TEXT4, SyntheticLengths, lengths  # noqa: E402
+from progress import say, track
+from workloads import COST, TEXT4, SyntheticLengths, lengths
 
-from msdata_server.planner import Mixture, Planner, PlannerConfig, attention_cost  # noqa: E402
-from msdata_server.planner.baseline import per_rank_steps  # noqa: E402
+from msdata_server.planner import Mixture, Planner, PlannerConfig, attention_cost
+from msdata_server.planner.baseline import per_rank_steps
 
 MICRO, ROWS = 4, 1  # per DP rank per step, as the brief's benchmark fixes them (--micro/--rows to explore)
 

@@ -34,6 +34,7 @@ with each other. It adds about 20 s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -267,10 +268,8 @@ class Ranks:
                 self.done[int(msg[0])] = max(self.done[int(msg[0])], int(msg[1]))
                 low = min(self.done.values())
             for r in range(WORLD):
-                try:
+                with contextlib.suppress(OSError):  # that rank is restarting
                     _post(self._sock, str(low), f"{self.barrier}.{r}")
-                except OSError:
-                    pass  # that rank is restarting
 
     def _spawn(self, r: int, state: Path | None) -> None:
         argv = [str(self.job), self.sockets[node_of(r)], str(r), str(self.ledgers[r]), str(self.ckpt)]

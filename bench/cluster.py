@@ -131,7 +131,7 @@ def failover(ttl: float, rounds: int) -> list[float]:
         p = subprocess.Popen(
             [sys.executable, "-m", "msdata_server", "serve", "--config", str(cfgs[nid])],
             stdout=subprocess.PIPE,
-            stderr=open(base / f"{nid}.log", "ab"),
+            stderr=open(base / f"{nid}.log", "ab"),  # noqa: SIM115  (the child holds it; ours closes at exit)
             cwd=str(ROOT),
         )
         p.stdout.readline()  # the readiness line
@@ -321,7 +321,7 @@ def failover_data(ttl: float) -> dict:
         delivered = []
         for r in survivors:  # the first batch after the longest gap following the kill
             after = [x for x in times[r] if x > t0]
-            gaps = [(b - a, b) for a, b in zip([t0] + after, after)]
+            gaps = [(b - a, b) for a, b in zip([t0, *after], after)]
             delivered.append(max(gaps)[1] - t0)
         for t in ts:
             t.join(30)

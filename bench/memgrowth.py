@@ -79,7 +79,7 @@ class Arm:
             """)
         )
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(tree))
-        self.log = open(self.dir / "server.log", "ab")
+        self.log = open(self.dir / "server.log", "ab")  # noqa: SIM115  (the server's log: open while it runs, closed when it stops)
         self.server = subprocess.Popen(
             [sys.executable, "-m", "msdata_server", "serve", "--config", str(cfg)],
             stdout=subprocess.PIPE,

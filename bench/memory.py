@@ -33,6 +33,7 @@ every phase. The driver imports neither numpy, pyarrow nor torch. The last line 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -384,10 +385,8 @@ class Lines:
         return got
 
     def remove(self, proc: subprocess.Popen) -> None:
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(proc.stdout)
-        except (KeyError, ValueError):
-            pass
 
     def close(self) -> None:
         self.sel.close()
@@ -479,10 +478,8 @@ class Trainers:
 
     def close(self) -> None:
         for p in self.procs:
-            try:
+            with contextlib.suppress(OSError):
                 p.stdin.close()
-            except OSError:
-                pass
         for p in self.procs:
             try:
                 p.wait(60)
@@ -592,10 +589,8 @@ def run_phase(
         return out
     except BaseException:
         if not stop_sent:
-            try:
+            with contextlib.suppress(OSError):
                 tr.send(["stop"] * ranks)
-            except OSError:
-                pass
         raise
     finally:
         if server is not None:
@@ -683,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     data = args.data or os.path.join(work, "data")
     try:
         os.makedirs(data, exist_ok=True)
-        g = _generate(data, max(S_list + [scale_S if scale_R else 0]))
+        g = _generate(data, max([*S_list, scale_S if scale_R else 0]))
         M = g["shape"]
         R = args.ranks or M["ranks"]
         W = args.workers_per_rank or M["workers_per_rank"]

@@ -216,7 +216,7 @@ def main() -> None:
         """)
     )
     statefile = str(base / "rank0-state.json")
-    log = open(base / "server.log", "ab")
+    log = open(base / "server.log", "ab")  # noqa: SIM115  (the server's log: open while it runs, closed when it stops)
     server = subprocess.Popen(
         [sys.executable, "-m", "msdata_server", "serve", "--config", str(cfg)],
         stdout=subprocess.PIPE,
@@ -288,12 +288,9 @@ def main() -> None:
         log.close()
         left = list(Path("/dev/shm").glob(f"{prefix}*"))
         shutil.rmtree(base, ignore_errors=True)
-    if restarts:
-        # warm-up is the first run: every bounded cache fills for the first time there. The fit then covers whole
-        # runs only; memory rises within a run and drops when it closes, and a window cut mid-run tilts the slope.
-        steady = [r for r in rows if r["run"] >= 1]
-    else:
-        steady = [r for r in rows if r["t"] >= max(60.0, total / 5)]
+    # with restarts, warm-up is the first run: every bounded cache fills for the first time there. The fit then covers
+    # whole runs only; memory rises within a run and drops when it closes, and a window cut mid-run tilts the slope.
+    steady = [r for r in rows if r["run"] >= 1] if restarts else [r for r in rows if r["t"] >= max(60.0, total / 5)]
     ts = [r["t"] for r in steady]
 
     def growth(key: str, fit=slope_per_hour) -> float:

@@ -24,11 +24,11 @@ import orjson
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from workloads import COST, TEXT4, SyntheticLengths  # noqa: E402
+from workloads import COST, TEXT4, SyntheticLengths
 
-from msdata_server.planner import Mixture, Planner, PlannerConfig  # noqa: E402
-from msdata_server.planner.delta import decode  # noqa: E402
-from msdata_server.statedir import StateStore  # noqa: E402
+from msdata_server.planner import Mixture, Planner, PlannerConfig
+from msdata_server.planner.delta import decode
+from msdata_server.statedir import StateStore
 
 
 def _progress(total: int):

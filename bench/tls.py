@@ -25,9 +25,9 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo: msdata_server and tests/pki.py
 
-from msdata_server.cluster.net.peers import PeerLink, PeerServer  # noqa: E402
-from msdata_server.cluster.net.tls import peer_tls  # noqa: E402
-from tests.pki import CA  # noqa: E402
+from msdata_server.cluster.net.peers import PeerLink, PeerServer
+from msdata_server.cluster.net.tls import peer_tls
+from tests.pki import CA
 
 TOKEN = "bench-token-" + "x" * 20
 FRAME = 1 << 20

@@ -41,13 +41,15 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from progress import bar, say  # noqa: E402
-from workloads import TEXT4, SyntheticLengths  # noqa: E402
+import itertools
 
-from msdata_client.calibration import Calibration, calibrate, packed_batch  # noqa: E402
-from msdata_server.planner import Mixture, Planner, PlannerConfig, StepPlan  # noqa: E402
-from msdata_server.planner.baseline import per_rank_steps  # noqa: E402
-from msdata_server.planner.pack import LongDocs, next_fit, pieces  # noqa: E402
+from progress import bar, say
+from workloads import TEXT4, SyntheticLengths
+
+from msdata_client.calibration import Calibration, calibrate, packed_batch
+from msdata_server.planner import Mixture, Planner, PlannerConfig, StepPlan
+from msdata_server.planner.baseline import per_rank_steps
+from msdata_server.planner.pack import LongDocs, next_fit, pieces
 
 MICRO, ROWS = 4, 1  # per DP rank per step, as bench/balance.py
 PAD_ID, VOCAB = 257, 260  # byte tokens, EOS 256, padding 257 (the job default)
@@ -61,10 +63,10 @@ def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     One SDPA call per document on a ``split`` view (its backward concatenates the gradients once; slicing
     would add a full-size gradient per document). Tokens past ``cu_seqlens[-1]`` get zeros."""
     bounds = cu_seqlens.tolist()
-    lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    lens = [b - a for a, b in itertools.pairwise(bounds)]
     tail = q.shape[0] - bounds[-1]
     outs = []
-    for qs, ks, vs in zip(q.split(lens + [tail]), k.split(lens + [tail]), v.split(lens + [tail])):
+    for qs, ks, vs in zip(q.split([*lens, tail]), k.split([*lens, tail]), v.split([*lens, tail])):
         if qs.shape[0] == 0:
             continue
         if len(outs) == len(lens):  # the tail past the last segment: nothing to attend to

@@ -176,7 +176,7 @@ def run_msdata(nbytes: int, n: int, readers: int, slots: int = 8) -> dict:
     for p in rs:
         p.start()
     res = [q.get(timeout=600) for _ in rs]
-    for p in rs + [prod]:
+    for p in [*rs, prod]:
         p.join(60)
     os.rmdir(d) if os.path.isdir(d) and not os.listdir(d) else None
     return _combine(res, n - 1, nbytes, readers, expect_chk=True)

@@ -34,13 +34,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from progress import say, track  # noqa: E402
-from workloads import VLM4, ImageDist, SyntheticVlm, image_sizes, vlm_docs  # noqa: E402
+from progress import say, track
+from workloads import VLM4, ImageDist, SyntheticVlm, image_sizes, vlm_docs
 
-from msdata_server.planner import Mixture, Planner, PlannerConfig  # noqa: E402
-from msdata_server.planner.baseline import per_rank_steps  # noqa: E402
-from msdata_server.planner.vlm_cost import VlmCost  # noqa: E402
-from msdata_server.transforms import load_transform, smart_resize  # noqa: E402
+from msdata_server.planner import Mixture, Planner, PlannerConfig
+from msdata_server.planner.baseline import per_rank_steps
+from msdata_server.planner.vlm_cost import VlmCost
+from msdata_server.transforms import load_transform, smart_resize
 
 MICRO, ROWS = 4, 1  # per DP rank per step, as bench/balance.py
 COST = VlmCost(**VLM4.cost)

@@ -36,7 +36,7 @@ STATE_VERSION = 2
 class Batch(dict[str, torch.Tensor]):
     """A micro-batch: dict[str, torch.Tensor] whose tensors view one ring slot."""
 
-    __slots__ = ("_finalizer", "__weakref__")
+    __slots__ = ("__weakref__", "_finalizer")
     _finalizer: weakref.finalize  # returns the slot (set by DataClient; slots give it no default)
 
 

@@ -11,6 +11,7 @@ out, or on a later one when the server says at the reconnect that it kept the sl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -196,10 +197,8 @@ class Connection:
         self._releases.clear()
         self._pending.clear()  # their slots went with the connection; the server re-sends from our position
         if self.sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.close()
-            except OSError:
-                pass
             self.sock = None
         self.rings.clear()
         self._reader.close_fds()
@@ -227,10 +226,8 @@ class Connection:
                 self.sock.send(_BYE, socket.MSG_DONTWAIT)
         except Exception:
             pass
-        try:
+        with contextlib.suppress(Exception):
             self.drop()
-        except Exception:
-            pass
 
     # ---- frames in -----------------------------------------------------------------------------------------
     def request(self, frame: dict[str, Any], reply: str) -> dict[str, Any]:
@@ -241,11 +238,8 @@ class Connection:
         self._req_id += 1
         rid = self._req_id
         frame = dict(frame, id=rid)
-        with self._send_lock:
-            try:
-                sock.sendall(encode(frame))
-            except OSError:
-                pass  # the socket broke: the receive below reconnects and sends the request again
+        with self._send_lock, contextlib.suppress(OSError):  # broken: the receive below reconnects, sends it again
+            sock.sendall(encode(frame))
         while True:
             f = self._recv_frame(on_reconnect=lambda: self.live_socket().sendall(encode(frame)))
             t = f["t"]
@@ -415,9 +409,7 @@ class Connection:
                         items.append([r, s])
                 waits, self._waits = self._waits, []
                 if (items or waits) and self.sock is not None:
-                    try:
+                    with contextlib.suppress(OSError):  # the reconnect path re-registers; the server freed our slots
                         self.sock.sendall(encode({"t": "release", "s": items, "w": waits, "step": self._reg.step}))
-                    except OSError:
-                        pass  # the reconnect path re-registers; the server freed our slots
             finally:
                 self._send_lock.release()

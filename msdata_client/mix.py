@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -92,7 +93,7 @@ class MixSpec:
             raise ConfigError(
                 f"mix schedule must start at step 0, but its first step is {steps[0]}; add a point at step 0"
             )
-        if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+        if any(b <= a for a, b in itertools.pairwise(steps)):
             raise ConfigError(f"mix schedule steps {steps} are not strictly increasing; sort the points by step")
         names = set(points[0][1])
         for step, w in points[1:]:

@@ -183,7 +183,7 @@ class RingMap:
     MADV_DONTNEED and the next batch in that slot reads the shared page again.
     """
 
-    __slots__ = ("addr", "fd", "mm", "mv", "size", "_anchor")
+    __slots__ = ("_anchor", "addr", "fd", "mm", "mv", "size")
 
     def __init__(self, fd: int, size: int):
         self.fd = fd

@@ -7,6 +7,7 @@ Never pickle: anything that can connect to these sockets is untrusted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -94,10 +95,8 @@ class FrameReader:
 
     def close_fds(self) -> None:
         while self.fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self.fds.popleft())
-            except OSError:
-                pass
 
 
 def recv_into_reader(sock: socket.socket, reader: FrameReader, bufsize: int = 1 << 16) -> None:

@@ -67,7 +67,9 @@ def make_vlm_dataset(root: str, *, seed: int = 0, photos: int = 240, pages: int 
                     ti = tarfile.TarInfo(f"doc{k}/{i:05d}.{ext}")
                     ti.size = len(data)
                     tf.addfile(ti, io.BytesIO(data))
-    words = np.array("the a data model image text token vision encoder backbone rank step".split())
+    words = np.array(
+        ["the", "a", "data", "model", "image", "text", "token", "vision", "encoder", "backbone", "rank", "step"]
+    )
     texts = [" ".join(rng.choice(words, int(rng.lognormal(5.0, 1.0)) + 4).tolist()) for _ in range(2000)]
     pq.write_table(pa.table({"text": texts}), os.path.join(dirs["text"], "part-0.parquet"), row_group_size=256)
     return dirs

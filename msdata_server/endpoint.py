@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -176,15 +177,11 @@ class ClientConn:
         self.closed = True
         if self._writing:
             self._writing = False
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 self.loop.remove_writer(self.sock.fileno())
-            except (ValueError, OSError):
-                pass
         self._out.clear()
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     def dispose(self) -> None:
         """Close for good once nobody reads the socket any more (the endpoint calls it after the handler)."""
@@ -311,10 +308,8 @@ def check_socket_place(path: str) -> None:
         raise _unusable(d, e) from None
     finally:
         s.close()
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(probe)
-    except OSError:
-        pass
 
 
 class UnixEndpoint:
@@ -404,7 +399,5 @@ class UnixEndpoint:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass

@@ -9,6 +9,7 @@ reused pid is not mistaken for the owner), uid and host.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -95,10 +96,8 @@ class Segment:
     def unlink(self) -> None:
         if self.linked:
             self.linked = False
-            try:
+            with contextlib.suppress(posix_ipc.ExistentialError):
                 posix_ipc.unlink_shared_memory(self.name)
-            except posix_ipc.ExistentialError:
-                pass
 
     def close(self) -> None:
         """Unlink (if still linked), unmap and close the descriptor. Idempotent."""
@@ -112,10 +111,8 @@ class Segment:
             log.debug("segment %s still has views; leaving the unmap to the GC", self.name)
         for fd in (self.fd, self.reader_fd):
             if fd >= 0:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
 
 
 def _shm_free_bytes() -> int | None:
@@ -181,10 +178,8 @@ def create_segment(
         if seg is not None:
             seg.close()
         else:
-            try:
+            with contextlib.suppress(posix_ipc.ExistentialError):
                 posix_ipc.unlink_shared_memory(name)
-            except posix_ipc.ExistentialError:
-                pass
             os.close(fd)
         raise
 

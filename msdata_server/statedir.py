@@ -12,6 +12,7 @@ goes on by itself once the cause is removed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -41,10 +42,8 @@ def atomic_write(path: str, data: bytes) -> None:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 
@@ -119,10 +118,8 @@ class StateStore:
         return os.path.join(self.dir, self._list().get(step, f"step-{step:012d}"))
 
     def _unlink(self, name: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.dir, name))
-        except FileNotFoundError:
-            pass
 
     def save(self, step: int, state: dict) -> None:
         """Write the state at the start of ``step`` (a base or a delta); forget what left the window.

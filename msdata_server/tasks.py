@@ -39,12 +39,12 @@ class TaskSet:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    async def cancel_all(self, msg: str = "shutting down", timeout: float = 5.0) -> None:
+    async def cancel_all(self, msg: str = "shutting down", timeout: float = 5.0) -> None:  # noqa: ASYNC109
         """Cancel every task and wait (bounded) for them to finish."""
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel(msg)
         if tasks:
-            done, pending = await asyncio.wait(tasks, timeout=timeout)
+            _done, pending = await asyncio.wait(tasks, timeout=timeout)
             for t in pending:
                 log.warning("%s: task %s did not stop within %.1fs", self.name, t.get_name(), timeout)

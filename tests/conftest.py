@@ -4,6 +4,7 @@ fails any test leaving msdata shared-memory segments behind. Test modules take t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import shutil
@@ -42,10 +43,8 @@ def no_shm_leaks():
     ]
     if left:
         for n in left:  # do not poison the next test
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join("/dev/shm", n))
-            except OSError:
-                pass
         pytest.fail(f"test left shared-memory segments behind: {left}")
 
 

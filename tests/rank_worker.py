@@ -43,14 +43,16 @@ def main() -> None:
         if a == "--hold":
             hold = int(args.pop(0))
         elif a == "--state":
-            state = json.loads(open(args.pop(0)).read())
+            with open(args.pop(0)) as fh:
+                state = json.load(fh)
         elif a == "--save-every":
             save_every = int(args.pop(0))
         elif a == "--ckpt":
             ckpt = args.pop(0)
         elif a == "--stall-after":
             stall = int(args.pop(0))
-    spec = msd.DGraph.from_dict(orjson.loads(open(job_json, "rb").read())).spec
+    with open(job_json, "rb") as fh:
+        spec = msd.DGraph.from_dict(orjson.loads(fh.read())).spec
     recs = []
     held = []
     with msd.DataClient(spec, endpoint=endpoint, rank=int(rank), world_size=int(world), connect_timeout=60) as dc:

@@ -72,9 +72,12 @@ def test_node_targets_split_the_job_demand_and_price_it_at_each_nodes_cost():
         figures=lambda n: ({"a": 100.0, "b": 200.0}[n], None),
     )
     job = {d.name: d.samples_s for d in want}
-    assert math.isclose(job["a"], 40.0) and math.isclose(job["b"], 30.0)
-    assert math.isclose(per["n0"]["a"].samples_s, 20.0) and math.isclose(per["n1"]["a"].samples_s, 20.0)
-    assert math.isclose(per["n0"]["b"].samples_s, 10.0) and math.isclose(per["n1"]["b"].samples_s, 20.0)
+    assert math.isclose(job["a"], 40.0)
+    assert math.isclose(job["b"], 30.0)
+    assert math.isclose(per["n0"]["a"].samples_s, 20.0)
+    assert math.isclose(per["n1"]["a"].samples_s, 20.0)
+    assert math.isclose(per["n0"]["b"].samples_s, 10.0)
+    assert math.isclose(per["n1"]["b"].samples_s, 20.0)
     assert math.isclose(per["n0"]["a"].workers, 20.0 * 0.01)  # its own cost
     assert math.isclose(per["n1"]["a"].workers, 20.0 * 0.02)
     assert math.isclose(per["n1"]["b"].workers, 20.0 * 0.004)
@@ -86,13 +89,15 @@ def test_node_targets_look_ahead_of_a_schedule_shift_and_hold_until_measured():
     reports = {"n0": _report(0.01, 0.01), "n1": _report(0.01, 0.01)}
     before, _ = node_targets([_run(mix, owners, step=10)], reports, lead_s=0.3)  # 4 steps ahead: not there yet
     near, _ = node_targets([_run(mix, owners, step=48)], reports, lead_s=0.3)  # the shift is within the horizon
-    assert math.isclose(before["n1"]["b"].share_ahead, 0.1) and math.isclose(near["n1"]["b"].share_ahead, 0.9)
+    assert math.isclose(before["n1"]["b"].share_ahead, 0.1)
+    assert math.isclose(near["n1"]["b"].share_ahead, 0.9)
     assert near["n1"]["b"].samples_s > 8 * before["n1"]["b"].samples_s
     assert "b" not in near["n0"]  # n0 owns no partition of b
     # no rank pulled yet anywhere: nothing measured, hold (nodes give nothing back)
     unmeasured = {"n0": _report(0.01, 0.01, rate=None), "n1": _report(0.01, 0.01, rate=None)}
     per, hold = node_targets([_run(mix, owners)], unmeasured, lead_s=0.3)
-    assert hold and per == {"n0": {}, "n1": {}}
+    assert hold
+    assert per == {"n0": {}, "n1": {}}
 
 
 def test_scaler_sends_on_change_only_and_a_node_ignores_an_older_leader():
@@ -101,23 +106,28 @@ def test_scaler_sends_on_change_only_and_a_node_ignores_an_older_leader():
     reports = {"n0": _report(0.01, 0.002), "n1": _report(0.01, 0.002)}
     sc = Scaler()
     first = sc.update([_run(mix, owners)], reports, token=7, lead_s=0.3)
-    assert set(first) == {"n0", "n1"} and first["n0"]["token"] == 7 and first["n0"]["t"] == "scale"
+    assert set(first) == {"n0", "n1"}
+    assert first["n0"]["token"] == 7
+    assert first["n0"]["t"] == "scale"
     assert sc.update([_run(mix, owners)], reports, token=7, lead_s=0.3) == {}  # nothing moved: nothing sent
     busier = {n: _report(0.1, 0.002) for n in reports}  # a's cost went up tenfold: its need moves
     again = sc.update([_run(mix, owners)], busier, token=7, lead_s=0.3)
-    assert (
-        set(again) == {"n0", "n1"} and again["n0"]["sources"]["a"]["workers"] > first["n0"]["sources"]["a"]["workers"]
-    )
+    assert set(again) == {"n0", "n1"}
+    assert again["n0"]["sources"]["a"]["workers"] > first["n0"]["sources"]["a"]["workers"]
     idle = sc.update([], busier, token=7, lead_s=0.3)  # the job ended: no demand anywhere, workers go back
-    assert set(idle) == {"n0", "n1"} and idle["n0"]["sources"] == {} and not idle["n0"]["hold"]
+    assert set(idle) == {"n0", "n1"}
+    assert idle["n0"]["sources"] == {}
+    assert not idle["n0"]["hold"]
 
     node = LeaderTargets()
-    assert node.demands is None and node.status("a") is None
+    assert node.demands is None
+    assert node.status("a") is None
     assert node.accept(again["n0"])
     assert math.isclose(node.demands["a"].workers, again["n0"]["sources"]["a"]["workers"], rel_tol=1e-3)
     stale = {**first["n0"], "token": 6}
     assert not node.accept(stale)  # an older leader's targets change nothing
-    assert node.token == 7 and node.status("a")["workers"] == again["n0"]["sources"]["a"]["workers"]
+    assert node.token == 7
+    assert node.status("a")["workers"] == again["n0"]["sources"]["a"]["workers"]
 
 
 def test_placement_weighs_measured_cost_by_share_once_every_source_is_measured():
@@ -133,7 +143,8 @@ def test_placement_weighs_measured_cost_by_share_once_every_source_is_measured()
     }
     declared = [0.5 / 3, 0.5 / 3]
     costs = measured_costs(("a", "b"), declared, reports)
-    assert costs is not None and math.isclose(costs[1] / costs[0], 8.0)
+    assert costs is not None
+    assert math.isclose(costs[1] / costs[0], 8.0)
     assert measured_costs(("a", "b", "c"), [0.2, 0.2, 0.2], reports) is None  # c unmeasured: the share only
 
     def held(placed):
@@ -143,9 +154,12 @@ def test_placement_weighs_measured_cost_by_share_once_every_source_is_measured()
     # other b's third and all of a's cheap ones (loads 16 vs 11 in a's units, not 17 vs 10)
     assert held(place_sources([3, 3], ["n0", "n1"], declared)) == {"n0": 3, "n1": 3}
     placed = place_sources([3, 3], ["n0", "n1"], costs)
-    assert held(placed) == {"n0": 2, "n1": 4} and placed[0] == ["n1", "n1", "n1"]
-    assert placement_costs({"costs": costs}, 2) == costs and placement_costs({}, 2) is None
-    assert placement_costs({"costs": [1.0]}, 2) is None and placement_costs({"costs": [1.0, -1.0]}, 2) is None
+    assert held(placed) == {"n0": 2, "n1": 4}
+    assert placed[0] == ["n1", "n1", "n1"]
+    assert placement_costs({"costs": costs}, 2) == costs
+    assert placement_costs({}, 2) is None
+    assert placement_costs({"costs": [1.0]}, 2) is None
+    assert placement_costs({"costs": [1.0, -1.0]}, 2) is None
 
 
 def _frame(token: int, **need: float) -> dict:
@@ -175,25 +189,38 @@ def test_a_node_applies_the_targets_through_its_policy_and_pool_and_keeps_them(t
         cfg = AutoscaleConfig(min_workers=1, max_workers=3, interval=1.0, cooldown=5.0, headroom=0.25)
         async with WorkerPool(1, shm_prefix="msdac" + secrets.token_hex(3)) as pool:
             sc = Autoscaler(pool, cfg, lambda: [], cluster=True)
-            assert sc.step(0.0) is None and not sc.acting and pool.size == 1  # profiles only: no leader yet
+            assert sc.step(0.0) is None
+            assert not sc.acting
+            assert pool.size == 1
             sc.follow(_frame(4, a=0.1, b=1.9))
             dec = sc.step(1.0, why="targets")
-            assert sc.acting and dec is not None and dec.size_to == 3  # 2.0 x 1.25 -> 3 workers
+            assert sc.acting
+            assert dec is not None
+            assert dec.size_to == 3
             await sc.apply(dec)
             sc.follow(_frame(4, a=0.1, b=9.0))
-            assert sc.step(2.0) is None and pool.size == 3  # max_workers bounds it
+            assert sc.step(2.0) is None
+            assert pool.size == 3
             sc.follow(_frame(3, a=0.1, b=0.1))  # a deposed leader: ignored
-            assert sc.leader is not None and sc.leader.token == 4 and sc.step(3.0) is None
+            assert sc.leader is not None
+            assert sc.leader.token == 4
+            assert sc.step(3.0) is None
             sc.follow(_frame(5, a=0.1, b=0.3))  # the new leader: less demand, but the cooldown holds
             held = sc.step(4.0)  # the sources' shares are redrawn, the size stays
-            assert held is not None and held.size_to == 3 and held.workers_to == {"a": 1, "b": 2}
+            assert held is not None
+            assert held.size_to == 3
+            assert held.workers_to == {"a": 1, "b": 2}
             down = [sc.step(t) for t in (6.0, 8.0, 10.0, 12.0)]
             dec = next(d for d in down if d is not None)
-            assert dec.size_to == 1 and "suffice" in dec.reason
+            assert dec.size_to == 1
+            assert "suffice" in dec.reason
             await sc.apply(dec)
-            assert [sc.step(t) for t in (14.0, 16.0)] == [None, None] and pool.size == 1  # kept: no new targets
+            assert [sc.step(t) for t in (14.0, 16.0)] == [None, None]
+            assert pool.size == 1
             st = sc.status()
-            assert st["acting"] and st["leader_token"] == 5 and st["sources"]["b"]["target"]["workers"] == 0.3
+            assert st["acting"]
+            assert st["leader_token"] == 5
+            assert st["sources"]["b"]["target"]["workers"] == 0.3
             assert "following the leader's targets (token 5)" in autoscale_table(st)[0]
             await asyncio.sleep(0)
 
@@ -233,11 +260,13 @@ def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_of
         a = st["autoscale"]
         assert a["leader_token"] == token
         for name, s in a["sources"].items():
-            assert s["target"]["token"] == token and s["target"]["samples_s"] > 0, (nid, name, s)
+            assert s["target"]["token"] == token, (nid, name, s)
+            assert s["target"]["samples_s"] > 0, (nid, name, s)
             assert math.isclose(s["demand_samples_s"], s["target"]["samples_s"], abs_tol=1e-3)  # the leader's
         assert 1 <= a["size"] <= 2
     lead = on.nodes[leader]
-    assert "autoscale: leader (token" in lead.log() and "first targets from this leader" in lead.log()
+    assert "autoscale: leader (token" in lead.log()
+    assert "first targets from this leader" in lead.log()
 
     # a targets frame with a stale token (an older leader's) is dropped by the node's fence: nothing changes
     victim = next(nid for nid in sorted(on.nodes) if nid != leader)
@@ -245,7 +274,8 @@ def test_three_nodes_follow_the_leaders_targets_and_batches_equal_autoscaling_of
     send_peer_frame(on.nodes[victim], on.token_file.read_text().strip(), bogus)
     wait_for(lambda: "dropped 'scale' from tester" in on.nodes[victim].log(), 30, "the node to drop the stale targets")
     st = on.statuses()[victim]
-    assert "zz" not in st["autoscale"]["sources"] and st["autoscale"]["leader_token"] == token
+    assert "zz" not in st["autoscale"]["sources"]
+    assert st["autoscale"]["leader_token"] == token
 
     go.set()
     for t in threads:

@@ -5,6 +5,7 @@ and the layout every node derives from it. The three-node test is in test_autosc
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -29,8 +30,11 @@ def test_a_split_deals_the_blocks_past_its_start_and_leaves_those_before_it():
     t = PartsTable.base(2, 3)
     assert [t.part(0, o) for o in (0, BLOCK, 2 * BLOCK, 3 * BLOCK)] == [0, 1, 2, 0]  # block b -> b % 3
     t2 = t.split(0, 10, 5, ["a", "b", "c", "d", "e"])
-    assert t2 != t and t.count(0) == 3  # immutable: the old table is unchanged
-    assert t2.count(0) == 8 and t2.partitions(0) == 5 and list(t2.newest(0)) == [3, 4, 5, 6, 7]
+    assert t2 != t
+    assert t.count(0) == 3
+    assert t2.count(0) == 8
+    assert t2.partitions(0) == 5
+    assert list(t2.newest(0)) == [3, 4, 5, 6, 7]
     assert all(t2.part(0, b * BLOCK + 7) == t.part(0, b * BLOCK) for b in range(10))  # before block 10: as before
     assert [t2.part(0, b * BLOCK) for b in (10, 11, 14, 15)] == [3 + 0, 3 + 1, 3 + 4, 3 + 0]  # 10 % 5 = 0 ...
     assert t2.part(1, 20 * BLOCK) == t.part(1, 20 * BLOCK)  # the other source is untouched
@@ -39,8 +43,11 @@ def test_a_split_deals_the_blocks_past_its_start_and_leaves_those_before_it():
     gen, k, end = t2.slot(0, 6)
     assert (gen.start, gen.n, k, end, gen.owners) == (10, 5, 3, None, ("a", "b", "c", "d", "e"))
     t3 = t2.split(0, 12, 2, ["c", "a"])  # merged back: ids go on counting
-    assert list(t3.newest(0)) == [8, 9] and t3.part(0, 11 * BLOCK) == t2.part(0, 11 * BLOCK)
-    assert t3.slot(0, 6)[2] == 12 and t3.ended and not PartsTable.base(1, 2).ended
+    assert list(t3.newest(0)) == [8, 9]
+    assert t3.part(0, 11 * BLOCK) == t2.part(0, 11 * BLOCK)
+    assert t3.slot(0, 6)[2] == 12
+    assert t3.ended
+    assert not PartsTable.base(1, 2).ended
     with pytest.raises(KeyError, match="source 0 has no partition 10 \\(it has 10\\)"):
         t3.slot(0, 10)
     with pytest.raises(ValueError, match="must start past block 12, not at 12"):
@@ -53,9 +60,11 @@ def test_the_table_travels_whole_and_only_grows():
     base = PartsTable.base(2, 3)
     t = base.split(0, 4, 4, ["n0", "n1", "n2", "n0"]).split(1, 7, 2, ["n2", "n2"]).split(0, 9, 3, ["n1"] * 3)
     wire = t.wire()
-    assert wire[1] == [[7, 2, ["n2", "n2"]]] and len(wire[0]) == 2
+    assert wire[1] == [[7, 2, ["n2", "n2"]]]
+    assert len(wire[0]) == 2
     assert base.applied(wire) == t  # a node that had none of it
-    assert t.applied(wire) == t and t.applied(base.wire()) == t  # a frame from before a change changes nothing
+    assert t.applied(wire) == t
+    assert t.applied(base.wire()) == t
     partial = base.split(0, 4, 4, ["n0", "n1", "n2", "n0"])
     assert partial.applied(wire) == t  # a node that had the first change gets the rest
     with pytest.raises(ValueError, match="generation 1 differs"):
@@ -74,7 +83,8 @@ def test_a_new_leader_resumes_with_the_table_that_went_furthest():
     one = base.split(0, 4, 4, ["n0", "n1", "n2", "n0"])
     two = one.split(1, 6, 2, ["n1", "n2"])
     assert longest([one.wire(), None, two.wire(), base.wire()]) == two.wire()
-    assert longest([None, None]) is None and longest([]) is None
+    assert longest([None, None]) is None
+    assert longest([]) is None
     assert base.applied(longest([base.wire(), one.wire()])) == one
 
 
@@ -83,7 +93,8 @@ def test_the_leader_starts_a_change_at_the_block_past_the_planners_cursor():
     assert rp.at(0, [0, 0]) == [[], []]  # nothing asked: the base table
     rp.want(0, 5, ["n0", "n1", "n2", "n0", "n1"], "test")
     wire = rp.at(7, [10 * BLOCK + 3, 50])  # the cursor is inside block 10: the change starts at block 11
-    assert wire == [[[11, 5, ["n0", "n1", "n2", "n0", "n1"]]], []] and not rp.pending
+    assert wire == [[[11, 5, ["n0", "n1", "n2", "n0", "n1"]]], []]
+    assert not rp.pending
     rp.want(0, 2, ["n2", "n2"], "test")
     assert rp.at(8, [10 * BLOCK + 9, 60])[0][-1][:2] == [12, 2]  # never at or before the last start
     rp.want(1, 3, ["n0", "n1", "n2"], "same as now")
@@ -135,14 +146,18 @@ def test_every_node_derives_the_same_layout_and_a_gone_owner_fails_over():
     first = lay.placement()
     lay.table = lay.table.split(1, 5, 4, ["n2", "n2", "n1", "n0"])
     rows = lay.placement()
-    assert rows[0] == first[0] and rows[1][:3] == first[1] and rows[1][3:] == ["n2", "n2", "n1", "n0"]
+    assert rows[0] == first[0]
+    assert rows[1][:3] == first[1]
+    assert rows[1][3:] == ["n2", "n2", "n1", "n0"]
     live.remove("n2")  # n2's partitions of the new generation go where fail_over puts them; others stay
     after = lay.placement()
-    assert "n2" not in after[1] and after[1][5:] == ["n1", "n0"]
+    assert "n2" not in after[1]
+    assert after[1][5:] == ["n1", "n0"]
     shadowed = PartitionLayout("j", 2, 3, 1, [1.0, 1.0], lambda: ["n0", "n1", "n2"], "n0")
     shadowed.table = shadowed.table.split(0, 2, 2, ["n1", "n1"])
     owners, standbys = shadowed.layout()
-    assert len(owners[0]) == len(standbys[0]) == 5 and standbys[0][3:] == [(), ()]  # new ones have no standby
+    assert len(owners[0]) == len(standbys[0]) == 5
+    assert standbys[0][3:] == [(), ()]
 
 
 # ---- the decision ---------------------------------------------------------------------------------------------
@@ -185,11 +200,14 @@ def test_the_leader_splits_a_source_whose_reading_outgrows_its_partitions_and_me
     got = sc.repartition([_view(BASE)], _reports(read_b=0.1), now=1.0, lead_s=0.3)  # 50/s x 0.1 s = 5 readers
     assert len(got) == 1
     sp = got[0]
-    assert isinstance(sp, Split) and (sp.run_id, sp.source, sp.n_from, sp.n_to) == ("r1", "b", 3, 7)  # 6.25 -> 7
-    assert "50.0 samples/s" in sp.reason and "read need 5.00 readers" in sp.reason
+    assert isinstance(sp, Split)
+    assert (sp.run_id, sp.source, sp.n_from, sp.n_to) == ("r1", "b", 3, 7)
+    assert "50.0 samples/s" in sp.reason
+    assert "read need 5.00 readers" in sp.reason
     # placed by measured cost x share: b's tokens cost 4x a's; the load leaves b's own current partitions out
     assert math.isclose(sp.cost / (0.5 / 3 * 0.004 / 100), 3 / 7, rel_tol=1e-6)
-    assert set(sp.load) == {"n0", "n1", "n2"} and all(math.isclose(v, 0.5 / 3 * 0.001 / 100) for v in sp.load.values())
+    assert set(sp.load) == {"n0", "n1", "n2"}
+    assert all(math.isclose(v, 0.5 / 3 * 0.001 / 100) for v in sp.load.values())
     assert sp.budget == {"n0": 2.0, "n1": 2.0, "n2": 4.0}
     owners = place_split(sp.n_to, sp.cost, sp.load, sp.budget)
     assert owners == ["n2", "n2", "n0", "n1", "n2", "n2", "n0"]  # n2 has twice the workers: twice the partitions
@@ -198,7 +216,8 @@ def test_the_leader_splits_a_source_whose_reading_outgrows_its_partitions_and_me
     low = [sc.repartition([_view(split)], _reports(read_b=1e-4), now=t, lead_s=0.3) for t in (1.5, 2.5, 3.4)]
     assert low == [[], [], []]
     back = sc.repartition([_view(split)], _reports(read_b=1e-4), now=4.0, lead_s=0.3)
-    assert [(s.source, s.n_from, s.n_to) for s in back] == [("b", 7, 3)] and "suffice" in back[0].reason
+    assert [(s.source, s.n_from, s.n_to) for s in back] == [("b", 7, 3)]
+    assert "suffice" in back[0].reason
     assert sc.repartition([_view(BASE)], _reports(read_b=0.0), now=20.0, lead_s=0.3) == []  # 3 is the floor
     assert sc.repartition([_view(BASE)], _reports(read_b=10.0), now=30.0, lead_s=0.3)[0].n_to == MAX_PARTITIONS
 
@@ -218,7 +237,8 @@ def test_the_leader_applies_the_one_node_rule_and_holds_while_unmeasured():
         want = one.decide(i * 0.1, {"a": 50.0 * 1e-4, "b": 50.0 * read_b}, current={"a": 3, "b": 3})
         assert [(s.source, s.n_from, s.n_to) for s in got] == [(n, a, b) for n, (a, b, _) in sorted(want.items())]
         counts.append(one.partitions("b"))
-    assert sum(a != b for a, b in zip(counts, counts[1:])) <= 1 and counts[-1] in (4, 5)
+    assert sum(a != b for a, b in itertools.pairwise(counts)) <= 1
+    assert counts[-1] in (4, 5)
     held = Scaler(cooldown_s=0.0)
     held.repartition([_view(BASE)], _reports(read_b=0.1), now=0.0, lead_s=0.3)
     assert held.repartition([_view(BASE)], _reports(read_b=0.0, rate=0.0), now=50.0, lead_s=0.3) == []  # no pace
@@ -284,9 +304,11 @@ def test_an_ended_generations_loader_drops_what_it_read_past_its_end():
             assert ld.statistics().ready >= 9 * 8
             ld.stop_at(5)
             st = ld.statistics()
-            assert st.ready == 5 * 8 and ld.frontier() >= 5  # batches 0..4 stay, 5.. are dropped
+            assert st.ready == 5 * 8
+            assert ld.frontier() >= 5
             assert np.array_equal(await ld.tokens(3 * 8 + 1), want)
-            assert len(await ld.tokens(7 * 8)) > 0 and ld.statistics().ready == 5 * 8  # served, not held
+            assert len(await ld.tokens(7 * 8)) > 0
+            assert ld.statistics().ready == 5 * 8
         finally:
             await ld.aclose()
             src.close()

@@ -80,7 +80,9 @@ def test_three_nodes_split_and_merge_a_source_live_and_the_batches_equal_autosca
 
     _at(got, errs, PAUSES[0] * m)
     split = wait_for(lambda: re.search(r"source b partitions 3 -> (\d+): (.*)", lead.log()), 60, "the split")
-    assert int(split.group(1)) > 3 and "demand" in split.group(2) and "read need" in split.group(2), split.group(0)
+    assert int(split.group(1)) > 3, split.group(0)
+    assert "demand" in split.group(2), split.group(0)
+    assert "read need" in split.group(2), split.group(0)
     gos[0].set()
 
     _at(got, errs, PAUSES[1] * m)
@@ -119,9 +121,12 @@ def test_three_nodes_split_and_merge_a_source_live_and_the_batches_equal_autosca
         if d["b"] != b:
             changes.append((b, d["b"], step))
             b = d["b"]
-    assert changes[0][0] == 3 and changes[0][1] > 3 and 0 < changes[0][2] < PAUSES[1], changes
+    assert changes[0][0] == 3, changes
+    assert changes[0][1] > 3, changes
+    assert 0 < changes[0][2] < PAUSES[1], changes
     merged = [step for a, to, step in changes if to == 3 and step > PAUSES[1]]
-    assert merged and merged[0] < STEPS - 4, changes  # ranks took steps read in 3 partitions again
+    assert merged, changes
+    assert merged[0] < STEPS - 4, changes  # ranks took steps read in 3 partitions again
     for a, to, _ in changes:  # each change was logged by the leader, with its reason
         assert re.search(rf"source b partitions {a} -> {to}: .*demand", lead.log()), (a, to)
     on.stop()

@@ -28,17 +28,21 @@ def test_shift_is_met_ahead_and_batches_match_autoscaling_off(server_factory):
     assert ups, f"no scale-up; decisions: {a['decisions']}"
     first = ups[0]
     # decided on the look-ahead: the new share was seen before the shift's first step was planned
-    assert first["planned"]["shift"] <= SHIFT and first["ahead"]["b"] == pytest.approx(0.9), a["decisions"]
+    assert first["planned"]["shift"] <= SHIFT, a["decisions"]
+    assert first["ahead"]["b"] == pytest.approx(0.9), a["decisions"]
     assert "autoscale: pool 1 -> 2 workers" in on.log()  # logged once, with its reason
     assert on.log().count(first["message"]) == 1
     b = a["sources"]["b"]
     assert set(b) >= {"workers", "partitions", "demand_samples_s", "supply_samples_s", "cpu_s_per_sample"}
-    assert b["partitions"] == 1 and 0.0015 < b["cpu_s_per_sample"] < 0.02 and b["supply_samples_s"] > 0
+    assert b["partitions"] == 1
+    assert 0.0015 < b["cpu_s_per_sample"] < 0.02
+    assert b["supply_samples_s"] > 0
     on.stop()
 
     off = serve(server_factory, False, 2)
     recs_off, _ = train(spec, off.socket, STEPS)
     st_off = status(off)
-    assert st_off["autoscale"]["enabled"] is False and st_off["autoscale"]["decisions"] == []
+    assert st_off["autoscale"]["enabled"] is False
+    assert st_off["autoscale"]["decisions"] == []
     assert st_off["workers"] == 2
     assert recs_on == recs_off  # every field of every micro-batch, through every decision above

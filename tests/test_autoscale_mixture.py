@@ -25,7 +25,8 @@ def test_set_mixture_reallocates_at_once(server_factory):
     _, cut = train(spec, srv.socket, 70, mixture_at=40)
     a = status(srv)["autoscale"]
     moved = [d for d in a["decisions"] if "mixture changed" in d["reason"]]
-    assert cut is not None and moved, a["decisions"]
+    assert cut is not None, a["decisions"]
+    assert moved, a["decisions"]
     d = moved[0]
     assert d["reason"].startswith(f"job mix: mixture changed from step {cut}")
     assert d["ahead"]["b"] == pytest.approx(0.9), d  # decided on the new mixture, before its first step is planned
@@ -37,4 +38,5 @@ def test_set_mixture_reallocates_at_once(server_factory):
     decs = a["decisions"]
     first = next(x for x in decs if x["ahead"].get("b", 0) == pytest.approx(0.9))
     assert decs.index(first) <= decs.index(d), decs
-    assert first["size_to"] == 2 and first["workers_to"]["b"] == 2 > first["workers_from"].get("b", 0), decs
+    assert first["size_to"] == 2, decs
+    assert first["workers_to"]["b"] == 2 > first["workers_from"].get("b", 0), decs

@@ -86,7 +86,9 @@ def test_split_live_into_1_2_4_partitions_delivers_the_same_batches(data, loop):
     whole, st1, _ = run(steps(spec, {}), loop)
     live, st, opened = run(steps(spec, {3: 2, 8: 4, 14: 2, 19: 1}), loop)
     assert live == whole  # every piece of every step, bit for bit
-    assert st1["web"]["partitions"] == 1 and st["web"]["partitions"] == 1 and st["code"]["partitions"] == 1
+    assert st1["web"]["partitions"] == 1
+    assert st["web"]["partitions"] == 1
+    assert st["code"]["partitions"] == 1
     assert max(opened) >= 4  # the four partitions were open at once...
     assert opened[-1] < max(opened)  # ...and drained generations were closed
 

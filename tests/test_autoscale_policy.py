@@ -3,6 +3,7 @@ cooldown, apportionment, the consumption meter, and the [autoscale] configuratio
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -41,14 +42,17 @@ def test_noisy_demand_around_a_threshold_does_not_flap():
         need = 1.6 * (1 + rng.uniform(-0.1, 0.1))
         pol.decide(i * 0.1, {"img": demand("img", need)})
         sizes.append(pol.size)
-    changes = sum(a != b for a, b in zip(sizes, sizes[1:]))
-    assert changes <= 1 and sizes[-1] == 3, sizes[:40]
+    changes = sum(a != b for a, b in itertools.pairwise(sizes))
+    assert changes <= 1, sizes[:40]
+    assert sizes[-1] == 3, sizes[:40]
 
 
 def test_scale_down_waits_for_the_cooldown_and_idle_gives_everything_back():
     pol = Policy(PolicyConfig(min_workers=1, max_workers=8, headroom=0.0, cooldown_s=2.0), 1)
     dec = pol.decide(0.0, {"img": demand("img", 3.5)})
-    assert dec is not None and (dec.size_from, dec.size_to) == (1, 4) and pol.workers == {"img": 4}
+    assert dec is not None
+    assert (dec.size_from, dec.size_to) == (1, 4)
+    assert pol.workers == {"img": 4}
     assert "3.50 workers" in dec.reason
     # demand falls at t=1: nothing for 2 s (and not within 2 s of the last change), then down in one step
     got = [(t, pol.decide(t, {"img": demand("img", 1.0)})) for t in np.arange(1.0, 4.0, 0.25)]
@@ -56,10 +60,15 @@ def test_scale_down_waits_for_the_cooldown_and_idle_gives_everything_back():
     assert changed == [(3.0, 2)]  # 1.0 / (1 - band) needs 2 with the hysteresis band
     # no job at all: idle, back to min_workers after the cooldown
     dec = pol.decide(3.5, {})
-    assert dec is not None and dec.size_to == 2 and dec.changes() == {"img": (2, 0)}
+    assert dec is not None
+    assert dec.size_to == 2
+    assert dec.changes() == {"img": (2, 0)}
     assert dec.reason == "source img has none (its job left)"
     dec = pol.decide(5.5, {})
-    assert dec is not None and dec.size_to == 1 and "no demand" in dec.reason and pol.workers == {}
+    assert dec is not None
+    assert dec.size_to == 1
+    assert "no demand" in dec.reason
+    assert pol.workers == {}
 
 
 def test_an_unmeasured_demand_holds_the_workers():
@@ -77,10 +86,13 @@ def test_a_source_drawn_before_its_cost_was_measured_is_drawn_again_once_it_is()
     pol = Policy(PolicyConfig(min_workers=1, max_workers=2, cooldown_s=600.0), 2)
     unknown = SourceDemand(name="a", samples_s=600.0, worker_s_per_sample=None, share_now=0.98, share_ahead=0.98)
     dec = pol.decide(0.0, {"a": unknown, "b": demand("b", 0.05, 0.02)})
-    assert dec is not None and pol.workers == {"a": 0, "b": 2}
+    assert dec is not None
+    assert pol.workers == {"a": 0, "b": 2}
     cheap = demand("a", 0.03, 0.98)  # well inside the band (0.15 of a worker) of its need of 0 so far
     dec = pol.decide(0.1, {"a": cheap, "b": demand("b", 0.05, 0.02)})
-    assert dec is not None and pol.workers == {"a": 1, "b": 1} and dec.changes() == {"a": (0, 1), "b": (2, 1)}
+    assert dec is not None
+    assert pol.workers == {"a": 1, "b": 1}
+    assert dec.changes() == {"a": (0, 1), "b": (2, 1)}
     assert dec.reason == "source a's cost is measured"
     assert pol.decide(0.2, {"a": demand("a", 0.031, 0.98), "b": demand("b", 0.05, 0.02)}) is None
 
@@ -124,12 +136,15 @@ def test_the_look_ahead_sees_a_schedule_shift_before_its_first_step_is_planned()
         if dec is not None and dec.size_to > dec.size_from and up_at is None:
             up_at = step
             # 0.7 x 16384 / 630 images a step x 10 steps/s x 8 ms = 1.46 workers; x 1.25 headroom -> 2
-            assert dec.size_to == 2 and pol.workers == {"image": 2, "text": 0}
+            assert dec.size_to == 2
+            assert pol.workers == {"image": 2, "text": 0}
         if dec is not None and dec.size_to < dec.size_from and down_at is None:
             down_at = step
             assert "from the mixture ahead" in dec.reason  # a scheduled fall needs no cooldown of low demand
-    assert up_at is not None and 60 - h <= up_at < 60
-    assert down_at == 120 and pol.size == 1  # as soon as no step ahead is image-heavy any more
+    assert up_at is not None
+    assert 60 - h <= up_at < 60
+    assert down_at == 120
+    assert pol.size == 1
 
 
 def test_a_set_mixture_override_moves_the_look_ahead():
@@ -158,8 +173,10 @@ def test_profile_smooths_ratios_and_survives_a_counter_reset():
     p.observe(0.0, Counters())
     p.observe(1.0, Counters(samples_transformed=100, cpu_s=1.0, worker_s=1.2, samples_read=100, tokens_read=5000))
     f = p.figures()
-    assert f.cpu_s_per_sample == pytest.approx(0.01) and f.tokens_per_sample == pytest.approx(50.0)
-    assert f.supply_samples_s == pytest.approx(100.0) and f.worker_s_per_sample == pytest.approx(0.012)
+    assert f.cpu_s_per_sample == pytest.approx(0.01)
+    assert f.tokens_per_sample == pytest.approx(50.0)
+    assert f.supply_samples_s == pytest.approx(100.0)
+    assert f.worker_s_per_sample == pytest.approx(0.012)
     p.observe(2.0, Counters())  # the loaders are new (a job restarted): a new baseline, no sample
     p.observe(3.0, Counters(samples_transformed=100, cpu_s=3.0, worker_s=3.0, samples_read=100, tokens_read=5000))
     f = p.figures()
@@ -173,9 +190,13 @@ def test_profile_smooths_ratios_and_survives_a_counter_reset():
 def test_config_defaults_and_validation():
     cfg = parse_config({"node": {"workers": 2}})
     a = cfg.autoscale
-    assert a.enabled is True and a.min_workers == 1 and a.max_size >= 1 and a.cooldown_s == 3 * a.interval
+    assert a.enabled is True
+    assert a.min_workers == 1
+    assert a.max_size >= 1
+    assert a.cooldown_s == 3 * a.interval
     cfg = parse_config({"autoscale": {"enabled": False, "min_workers": 2, "max_workers": 4, "interval": 0.5}})
-    assert cfg.autoscale.enabled is False and cfg.autoscale.max_size == 4
+    assert cfg.autoscale.enabled is False
+    assert cfg.autoscale.max_size == 4
     bad = [
         ({"enabled": "yes"}, r"\[autoscale\] enabled = 'yes' must be true or false"),
         ({"min_workers": 0}, r"\[autoscale\] min_workers = 0 must be an integer in \[1, 1024\]"),
@@ -246,4 +267,5 @@ def test_the_pace_counts_from_the_jobs_start_when_ranks_ran_before_the_first_loo
     m.observe(10.0, 0, 0.0)  # the job started at t=10, step 0 (JobSignals.started)
     assert m.observe(12.0, 5, 0.0) == pytest.approx(2.5)
     blind = ConsumptionMeter()
-    assert blind.observe(12.0, 5, 0.0) is None and blind.observe(12.5, 5, 0.0) is None
+    assert blind.observe(12.0, 5, 0.0) is None
+    assert blind.observe(12.5, 5, 0.0) is None

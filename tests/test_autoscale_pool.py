@@ -79,13 +79,16 @@ def test_profile_figures_from_a_real_pool(prefix):
             return u, prof.figures(), pool.worker_seconds() - before, time.monotonic() - t0
 
     u, fig, worker_s, wall = run(main())
-    assert u["img"].samples == 12 and u["txt"].samples == 12 and u["img"].tasks == 3
+    assert u["img"].samples == 12
+    assert u["txt"].samples == 12
+    assert u["img"].tasks == 3
     assert 12 * 0.020 <= u["img"].cpu_s < 12 * 0.020 + 0.15  # burnt exactly, plus the tasks' overhead
     assert 12 * 0.002 <= u["txt"].cpu_s < 12 * 0.002 + 0.15
     assert u["img"].wall_s >= u["img"].cpu_s * 0.99  # a worker's wall time covers its CPU time
     assert fig.cpu_s_per_sample == pytest.approx(u["img"].cpu_s / 12)
     assert 0.020 <= fig.cpu_s_per_sample < 0.030
-    assert u["img"].busy == 0 and u["img"].queued == 0
+    assert u["img"].busy == 0
+    assert u["img"].queued == 0
     assert 2 * wall * 0.9 <= worker_s <= 2 * wall * 1.1  # two workers alive the whole time
 
 
@@ -112,8 +115,8 @@ def test_fair_queueing_serves_the_source_under_its_quota_first(prefix, tmp_path,
         await asyncio.to_thread(hold)  # the only worker is busy now
         a = asyncio.ensure_future(pool.transform(f"{HERE}:stamp", ["a"] * 3, seed=0, sample_ids=[1, 2, 3], source="a"))
         b = asyncio.ensure_future(pool.transform(f"{HERE}:stamp", ["b"] * 3, seed=0, sample_ids=[4, 5, 6], source="b"))
-        while pool.usage().get("b") is None or pool.usage()["b"].queued == 0:
-            await asyncio.sleep(0)  # both calls queued their tasks (no I/O in between: a few loop turns)
+        while pool.usage().get("b") is None or pool.usage()["b"].queued == 0:  # noqa: ASYNC110  (polls another process's state)
+            await asyncio.sleep(0)
         await asyncio.to_thread(release)
         await block
         ta, tb = (int(r[0]) for r in (await a)[:1]), (int(r[0]) for r in (await b)[:1])
@@ -128,7 +131,9 @@ def test_fair_queueing_serves_the_source_under_its_quota_first(prefix, tmp_path,
             return fifo, fair, quota
 
     fifo, fair, quota = run(main(), loop)
-    assert fifo == ["a", "b"] and fair == ["b", "a"] and quota == 1.0
+    assert fifo == ["a", "b"]
+    assert fair == ["b", "a"]
+    assert quota == 1.0
 
 
 def test_a_worker_killed_during_scale_down_loses_and_repeats_nothing(prefix, tmp_path):
@@ -163,7 +168,8 @@ def test_a_worker_killed_during_scale_down_loses_and_repeats_nothing(prefix, tmp
             )
             await pool.resize(1)
             (victim,) = pool.retiring_pids()
-            assert victim in pids.values() and len(pool.pids()) == 2  # the idle worker is stopping
+            assert victim in pids.values()
+            assert len(pool.pids()) == 2
             os.kill(victim, signal.SIGKILL)
             killed = next(k for k, p in pids.items() if p == victim)
             survivor = next(k for k in pids if k != killed)
@@ -176,8 +182,12 @@ def test_a_worker_killed_during_scale_down_loses_and_repeats_nothing(prefix, tmp
             return pids, survivor, again, out, stamps, pool.statistics(), pool.pids()
 
     pids, survivor, again, out, stamps, st, left = run(main())
-    assert again == pids[survivor] and left == [pids[survivor]]
+    assert again == pids[survivor]
+    assert left == [pids[survivor]]
     assert {k: v[0].tolist() for k, v in out.items()} == {k: [len(f[0])] for k, f in fifos.items()}
-    assert len(stamps) == 40 and len({int(s[0]) for s in stamps}) == 40
+    assert len(stamps) == 40
+    assert len({int(s[0]) for s in stamps}) == 40
     # every sample answered exactly once: 2 blocking + 40 others, none twice; nothing restarted
-    assert st.samples_done == 42 and st.restarts == 0 and st.size == 1
+    assert st.samples_done == 42
+    assert st.restarts == 0
+    assert st.size == 1

@@ -41,9 +41,12 @@ def test_a_socket_where_none_can_be_made_is_one_clear_line(tmp_path, place, cmd)
     config.write_text(f'[node]\nsocket = "{sock}"\nworkers = 0\nshm_prefix = "tbp"\n')
     res = _run(cmd, config)
     assert res.returncode == 2, (res.stdout, res.stderr)
-    assert "Traceback" not in res.stderr and "OK" not in res.stdout, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    assert "OK" not in res.stdout, res.stderr
     errors = [line for line in res.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and "cannot make the client socket" in errors[0] and "[node] socket" in errors[0], errors
+    assert len(errors) == 1, errors
+    assert "cannot make the client socket" in errors[0], errors
+    assert "[node] socket" in errors[0], errors
 
 
 def _hello(path: str, spec, rank: int) -> socket.socket:
@@ -92,7 +95,9 @@ def test_an_unwritable_state_dir_is_reported_and_fails_health(server_factory, tm
     (tmp_path / "afile").write_text("")
     srv = server_factory(extra=f'state_dir = "{tmp_path / "afile" / "state"}"\n').start()
     res = _health(srv)
-    assert res.returncode == 1 and "degraded" in res.stderr and "state_dir" in res.stderr, res.stderr
+    assert res.returncode == 1, res.stderr
+    assert "degraded" in res.stderr, res.stderr
+    assert "state_dir" in res.stderr, res.stderr
     st = request(srv.socket, {"t": "status"})["status"]
     assert "cannot save the planner state" in st["state_dir"]["error"]
     with _hello(srv.socket, small_job("one", dp=1), 0):

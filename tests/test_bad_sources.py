@@ -47,13 +47,16 @@ def test_all_bad_source_fails_the_job_fast_and_the_server_serves_on(server_facto
     srv = server_factory(workers=1).start()
     spec = _job("badjob", [("good", "jsonl", good), ("ints", "parquet", bad)])
     t0 = time.monotonic()
-    with pytest.raises(msd.MsdataError) as ei:
-        with msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1, connect_timeout=30) as dc:
-            for _ in dc:
-                pass
+    with (
+        pytest.raises(msd.MsdataError) as ei,
+        msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1, connect_timeout=30) as dc,
+    ):
+        for _ in dc:
+            pass
     took = time.monotonic() - t0
     msg = str(ei.value)
-    assert "source 'ints' has no good sample among its last" in msg and "mostly transform_error" in msg, msg
+    assert "source 'ints' has no good sample among its last" in msg, msg
+    assert "mostly transform_error" in msg, msg
     assert ei.value.kind == "BadSourceError"
     assert took < 30, f"the job took {took:.0f} s to fail"
     # the server serves on: a job of the good source alone runs
@@ -82,7 +85,8 @@ def test_validate_job_pushes_records_through_the_transform(tmp_path):
 
     out = validate([("good", "jsonl", good)])
     assert out.returncode == 0, out.stderr
-    assert "first 8 records through transform" in out.stdout and ": 8 good" in out.stdout
+    assert "first 8 records through transform" in out.stdout
+    assert ": 8 good" in out.stdout
     out = validate([("good", "jsonl", good), ("ints", "parquet", bad)])
     assert out.returncode == 2, out.stdout
     assert "source 'ints': none of its first 8 records is good (transform_error" in out.stderr
@@ -113,7 +117,8 @@ def test_window_rule_fails_an_all_bad_source_and_skips_a_shorter_bad_run():
     view = _View(lambda o: 0)
     with pytest.raises(BadSourceError, match=r"source 's' has no good sample among its last \d+ reads") as ei:
         reader().draw(view, 0, 0, 1000.0, [0.0])
-    assert ei.value.source == "s" and view.read < 2 * BAD_WINDOW
+    assert ei.value.source == "s"
+    assert view.read < 2 * BAD_WINDOW
     # a run of bad samples just short of the window (a corrupt row group) is passed over
     run = BAD_WINDOW - 1
     got = reader().draw(_View(lambda o: 0 if 10 <= o < 10 + run else 50), 0, 0, 2000.0, [0.0])

@@ -51,12 +51,14 @@ def test_disk_full_mid_run_waits_names_the_fix_and_loses_nothing(server_factory,
     go.set()
     wait_for(lambda: "the disk is full" in srv.log(), 30, "the disk-full error")
     log = srv.log()
-    assert f"state_dir {state_dir}/diskfull/" in log and "free space on that disk" in log
+    assert f"state_dir {state_dir}/diskfull/" in log
+    assert "free space on that disk" in log
     assert "goes on by itself once it can write" in log
     assert t.is_alive()  # the ranks wait for data: a step whose state is not saved does not leave
     flag.unlink()  # the cause removed: the job goes on by itself
     t.join(60)
-    assert not t.is_alive() and "err" not in box, box.get("err")
+    assert not t.is_alive(), box.get("err")
+    assert "err" not in box, box.get("err")
     assert "the planner state saves again" in srv.log()
     assert srv.log().count("the disk is full") == 1  # the cause is logged once per outage, not per retry
     # every step the ranks went through has its state on disk (a SIGKILL now would lose nothing)
@@ -97,6 +99,7 @@ def test_unwritable_state_dir_names_the_path_and_recovers(server_factory, tmp_pa
         for p in blocker.glob("*"):
             os.chmod(p, 0o700)
     t.join(60)
-    assert not t.is_alive() and "err" not in box, box.get("err")
+    assert not t.is_alive(), box.get("err")
+    assert "err" not in box, box.get("err")
     assert box["out"] == ref
     assert "the planner state saves again" in srv.log()

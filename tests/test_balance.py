@@ -38,7 +38,9 @@ def test_small_partitions_are_within_their_proven_bound_of_optimal(values, k):
     best = brute_force(values, k)
     for name, bound in (("karmarkar_karp", kk_bound(k)), ("greedy", lpt_bound(k))):
         bins = PARTITIONERS[name](np.array(values, float), k)
-        assert bins.shape == (len(values),) and bins.min() >= 0 and bins.max() < k
+        assert bins.shape == (len(values),)
+        assert bins.min() >= 0
+        assert bins.max() < k
         assert bin_max(values, bins, k) <= bound * best + 1e-9, name
 
 
@@ -97,7 +99,9 @@ def test_pieces_split_and_truncate():
     assert off.tolist() == [0, 0, 10, 20, 0, 0, 10]
     assert ln.tolist() == [5, 10, 10, 3, 10, 10, 1]
     doc, off, ln = pieces(lengths, 10, LongDocs.TRUNCATE)
-    assert doc.tolist() == [0, 2, 3, 4] and off.tolist() == [0] * 4 and ln.tolist() == [5, 10, 10, 10]
+    assert doc.tolist() == [0, 2, 3, 4]
+    assert off.tolist() == [0] * 4
+    assert ln.tolist() == [5, 10, 10, 10]
 
 
 def test_next_fit_starts_a_new_row_when_a_piece_does_not_fit():
@@ -118,7 +122,8 @@ def text_like(rng, n, seq_len):
 def check_placement(p, lengths, layout, costs=None):
     placed = p.rank >= 0
     assert ((p.slot >= 0) == placed).all()
-    assert p.rank.max() < layout.dp and p.slot.max() < layout.slots
+    assert p.rank.max() < layout.dp
+    assert p.slot.max() < layout.slots
     rows = np.zeros((layout.dp, layout.slots), np.int64)
     np.add.at(rows, (p.rank[placed], p.slot[placed]), lengths[placed])
     assert rows.max() <= layout.seq_len  # every row within seq_len
@@ -164,7 +169,8 @@ def test_placement_is_deterministic():
     costs = attention_cost(lengths)
     a = place(lengths, costs, layout)
     b = place(lengths.copy(), costs.copy(), layout)
-    assert a.rank.tobytes() == b.rank.tobytes() and a.slot.tobytes() == b.slot.tobytes()
+    assert a.rank.tobytes() == b.rank.tobytes()
+    assert a.slot.tobytes() == b.slot.tobytes()
     assert a.rank_cost.tobytes() == b.rank_cost.tobytes()
 
 

@@ -10,6 +10,7 @@ session of its own, with a tag in its environment by which anything it started i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -140,10 +141,8 @@ def _run(name: str) -> dict:
     while (left := _tagged(tag)) and time.monotonic() < deadline:
         time.sleep(0.2)
     for pid in left:  # do not poison what runs next
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
     return {"rc": proc.returncode, "out": out, "err": err, "seconds": seconds, "timed_out": timed_out, "left": left}
 
 
@@ -172,18 +171,14 @@ def smokes(request):
     finally:  # interrupted (a timeout, ^C): nothing of the smokes stays running
         for tag in STARTED:
             for pid in _tagged(tag):
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
     total = time.monotonic() - t0
     after = _listing(*watched)
     segs = [n for n, info in list_segments() if n not in segs_before and not owner_alive(info)]
     for n in segs:  # do not poison the next test
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join("/dev/shm", n))
-        except OSError:
-            pass
     times = ", ".join(f"{n} {r['seconds']:.0f}s" for n, r in runs.items())
     print(f"\nbench smokes: {total:.0f} s in all ({times})", file=sys.stderr)
     return {
@@ -216,7 +211,8 @@ def test_smoke(name, smokes):
         got = json.loads(lines[-1])
     except json.JSONDecodeError:
         pytest.fail(f"bench/{name}.py --smoke: the last line of stdout is not JSON" + tail)
-    assert isinstance(got, dict) and got, f"bench/{name}.py --smoke: the last line is not a JSON object" + tail
+    assert isinstance(got, dict), f"bench/{name}.py --smoke: the last line is not a JSON object" + tail
+    assert got, f"bench/{name}.py --smoke: the last line is not a JSON object" + tail
     missing = sorted(k for k in KEYS.get(name, ()) if got.get(k) is None)
     assert not missing, f"bench/{name}.py --smoke: keys missing or null: {missing}\n{lines[-1]}"
     if name in PATHS:
@@ -226,7 +222,10 @@ def test_smoke(name, smokes):
 
 def test_smokes_write_nothing_into_results_and_leave_no_segments(smokes):
     assert smokes["runs"], "no smoke ran"
-    assert not smokes["written"] and not smokes["removed"], (
+    assert not smokes["written"], (
+        f"smokes wrote into bench/results/ or bench/out/: {smokes['written']}, removed {smokes['removed']}"
+    )
+    assert not smokes["removed"], (
         f"smokes wrote into bench/results/ or bench/out/: {smokes['written']}, removed {smokes['removed']}"
     )
     assert not smokes["segments"], f"smokes left shared-memory segments behind: {smokes['segments']}"

@@ -84,11 +84,15 @@ def test_smoke_run_of_one_benchmark_writes_its_json(tmp_path):
     got = _suite(
         "--quick", "--only", "balance", "--args", "balance=--steps 1 --dp 8 --seq-lens 4096", "--results", str(tmp_path)
     )
-    assert got["ran"] == ["balance"] and got["failed"] == [] and got["json"] == ["balance.json"]
+    assert got["ran"] == ["balance"]
+    assert got["failed"] == []
+    assert got["json"] == ["balance.json"]
     result = json.loads((tmp_path / "balance.json").read_text())
-    assert result["gain_4k_dp8"] > 1.0 and "plan_ms_dp8" in result
+    assert result["gain_4k_dp8"] > 1.0
+    assert "plan_ms_dp8" in result
     suite = json.loads((tmp_path / "suite.json").read_text())
-    assert suite["balance"]["rc"] == 0 and "--quick" in suite["balance"]["command"]
+    assert suite["balance"]["rc"] == 0
+    assert "--quick" in suite["balance"]["command"]
     assert set(got["plots"]) >= {"gain.png", "planning.png"}
     for name in got["plots"]:
         assert (tmp_path / name).stat().st_size > 0
@@ -98,7 +102,8 @@ def test_plots_from_every_kind_of_result(tmp_path):
     for name, data in CANNED.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     got = _suite("--plot-only", "--results", str(tmp_path))
-    assert set(got["plots"]) == PLOTS and got["ran"] == []
+    assert set(got["plots"]) == PLOTS
+    assert got["ran"] == []
     for name in PLOTS:
         size = (tmp_path / name).stat().st_size
         assert 1000 < size < 100_000, (name, size)
@@ -112,7 +117,8 @@ def test_unknown_benchmark_is_refused(tmp_path):
         timeout=60,
         cwd=ROOT,
     )
-    assert out.returncode == 2 and "--only ['nope']: the benchmarks are" in out.stderr
+    assert out.returncode == 2
+    assert "--only ['nope']: the benchmarks are" in out.stderr
 
 
 def test_smoke_runs_the_benchmarks_smokes_and_writes_nothing_into_results():
@@ -128,8 +134,10 @@ def test_smoke_runs_the_benchmarks_smokes_and_writes_nothing_into_results():
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["ran"] == ["statebytes"] and not summary["failed"]
-    assert "--smoke" in out.stdout and Path(summary["results"]) != results
+    assert summary["ran"] == ["statebytes"]
+    assert not summary["failed"]
+    assert "--smoke" in out.stdout
+    assert Path(summary["results"]) != results
     assert json.loads((Path(summary["results"]) / "statebytes.json").read_text())
     after = {p.name: p.stat().st_mtime_ns for p in results.iterdir()} if results.exists() else {}
     assert after == before

@@ -5,6 +5,7 @@ image may decode to ([node] max_image_pixels), and a closed job's queued transfo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import io
 import secrets
@@ -45,10 +46,8 @@ def _reply(s: socket.socket) -> dict:
 def _partial(path: str, announced: int, sent: int) -> socket.socket:
     """A connection that announced a frame of ``announced`` bytes and sent ``sent`` of them."""
     s = _connect(path)
-    try:
+    with contextlib.suppress(OSError):  # refused and closed while it was still sending: its reply says why
         s.sendall(struct.pack(">I", announced) + b"x" * sent)
-    except OSError:
-        pass  # refused and closed while it was still sending: its reply says why
     return s
 
 
@@ -56,7 +55,8 @@ def test_a_client_frame_over_the_limit_is_refused_at_once(server_factory):
     srv = server_factory(extra="max_client_frame_kib = 64\n").start()
     with _partial(srv.socket, (64 << 10) + 1, 10) as s:
         err = _reply(s)
-    assert err["t"] == "error" and "max_client_frame_kib = 64 KiB" in err["message"], err
+    assert err["t"] == "error", err
+    assert "max_client_frame_kib = 64 KiB" in err["message"], err
     hello = small_job(dp=1)  # a real client's frames (a hello with its job) fit far below it
     with msd.DataClient(hello, endpoint=srv.socket, rank=0, world_size=1) as c:
         next(c)
@@ -66,7 +66,9 @@ def test_a_frame_left_half_sent_is_dropped_after_frame_timeout(server_factory):
     srv = server_factory(extra="frame_timeout = 0.5\n").start()
     with _partial(srv.socket, 1000, 10) as s:
         err = _reply(s)  # the server answers by itself: the client sent nothing more
-    assert err["t"] == "error" and "frame_timeout" in err["message"] and "14 bytes" in err["message"], err
+    assert err["t"] == "error", err
+    assert "frame_timeout" in err["message"], err
+    assert "14 bytes" in err["message"], err
     with _connect(srv.socket) as s:  # an idle connection without a partial frame is left alone
         s.sendall(encode({"t": "ping"}))
         assert _reply(s)["t"] == "pong"
@@ -85,7 +87,8 @@ def test_partial_frames_of_all_clients_are_capped_node_wide(server_factory):
         assert _reply(s)["t"] == "pong"
     over = _partial(srv.socket, 1 << 20, 300 << 10)
     err = _reply(over)
-    assert err["t"] == "error" and "client_buffer_mib = 1 MiB" in err["message"], err
+    assert err["t"] == "error", err
+    assert "client_buffer_mib = 1 MiB" in err["message"], err
     for s in [*held, over]:
         s.close()
     wait_for(lambda: "client_buffer_mib" in srv.log(), 10, "the dropped client logged")
@@ -118,9 +121,11 @@ def test_prefetch_steps_is_bounded(server_factory):
     with pytest.raises(msd.ConfigError, match=r"prefetch_steps=100000 is over 4096; plan 1\.\.4096 steps ahead"):
         small_job(dp=1, prefetch=100_000)
     srv = server_factory(extra="max_prefetch_steps = 4\n").start()
-    with pytest.raises(msd.ConfigError, match=r"prefetch_steps = 5 is over .* max_prefetch_steps = 4"):
-        with msd.DataClient(small_job(dp=1, prefetch=5), endpoint=srv.socket, rank=0, world_size=1) as c:
-            next(c)
+    with (
+        pytest.raises(msd.ConfigError, match=r"prefetch_steps = 5 is over .* max_prefetch_steps = 4"),
+        msd.DataClient(small_job(dp=1, prefetch=5), endpoint=srv.socket, rank=0, world_size=1) as c,
+    ):
+        next(c)
     with msd.DataClient(small_job("near", dp=1, prefetch=4), endpoint=srv.socket, rank=0, world_size=1) as c:
         next(c)
 
@@ -138,7 +143,8 @@ def test_an_image_over_max_image_pixels_is_an_oversize_bad_sample(monkeypatch):
     monkeypatch.setenv(MAX_IMAGE_PIXELS_ENV, str(300 * 300))
     png, jpeg = _image("PNG", 400, 400), _image("JPEG", 1600, 1600)
     out = run_transform(functools.partial(image_patches, patch=8, grid=(4, 4)), [png, jpeg], seed=0, sample_ids=[0, 1])
-    assert isinstance(out[0], BadSample) and out[0].reason == "oversize", out[0]
+    assert isinstance(out[0], BadSample), out[0]
+    assert out[0].reason == "oversize", out[0]
     assert "max_image_pixels = 90000" in out[0].detail
     assert out[1].shape == (16, 8 * 8 * 3)  # 2.56 Mpx, but decoded at 1/8 (200 x 200) by DCT scaling
     out = run_transform(
@@ -147,7 +153,8 @@ def test_an_image_over_max_image_pixels_is_an_oversize_bad_sample(monkeypatch):
         seed=0,
         sample_ids=[0, 1],
     )
-    assert isinstance(out[0], BadSample) and out[0].reason == "oversize", out[0]
+    assert isinstance(out[0], BadSample), out[0]
+    assert out[0].reason == "oversize", out[0]
     assert not isinstance(out[1], BadSample), out[1]
 
 
@@ -175,7 +182,7 @@ def test_cancelled_transform_work_leaves_the_queue(tmp_path, loop):
     async def main():
         async with WorkerPool(1, max_task=1, shm_prefix="msdb" + secrets.token_hex(3)) as pool:
             job = asyncio.create_task(pool.transform(f"{__name__}:slow_mark", records, seed=0, sample_ids=range(40)))
-            while marks.stat().st_size == 0:  # the first task is on the worker
+            while marks.stat().st_size == 0:  # noqa: ASYNC110  (polls another process's state)
                 await asyncio.sleep(0.01)
             job.cancel()  # what a closing job does to its constructors
             with pytest.raises(asyncio.CancelledError):

@@ -41,7 +41,8 @@ def test_recovers_known_alpha_beta():
     assert cal.seq_len == 4096
     # default lengths: seq_len/64 ... seq_len; one warm-up call, then each length `repeats` times
     assert sorted({s.lengths[0] for s in cal.samples}) == [64, 256, 1024, 2048, 4096]
-    assert len(cal.samples) == 10 and clock.calls == 11
+    assert len(cal.samples) == 10
+    assert clock.calls == 11
     assert all(sum(s.lengths) == 4096 for s in cal.samples)  # full rows
     assert cal.predict([4096]) == pytest.approx(3e-9 * 4096**2 + 2e-5 * 4096)
 
@@ -64,15 +65,18 @@ def test_toml_is_a_balance_table_the_job_accepts():
     assert table["alpha"] == pytest.approx(2.5e-9, rel=1e-5)
     assert table["beta"] == pytest.approx(1.25e-5, rel=1e-5)
     spec = BalanceSpec.from_dict(table)
-    assert spec.alpha == table["alpha"] and spec.beta == table["beta"]
-    assert "R^2 1.0000" in text and "beta/alpha = 5000" in text
+    assert spec.alpha == table["alpha"]
+    assert spec.beta == table["beta"]
+    assert "R^2 1.0000" in text
+    assert "beta/alpha = 5000" in text
 
 
 def test_costs_stay_non_negative():
     # a model whose time does not grow with the square of the length: alpha is 0, never negative
     samples = [Sample(lengths=(n,) * (1024 // n), seconds=1e-5 * 1024 - 1e-12 * n) for n in (16, 256, 1024)]
     cal = fit(samples, seq_len=1024)
-    assert cal.alpha == 0.0 and cal.beta > 0
+    assert cal.alpha == 0.0
+    assert cal.beta > 0
 
 
 def test_bad_arguments_say_what_to_do():

@@ -41,29 +41,36 @@ def test_validate_good_config_and_job(tmp_path):
     node.write_text(f'[node]\nid = "n1"\nsocket = "{tmp_path}/s.sock"\n')
     out = cli("validate", "--config", str(node), "--job", str(_job(tmp_path, ["data/"])))
     assert out.returncode == 0, out.stderr
-    assert "node config OK" in out.stdout and "source web (parquet): 3 samples" in out.stdout
+    assert "node config OK" in out.stdout
+    assert "source web (parquet): 3 samples" in out.stdout
 
 
 def test_validate_names_the_bad_key_and_the_missing_data(tmp_path):
     node = tmp_path / "node.toml"
     node.write_text("[node]\nworkrs = 2\n")
     out = cli("validate", "--config", str(node))
-    assert out.returncode == 2 and "workrs" in out.stderr and "allowed keys" in out.stderr
+    assert out.returncode == 2
+    assert "workrs" in out.stderr
+    assert "allowed keys" in out.stderr
     node.write_text(f'[node]\nsocket = "{tmp_path}/s.sock"\n')
     out = cli("validate", "--config", str(node), "--job", str(_job(tmp_path, ["nowhere/*.parquet"])))
-    assert out.returncode == 2 and "web" in out.stderr and "nowhere" in out.stderr
+    assert out.returncode == 2
+    assert "web" in out.stderr
+    assert "nowhere" in out.stderr
 
 
 def test_serve_refuses_a_bad_config_clearly(tmp_path):
     node = tmp_path / "node.toml"
     node.write_text('[node]\nlisten = "not-an-address"\n')
     out = cli("serve", "--config", str(node))
-    assert out.returncode == 2 and "HOST:PORT" in out.stderr
+    assert out.returncode == 2
+    assert "HOST:PORT" in out.stderr
 
 
 def test_status_without_a_server_says_where_it_looked(tmp_path):
     out = cli("status", "--endpoint", str(tmp_path / "none.sock"))
-    assert out.returncode == 2 and "none.sock" in out.stderr
+    assert out.returncode == 2
+    assert "none.sock" in out.stderr
 
 
 def test_status_and_health_read_the_socket_from_config(server_factory):
@@ -101,12 +108,14 @@ def test_one_shot_status_prints_a_table_with_the_mixture(server_factory):
     base = [sys.executable, "-m", "msdata_server", "status", "--endpoint", srv.socket]
     text = subprocess.run(base, capture_output=True, text=True, timeout=120)
     assert text.returncode == 0, text.stderr
-    assert "{" not in text.stdout and not re.search(r"\d\.\d{6,}", text.stdout), text.stdout
+    assert "{" not in text.stdout, text.stdout
+    assert not re.search(r"\d\.\d{6,}", text.stdout), text.stdout
     assert re.search(r"^  source\s+target\s+delivered", text.stdout, re.M), text.stdout
     assert re.search(r"^  a\s+40\.0%\s+\d+\.\d%", text.stdout, re.M), text.stdout
     st = json.loads(subprocess.run([*base, "--json"], capture_output=True, text=True, timeout=120).stdout)
     mix = st["jobs"][0]["mixture"]
-    assert mix["a"]["target"] == 0.4 and mix["b"]["target"] == 0.6
+    assert mix["a"]["target"] == 0.4
+    assert mix["b"]["target"] == 0.6
     assert abs(mix["a"]["delivered"] + mix["b"]["delivered"] - 1.0) < 1e-3
     assert {"node", "role", "jobs"} <= set(st)
     dc.close()

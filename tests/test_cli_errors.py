@@ -42,11 +42,14 @@ def test_offline_lineage_refuses_another_jobs_state_and_names_a_cut_off_file(tmp
     state.write_text(json.dumps(_saved_state(other)))
     res = cli("lineage", "--job", str(job), "--steps", "0:1", "--state", str(state))
     assert res.returncode == 2, res.stdout
-    assert "another data identity" in res.stderr and str(state) in res.stderr
+    assert "another data identity" in res.stderr
+    assert str(state) in res.stderr
     text = json.dumps(_saved_state(mine))
     state.write_text(text[: len(text) // 2])
     res = cli("lineage", "--job", str(job), "--steps", "0:1", "--state", str(state))
-    assert res.returncode == 2 and str(state) in res.stderr and "cut off" in res.stderr, res.stderr
+    assert res.returncode == 2, res.stderr
+    assert str(state) in res.stderr, res.stderr
+    assert "cut off" in res.stderr, res.stderr
 
 
 def test_lineage_out_to_a_bad_path_is_one_line(tmp_path):
@@ -54,12 +57,15 @@ def test_lineage_out_to_a_bad_path_is_one_line(tmp_path):
     job.write_text(small_job("out", samples=100).to_toml())
     bad = tmp_path / "no" / "such" / "dir" / "rows.parquet"
     res = cli("lineage", "--job", str(job), "--steps", "0:1", "--out", str(bad))
-    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
     assert f"cannot write --out {str(bad)!r}" in res.stderr
 
 
 def test_demo_refuses_zero_steps_and_zero_ranks():
     for flag in ("--steps", "--ranks"):
         res = cli("demo", flag, "0")
-        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
-        assert f"{flag}" in res.stderr and "must be" in res.stderr, res.stderr
+        assert res.returncode == 2, res.stderr
+        assert "Traceback" not in res.stderr, res.stderr
+        assert f"{flag}" in res.stderr, res.stderr
+        assert "must be" in res.stderr, res.stderr

@@ -23,12 +23,13 @@ def test_a_client_without_a_server_says_where_it_waits(sockdir, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     ep = os.path.join(sockdir, "nobody.sock")
     dc = msd.DataClient(small_job(dp=1), endpoint=ep, rank=0, world_size=1, connect_timeout=1.0)
-    with pytest.raises(msd.ConnectError, match="nobody.sock"):
+    with pytest.raises(msd.ConnectError, match=r"nobody.sock"):
         next(dc)
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     waiting = [m for m in lines if "waiting for the msdata server at" in m]
     assert len(waiting) >= 2, lines  # every log_every(1.0) = 0.25 s, not only at the end
-    assert ep in waiting[0] and "MSDATA_ENDPOINT" in waiting[0]
+    assert ep in waiting[0]
+    assert "MSDATA_ENDPOINT" in waiting[0]
 
 
 def test_a_rank_whose_peers_never_start_names_them_and_gives_up(server_factory, caplog):
@@ -59,7 +60,9 @@ def test_a_rank_whose_peers_never_start_names_them_and_gives_up(server_factory, 
     for r, missing in ((0, "missing ranks 1, 3;"), (2, "missing ranks 0, 1, 3;")):  # rank 0 left before rank 2 gave up
         e = errs[r]
         assert isinstance(e, msd.ConnectError)
-        assert missing in str(e) and "connect_timeout" in str(e) and srv.socket in str(e)
+        assert missing in str(e)
+        assert "connect_timeout" in str(e)
+        assert srv.socket in str(e)
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     assert any("2 of 4 ranks of job 'lonely' registered; missing ranks 1, 3" in m for m in lines), lines
     assert any(m.startswith("rank 0 of 4 waits at " + srv.socket) for m in lines), lines
@@ -110,4 +113,5 @@ def test_the_wait_detail_reads_the_way_the_issue_asks():
     )
     assert PeerWait(job="x", rank=0, world_size=2, registered=(0, 1)).missing == ()
     assert PeerWait(job="x", rank=0, world_size=2).missing is None
-    assert log_every(60.0) == 5.0 and log_every(1.0) == 0.25
+    assert log_every(60.0) == 5.0
+    assert log_every(1.0) == 0.25

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import secrets
 
 import pytest
@@ -35,7 +36,9 @@ def test_put_get_delete_with_prefixes(etcd_server, loop):
             assert r2 == r1 + 1
             kvs = await etcd.get(f"{p}/", prefix=True)
             assert [(kv.key, kv.value) for kv in kvs] == [(f"{p}/a".encode(), b"\x00\xff"), (f"{p}/b".encode(), b"2")]
-            assert kvs[0].create_revision == kvs[0].mod_revision == r2 and kvs[0].version == 1 and kvs[0].lease == 0
+            assert kvs[0].create_revision == kvs[0].mod_revision == r2
+            assert kvs[0].version == 1
+            assert kvs[0].lease == 0
             _, rev = await etcd.get_with_revision(f"{p}/a")
             assert rev >= r2 + 1
             assert await etcd.get(f"{p}/none") == []
@@ -55,18 +58,22 @@ def test_txn_create_if_absent_and_put_if_mod_revision(etcd_server, loop):
         async with Etcd(etcd_server.url) as etcd:
             k = f"{p}/k"
             first = await etcd.txn([Compare(k, "create", "==", 0)], [Op.put(k, "one")], [Op.get(k)])
-            assert first.succeeded and first.responses == [first.revision]
+            assert first.succeeded
+            assert first.responses == [first.revision]
             second = await etcd.txn([Compare(k, "create", "==", 0)], [Op.put(k, "two")], [Op.get(k)])
             assert not second.succeeded
             (kv,) = second.responses[0]
-            assert kv.value == b"one" and kv.create_revision == first.revision
+            assert kv.value == b"one"
+            assert kv.create_revision == first.revision
             # "put if key k still has mod_revision R": succeeds once, then R is stale
             ok = await etcd.txn([Compare(k, "mod", "==", kv.mod_revision)], [Op.put(k, "three")])
             stale = await etcd.txn([Compare(k, "mod", "==", kv.mod_revision)], [Op.put(k, "four")])
-            assert ok.succeeded and not stale.succeeded
+            assert ok.succeeded
+            assert not stale.succeeded
             assert (await etcd.get(k))[0].value == b"three"
             by_value = await etcd.txn([Compare(k, "value", "==", "three")], [Op.delete(k)])
-            assert by_value.succeeded and by_value.responses == [1]
+            assert by_value.succeeded
+            assert by_value.responses == [1]
             with pytest.raises(ValueError, match="target 'nope'"):
                 Compare(k, "nope", "==", 0)
 
@@ -89,7 +96,8 @@ def test_lease_binds_keys_keepalive_and_revoke(etcd_server, loop):
             assert await etcd.lease_revoke(lease) is False
             with pytest.raises(EtcdError, match="lease not found") as ei:
                 await etcd.put(f"{p}/node", "x", lease=lease)
-            assert ei.value.code == 5 and not isinstance(ei.value, EtcdUnavailable)
+            assert ei.value.code == 5
+            assert not isinstance(ei.value, EtcdUnavailable)
 
     run(main(), loop)
 
@@ -119,7 +127,7 @@ def test_watch_from_revision_and_compaction(etcd_server, loop):
                 assert await anext(w) == []
                 assert [e.type for e in await anext(w)] == ["put", "delete"]
             await etcd._call("/v3/kv/compaction", {"revision": str(seen[-1].kv.mod_revision)})
-            with pytest.raises(EtcdError, match="compacted"):
+            with pytest.raises(EtcdError, match="compacted"):  # noqa: PT012  (raised while the watch iterates)
                 async with contextlib.aclosing(etcd.watch(f"{p}/a", start_revision=rev + 1)) as w:
                     async for _ in w:
                         pass
@@ -151,7 +159,7 @@ def test_failover_unavailable_timeout_and_closed(etcd_server):
         bad = await asyncio.start_server(garbage, "127.0.0.1", 0)
         async with hung, bad:
             async with Etcd(f"http://127.0.0.1:{hung.sockets[0].getsockname()[1]}", timeout=0.2) as etcd:
-                with pytest.raises(EtcdUnavailable, match="did not answer /v3/kv/range within 0.2s"):
+                with pytest.raises(EtcdUnavailable, match=r"did not answer /v3/kv/range within 0.2s"):
                     await etcd.get("k")
             async with Etcd(f"http://127.0.0.1:{bad.sockets[0].getsockname()[1]}") as etcd:
                 with pytest.raises(EtcdError, match="malformed status line"):
@@ -219,7 +227,7 @@ class Log:
     def leaders(self) -> list[Node]:
         return [n for n in self.nodes if n.e.role == "leader"]
 
-    async def until(self, pred, timeout: float = 10 * TTL):
+    async def until(self, pred, timeout: float = 10 * TTL):  # noqa: ASYNC109  (event-based, its own deadline)
         async with asyncio.timeout(timeout):
             while not (v := pred()):
                 self.changed.clear()
@@ -249,7 +257,7 @@ class Log:
     def assert_never_two_leaders(self) -> None:
         assert self.max_leaders <= 1
         iv = self.intervals(self.loop.time())
-        for (_s0, e0, w0, t0), (s1, _e1, w1, t1) in zip(iv, iv[1:]):
+        for (_s0, e0, w0, t0), (s1, _e1, w1, t1) in itertools.pairwise(iv):
             assert e0 <= s1, f"{w0} led until {e0:.3f} but {w1} from {s1:.3f}: {iv}"
             assert t1 >= t0, f"token went back from {t0} to {t1}: {iv}"
 
@@ -276,8 +284,11 @@ def test_membership_registers_and_leaves(etcd_server, loop):
         await a.m.start()
         await b.m.start()
         members = await a.m.members()
-        assert sorted(members) == ["n0", "n1"] and members["n1"]["listen"] == "127.0.0.1:7001"
-        assert members["n0"]["pid"] > 0 and a.m.alive and a.m.lease_id != b.m.lease_id
+        assert sorted(members) == ["n0", "n1"]
+        assert members["n1"]["listen"] == "127.0.0.1:7001"
+        assert members["n0"]["pid"] > 0
+        assert a.m.alive
+        assert a.m.lease_id != b.m.lease_id
         await b.aclose()  # revokes its lease: the registration goes at once, not after the TTL
         assert sorted(await a.m.members()) == ["n0"]
         await a.aclose()
@@ -297,7 +308,7 @@ def test_membership_from_config_and_validation(etcd_server):
             )
             m = Membership.from_config(etcd, cfg, jobs=0)
             assert (m.node_id, m.ttl, m.info["listen"], m.info["jobs"]) == ("node-7", 2.5, "127.0.0.1:7460", 0)
-            with pytest.raises(ConfigError, match="lease ttl=0.5"):
+            with pytest.raises(ConfigError, match=r"lease ttl=0.5"):
                 Membership(etcd, node_id="a", ttl=0.5)
             with pytest.raises(ConfigError, match="without '/'"):
                 Membership(etcd, node_id="a/b")
@@ -313,7 +324,8 @@ def test_one_leader_then_failover_when_its_lease_dies(etcd_server):
         try:
             leader = await log.until(log.stable_leader)
             token = leader.e.token
-            assert isinstance(token, int) and token > 0
+            assert isinstance(token, int)
+            assert token > 0
             assert [n.e.role for n in nodes].count("leader") == 1
             assert await nodes[0].e.wait_leader() == leader.id
             assert await leader.e.put_fenced(f"{p}/plan", "from-first")
@@ -337,7 +349,9 @@ def test_one_leader_then_failover_when_its_lease_dies(etcd_server):
                 await log.until(lambda: leader.m.lease_id not in (None, old_lease))
                 assert sorted(await new.m.members()) == ["n0", "n1", "n2"]
             fence = Fence()
-            assert fence.admit(token) and fence.admit(new.e.token) and not fence.admit(token)
+            assert fence.admit(token)
+            assert fence.admit(new.e.token)
+            assert not fence.admit(token)
         finally:
             await close_all(nodes)
 
@@ -365,13 +379,16 @@ def test_partitioned_leader_steps_down_before_another_wins(etcd_server):
             assert new.e.token > token
             down = [t for t, who, role, _ in log.records if who == leader.id and role == "follower"]
             up = [t for t, who, role, _ in log.records if who == new.id and role == "leader"]
-            assert down and up and down[-1] < up[-1]
+            assert down
+            assert up
+            assert down[-1] < up[-1]
             log.assert_never_two_leaders()
             assert not await leader.e.put_fenced(f"{p}/plan", "stale")
             healed.set()
             leader.etcd._raw = raw
             await log.until(lambda: leader.e.leader_id == new.id and leader.m.alive)
-            assert leader.e.role == "follower" and new.e.role == "leader"
+            assert leader.e.role == "follower"
+            assert new.e.role == "leader"
             log.assert_never_two_leaders()
         finally:
             healed.set()
@@ -414,7 +431,7 @@ def test_etcd_outage_never_two_leaders_and_recovers(fresh_etcd, how):
 
 def test_closing_leader_hands_over_at_once(etcd_server):
     async def main():
-        nodes, log, p = await cluster(etcd_server.url, n=2)
+        nodes, log, _p = await cluster(etcd_server.url, n=2)
         try:
             leader = await log.until(log.stable_leader)
             other = next(n for n in nodes if n is not leader)
@@ -455,8 +472,10 @@ def test_a_failing_role_callback_is_fatal_not_ignored(etcd_server):
             await node.e.wait_leader()
             async with asyncio.timeout(10 * TTL):
                 await failed.wait()  # the election task runs the callbacks
-            assert isinstance(fatal[0], RuntimeError) and "broken on leader" in str(fatal[0])
-            assert seen and seen[0] == "leader"
+            assert isinstance(fatal[0], RuntimeError)
+            assert "broken on leader" in str(fatal[0])
+            assert seen
+            assert seen[0] == "leader"
         finally:
             await node.aclose()
         # with no handler the exception propagates to whoever fired the change

@@ -30,7 +30,7 @@ class Inbox:
         self.items.append((peer, frame, None if payload is None else bytes(payload)))
         self.changed.set()
 
-    async def wait(self, n: int, timeout: float = 10.0) -> list:
+    async def wait(self, n: int, timeout: float = 10.0) -> list:  # noqa: ASYNC109  (event-based, its own deadline)
         async with asyncio.timeout(timeout):
             while len(self.items) < n:
                 self.changed.clear()
@@ -51,7 +51,8 @@ def test_control_and_payload_round_trip(loop):
         port = await server.start("127.0.0.1", 0)
         link = await PeerLink.connect("127.0.0.1", port, token=TOKEN, node_id="cli", handler=back)
         try:
-            assert link.peer_id == "srv" and link.authenticated
+            assert link.peer_id == "srv"
+            assert link.authenticated
             big = np.random.default_rng(0).integers(0, 256, size=(3 << 20) + 12345, dtype=np.uint8)
             await link.send({"t": "hello-app", "n": 1})
             await link.send_payload({"t": "blob", "i": 0}, big)
@@ -69,8 +70,11 @@ def test_control_and_payload_round_trip(loop):
                 ("cli", "blob", 3),
                 ("cli", "end", None),
             ]
-            assert got[1][1]["nbytes"] == big.nbytes and got[1][2] == big.tobytes()
-            assert got[2][2] == b"immutable bytes" and got[3][2] == b"" and got[0][2] is None
+            assert got[1][1]["nbytes"] == big.nbytes
+            assert got[1][2] == big.tobytes()
+            assert got[2][2] == b"immutable bytes"
+            assert got[3][2] == b""
+            assert got[0][2] is None
             assert np.array_equal(np.frombuffer(got[4][2], dtype=np.int64).reshape(3, 4), matrix)
             # the server side can answer on the same link
             assert set(server.links) == {"cli"}
@@ -109,17 +113,19 @@ def test_wrong_token_is_rejected_both_ways(loop, caplog):
             rest = await r.read()  # the server says why, then closes
             assert b"authentication failed" in rest
             w.close()
-            assert inbox.items == [] and server.links == {}
+            assert inbox.items == []
+            assert server.links == {}
         finally:
             await server.aclose()
 
     run(main(), loop)
     text = caplog.text
-    assert "does not hold our token" in text and "mallory" in text
+    assert "does not hold our token" in text
+    assert "mallory" in text
 
 
 @pytest.mark.parametrize(
-    "data, why",
+    ("data", "why"),
     [
         (frame({"t": "work"}), "sent 'work' before authenticating"),
         (frame({"t": "blob", "nbytes": 4}) + b"data", "sent a payload before authenticating"),
@@ -141,7 +147,8 @@ def test_unauthenticated_peers_are_dropped(data, why, caplog):
             w.write(data)
             assert await r.read() == b""  # closed without a word
             w.close()
-            assert inbox.items == [] and server.links == {}
+            assert inbox.items == []
+            assert server.links == {}
         finally:
             await server.aclose()
 
@@ -150,7 +157,7 @@ def test_unauthenticated_peers_are_dropped(data, why, caplog):
 
 
 @pytest.mark.parametrize(
-    "bad, why",
+    ("bad", "why"),
     [
         (struct.pack(">I", (16 << 20) + 1), "exceeds"),
         (frame([1, 2]), 'string "t"'),
@@ -254,9 +261,11 @@ def test_slow_receiver_bounds_the_senders_memory(loop):
                 while link._can_write.is_set():
                     paused.clear()
                     await paused.wait()
-            assert not producer.done() and sent < n_frames
+            assert not producer.done()
+            assert sent < n_frames
             assert link._transport.get_write_buffer_size() <= hw + CHUNK + 4096
-            assert peer._reading_paused and peer._inbox_bytes <= hw + CHUNK + (64 << 10)
+            assert peer._reading_paused
+            assert peer._inbox_bytes <= hw + CHUNK + (64 << 10)
             release.set()
             await asyncio.wait_for(done.wait(), 60)
             await producer

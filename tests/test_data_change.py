@@ -54,7 +54,9 @@ def test_unchanged_files_resume_bit_identically(server, tmp_path):
     saved: dict = {}
     run_ranks(spec, server.socket, 3, saved=saved)
     listing = saved[0]["planner"]["listing"]
-    assert listing["files"] == [FILES] and len(listing["digest"][0]) == 32 and "changes" not in listing
+    assert listing["files"] == [FILES]
+    assert len(listing["digest"][0]) == 32
+    assert "changes" not in listing
     rest = run_ranks(spec, server.socket, 3, states={0: saved[0]})[0]
     assert rest == whole[3:]
 
@@ -71,7 +73,8 @@ def test_added_file_is_refused_then_continue_goes_on_at_the_cursor(server, tmp_p
         run_ranks(spec, server.socket, 1, states={0: state})
     # the same data identity: switching on_data_change does not itself break the resume
     cont = _job(tmp_path, "added", "continue")
-    assert cont.data_digest() == spec.data_digest() and cont.digest() != spec.digest()
+    assert cont.data_digest() == spec.data_digest()
+    assert cont.digest() != spec.digest()
     after: dict = {}
     recs = run_ranks(cont, server.socket, 2, states={0: state}, saved=after)[0]
     step = state["planner"]["step"]
@@ -89,7 +92,8 @@ def test_added_file_is_refused_then_continue_goes_on_at_the_cursor(server, tmp_p
         ahead = set(src.sample_ids(np.arange(cursor, cursor + 4 * ROWS)).tolist())
         carried = set(src.sample_ids(np.array(state["planner"]["carry"]["ordinal"], np.int64)).tolist())
         got = {i for rec in recs for _, i in rec["ids"]}
-        assert got and got <= ahead | carried
+        assert got
+        assert got <= ahead | carried
         assert src.num_samples == (FILES + 1) * ROWS
     finally:
         src.close()
@@ -131,7 +135,8 @@ def test_without_the_old_manifest_the_error_names_counts_and_digests(tmp_path):
         check_listings(spec, state, now, new, lambda d: None)
     cont = dataclasses.replace(spec, on_data_change="continue")
     got = check_listings(cont, state, now, new, lambda d: None)
-    assert got.digests == now.digests and [c.step for c in got.changes] == [5]
+    assert got.digests == now.digests
+    assert [c.step for c in got.changes] == [5]
     # a later check over the same files keeps the change history
     again = check_listings(cont, {"step": 9, "listing": got.to_dict()}, now, new, lambda d: None)
     assert again == got
@@ -167,6 +172,6 @@ def test_lineage_refuses_steps_read_from_the_old_file_list(tmp_path):
     old = {"step": 4, "listing": Listings(digests=("1" * 32,), files=(3,)).to_dict()}
     went = check_listings(dataclasses.replace(spec, on_data_change="continue"), old, now, new, lambda d: None)
     later = {"step": 6, "listing": went.to_dict()}
-    with pytest.raises(msd.ConfigError, match="steps before 4 .* another file list of source 'web'"):
+    with pytest.raises(msd.ConfigError, match=r"steps before 4 .* another file list of source 'web'"):
         check_files(spec, Query(start=2, stop=5), [old, later])
     check_files(spec, Query(start=4, stop=6), [later])  # steps from the change on replay over today's files

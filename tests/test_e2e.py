@@ -36,7 +36,9 @@ def test_dp_ranks_get_disjoint_packed_batches(server_factory):
     spec = small_job(dp=2, micro_batches=2, seq_len=512)
     got = run_ranks(spec, srv.socket, 8)
     ids = {r: {tuple(x) for rec in recs for x in rec["ids"]} for r, recs in got.items()}
-    assert ids[0] and ids[1] and not ids[0] & ids[1]
+    assert ids[0]
+    assert ids[1]
+    assert not ids[0] & ids[1]
     assert [(r["step"], r["micro"]) for r in got[0]] == [(s, m) for s in range(4) for m in range(2)]
 
 
@@ -56,20 +58,25 @@ def test_batch_contract(server_factory):
             "step",
             "micro",
         }
-        assert b["tokens"].shape == (2, 256) and b["tokens"].dtype == torch.int64
+        assert b["tokens"].shape == (2, 256)
+        assert b["tokens"].dtype == torch.int64
         assert b["cu_seqlens"].dtype == torch.int32
-        assert int(b["cu_seqlens"][0]) == 0 and int(b["cu_seqlens"][-1]) == 512
+        assert int(b["cu_seqlens"][0]) == 0
+        assert int(b["cu_seqlens"][-1]) == 512
         t = b["tokens"].flatten()
         cu = b["cu_seqlens"].tolist()
         # every document segment ends in EOS (256) or is a padding tail / a split piece
         assert torch.equal(b["labels"][:, :-1], b["tokens"][:, 1:])
-        assert b["step"].dim() == 0 and int(b["step"]) == 0
+        assert b["step"].dim() == 0
+        assert int(b["step"]) == 0
         b["tokens"][0, 0] = -5  # writable, copy-on-write: no warning, nobody else sees it
         assert int(b["tokens"][0, 0]) == -5
-        assert len(cu) >= 2 and t.numel() == 512
+        assert len(cu) >= 2
+        assert t.numel() == 512
         # doc_counts: each row's document pieces; cu_seqlens lists them, then the row's padding tail if any
         counts, seq = b["doc_counts"].tolist(), 256
-        assert b["doc_counts"].dtype == torch.int64 and len(counts) == 2
+        assert b["doc_counts"].dtype == torch.int64
+        assert len(counts) == 2
         assert sum(counts) == len(b["sample_ids"])
         pad_rows = 0
         for r in range(2):
@@ -188,14 +195,15 @@ def test_bad_clients_get_clear_errors_and_the_server_keeps_serving(server_factor
     good = msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1)
     next(good)
     err = _raw(srv.socket, [b"\x00\x00\x00\x05hello"])
-    assert err["t"] == "error" and "not valid JSON" in err["message"]
+    assert err["t"] == "error"
+    assert "not valid JSON" in err["message"]
     err = _raw(srv.socket, [b"\xff\xff\xff\xff"])
     assert "exceeds MAX_FRAME" in err["message"]
     hello = {"t": "hello", "v": 1, "job": spec.to_dict(), "digest": "0" * 64, "rank": 0, "world_size": 1}
     err = _raw(srv.socket, [encode(hello)])
     assert "digest mismatch" in err["message"]
     spec2 = small_job("t2", dp=2)
-    with pytest.raises(msd.ConfigError, match="rank 5 is outside"):
+    with pytest.raises(msd.ConfigError, match="rank 5 is outside"):  # noqa: PT012  (refused at the first next)
         d = msd.DataClient(spec2, endpoint=srv.socket, rank=0, world_size=2)
         d.rank = 5  # bypass the client-side check: the server must refuse too
         next(d)
@@ -237,9 +245,12 @@ def test_status_json(server_factory):
     with msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1) as dc:
         next(dc)
         st = status(srv.socket)
-    assert st["node"] == "test-node" and st["role"] == "single"
+    assert st["node"] == "test-node"
+    assert st["role"] == "single"
     (job,) = st["jobs"]
-    assert job["name"] == "t" and job["ranks"] == [0] and job["steps_planned"] >= 1
+    assert job["name"] == "t"
+    assert job["ranks"] == [0]
+    assert job["steps_planned"] >= 1
     out = subprocess.run(
         [sys.executable, "-m", "msdata_server", "status", "--endpoint", srv.socket],
         capture_output=True,
@@ -266,7 +277,7 @@ def test_client_reconnects_after_server_restart(server_factory):
 def test_connect_timeout_names_the_endpoint(sockdir):
     spec = small_job(dp=1)
     ep = os.path.join(sockdir, "nobody.sock")
-    with pytest.raises(msd.ConnectError, match="nobody.sock"):
+    with pytest.raises(msd.ConnectError, match=r"nobody.sock"):
         next(msd.DataClient(spec, endpoint=ep, rank=0, world_size=1, connect_timeout=0.3))
 
 
@@ -275,8 +286,10 @@ def test_pp_stages_get_their_fields(server_factory):
     spec = small_job("pp", dp=1, pp=3, micro_batches=1)
     _, kept = run_ranks(spec, srv.socket, 2, keep=True)
     stage = {spec.mesh.stage(r): kept[r][0] for r in range(3)}
-    assert {"tokens", "position_ids", "cu_seqlens"} <= set(stage["first"]) and "labels" not in stage["first"]
-    assert {"labels", "loss_mask", "cu_seqlens"} <= set(stage["last"]) and "tokens" not in stage["last"]
+    assert {"tokens", "position_ids", "cu_seqlens"} <= set(stage["first"])
+    assert "labels" not in stage["first"]
+    assert {"labels", "loss_mask", "cu_seqlens"} <= set(stage["last"])
+    assert "tokens" not in stage["last"]
     assert set(stage["middle"]) == {"cu_seqlens", "doc_counts", "position_ids", "step", "micro"}
     # one build: the stages' common fields are the same bytes
     assert torch.equal(stage["first"]["cu_seqlens"], stage["last"]["cu_seqlens"])
@@ -288,7 +301,9 @@ def test_distribute_world_gives_every_rank_its_own_data(server_factory):
     spec = g.mix({"a": 1.0}).pack(256).mesh(dp=1, tp=2).distribute("world").plan()
     got = run_ranks(spec, srv.socket, 3)
     ids = [{tuple(x) for rec in got[r] for x in rec["ids"]} for r in (0, 1)]
-    assert ids[0] and ids[1] and not ids[0] & ids[1]
+    assert ids[0]
+    assert ids[1]
+    assert not ids[0] & ids[1]
 
 
 def test_small_dev_shm_gives_a_clear_error_and_the_server_keeps_serving(server_factory):

@@ -20,7 +20,7 @@ import msdata_client as msd
 
 EOS, PAD = 256, 257
 SEQ_LEN = 256
-ALPHABET = list("abcdefghijklmnopqrstuvwxyz     .,\n") + ["é", "ß", "中", "😀"]  # 1- to 4-byte UTF-8
+ALPHABET = [*"abcdefghijklmnopqrstuvwxyz     .,\n", "é", "ß", "中", "😀"]  # 1- to 4-byte UTF-8
 
 
 def _texts(rng: np.random.Generator, tag: str, n: int, lo: int, hi: int) -> list[str]:

@@ -141,7 +141,7 @@ json_values = st.recursive(
     max_leaves=8,
 )
 FIELDS = sorted({f for fields in FRAME_TYPES.values() for f in fields} | {"id", "v", "fds"})
-TYPES = sorted(FRAME_TYPES) + ["", "welcome", "batch", "x" * 100]
+TYPES = [*sorted(FRAME_TYPES), "", "welcome", "batch", "x" * 100]
 
 
 @st.composite

@@ -62,7 +62,8 @@ def test_imports_only_stdlib_numpy_orjson_and_client(module):
             names.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
-    assert "torch" not in names and "msdata_server" not in names
+    assert "torch" not in names
+    assert "msdata_server" not in names
     assert names <= {"__future__", "msdata_client", "numpy", "orjson"} | set(__import__("sys").stdlib_module_names)
 
 
@@ -141,7 +142,8 @@ def test_full_graph_values():
     assert spec.broadcast_at == ("tp", "pp")  # canonical order
     assert spec.sources[2].transform is None
     assert spec.sources[3].transform == "m:f"
-    assert spec.sources[3].median == 3.5 and isinstance(spec.sources[3].sigma, float)
+    assert spec.sources[3].median == 3.5
+    assert isinstance(spec.sources[3].sigma, float)
     assert spec.pp_fields == {"middle": ("cu_seqlens",), "last": ("labels", "loss_mask")}
     assert spec.data_groups() == 2
     # pp_fields overrides reach JobSpec.fields
@@ -159,7 +161,8 @@ def test_examples_parse():
     assert job.mesh == ClientPlaceTree(dp=4, tp=2)
     assert job.mix.weights_at(0) == pytest.approx({"web": 0.7, "code": 0.3})
     demo = DGraph.from_toml(EXAMPLES / "demo_job.toml").spec
-    assert {s.format for s in demo.sources} == {"synthetic"} and 2 <= len(demo.sources) <= 3
+    assert {s.format for s in demo.sources} == {"synthetic"}
+    assert 2 <= len(demo.sources) <= 3
     assert (demo.mesh.dp, demo.mesh.tp, demo.seq_len, demo.micro_batches) == (2, 1, 2048, 2)
 
 
@@ -244,7 +247,8 @@ def test_relative_paths_without_base_dir_use_cwd(tmp_path, monkeypatch):
 def test_digest_stable():
     a, b = base_graph().plan(), JobSpec.from_dict(base_dict())
     assert a.digest() == b.digest()
-    assert len(a.digest()) == 64 and int(a.digest(), 16) >= 0
+    assert len(a.digest()) == 64
+    assert int(a.digest(), 16) >= 0
     d = base_dict()
     d["mix"]["weights"] = dict(reversed(list(d["mix"]["weights"].items())))  # key order is not identity
     assert JobSpec.from_dict(d).digest() == a.digest()
@@ -322,7 +326,8 @@ def test_data_digest(what):
 
 def test_data_digest_differs_from_digest():
     s = base_graph().plan()
-    assert s.data_digest() != s.digest() and len(s.data_digest()) == 64
+    assert s.data_digest() != s.digest()
+    assert len(s.data_digest()) == 64
 
 
 # -- mixture ------------------------------------------------------------------------------------------
@@ -597,7 +602,7 @@ DICT_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("mutate,message", [c[1:] for c in DICT_ERRORS], ids=[c[0] for c in DICT_ERRORS])
+@pytest.mark.parametrize(("mutate", "message"), [c[1:] for c in DICT_ERRORS], ids=[c[0] for c in DICT_ERRORS])
 def test_dict_validation(mutate, message):
     d = copy.deepcopy(base_dict())
     JobSpec.from_dict(d)  # the base is valid
@@ -664,7 +669,7 @@ BUILDER_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("action,message", [c[1:] for c in BUILDER_ERRORS], ids=[c[0] for c in BUILDER_ERRORS])
+@pytest.mark.parametrize(("action", "message"), [c[1:] for c in BUILDER_ERRORS], ids=[c[0] for c in BUILDER_ERRORS])
 def test_builder_validation(action, message):
     with pytest.raises(ConfigError, match=message):
         action(base_graph())
@@ -704,7 +709,8 @@ def test_toml_numbers_are_normalised(tmp_path):
     d["balance"].update(alpha=2, beta=0)
     d["mix"]["weights"] = {"web": 6, "code": 3, "syn": 1}
     spec = JobSpec.from_dict(d)
-    assert spec.balance.alpha == 2.0 and isinstance(spec.balance.alpha, float)
+    assert spec.balance.alpha == 2.0
+    assert isinstance(spec.balance.alpha, float)
     assert spec.mix.weights == {"web": 6.0, "code": 3.0, "syn": 1.0}
     p = tmp_path / "j.toml"
     p.write_text(spec.to_toml(), encoding="utf-8")
@@ -714,7 +720,8 @@ def test_toml_numbers_are_normalised(tmp_path):
 def test_empty_broadcast_and_pp_fields_round_trip():
     g = DGraph("x").source("a", "synthetic").mix({"a": 1}).broadcast_at().pp_fields(first=["tokens"])
     spec = g.plan()
-    assert spec.broadcast_at == () and spec.pp_fields == {"first": ("tokens",)}
+    assert spec.broadcast_at == ()
+    assert spec.pp_fields == {"first": ("tokens",)}
     assert JobSpec.from_dict(tomllib.loads(g.to_toml())) == spec
     assert DGraph.from_spec(spec).pp_fields().plan().pp_fields is None
 
@@ -727,4 +734,5 @@ def test_json_wire_round_trip_keeps_digest(make):
     spec = make().plan()
     back = JobSpec.from_dict(orjson.loads(orjson.dumps(spec.to_dict())))
     assert back == spec
-    assert back.digest() == spec.digest() and back.data_digest() == spec.data_digest()
+    assert back.digest() == spec.digest()
+    assert back.data_digest() == spec.data_digest()

@@ -5,6 +5,7 @@ state), as Parquet with the documented schema."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -90,7 +91,8 @@ def check_rows_match_batch(rows: list[dict], batch, texts: dict[tuple[str, int],
         want = doc[r["doc_offset"] : r["doc_offset"] + r["length"]]
         got = tokens[r["row"], r["offset"] : r["offset"] + r["length"]]
         assert np.array_equal(got, want), r
-        assert r["piece"] == r["doc_offset"] // SEQ_LEN and not r["skipped"]
+        assert r["piece"] == r["doc_offset"] // SEQ_LEN
+        assert not r["skipped"]
         assert r["sample_id"] == (r["file_index"] << 32) | r["file_row"]
 
 
@@ -130,8 +132,10 @@ def test_lineage_is_what_ranks_received_server_and_offline(first_run):
     res = cli("--job", str(toml), "--steps", f"0:{STEPS}", "--out", str(out))
     assert res.returncode == 0, res.stderr
     table = pq.read_table(out)
-    assert table.column_names == list(COLUMNS) and table.column_names[:12] == list(FIXED_COLUMNS)
-    assert str(table.schema.field("source").type) == "string" and str(table.schema.field("step").type) == "int64"
+    assert table.column_names == list(COLUMNS)
+    assert table.column_names[:12] == list(FIXED_COLUMNS)
+    assert str(table.schema.field("source").type) == "string"
+    assert str(table.schema.field("step").type) == "int64"
     assert str(table.schema.field("skipped").type) == "bool"
     offline = table.to_pylist()
     server_rows = sorted(
@@ -156,11 +160,13 @@ def test_lineage_is_what_ranks_received_server_and_offline(first_run):
         assert acc[name]["tokens_delivered"] == sum(x["length"] for x in before if x["source"] == name) > 0
         done = {x["ordinal"] for x in before if x["source"] == name and (name, x["ordinal"]) not in later}
         assert acc[name]["docs_delivered"] == len(done)
-        assert acc[name]["docs_skipped"] == acc[name]["bad_samples"] == 0 and acc[name]["epochs_completed"] == 0
+        assert acc[name]["docs_skipped"] == acc[name]["bad_samples"] == 0
+        assert acc[name]["epochs_completed"] == 0
 
     # a state past the first step asked for is refused with the fix
     res = cli("--job", str(toml), "--state", str(state_file), "--steps", "0:2")
-    assert res.returncode == 2 and "at or before" in res.stderr
+    assert res.returncode == 2
+    assert "at or before" in res.stderr
 
     # --sample: where one document went (its rows only); --rank: one rank's group; a printed table
     sid = offline[5]["sample_id"]
@@ -168,7 +174,8 @@ def test_lineage_is_what_ranks_received_server_and_offline(first_run):
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
     want = [x for x in offline if x["sample_id"] == sid and x["dp_rank"] == 1]
-    assert lines[0].split() == list(FIXED_COLUMNS) and len(lines) == 1 + len(want)
+    assert lines[0].split() == list(FIXED_COLUMNS)
+    assert len(lines) == 1 + len(want)
 
     # sample ids repeat across sources: --source names the one meant (and a wrong name lists the sources)
     shared = sorted(
@@ -182,18 +189,24 @@ def test_lineage_is_what_ranks_received_server_and_offline(first_run):
     )
     assert res.returncode == 0, res.stderr
     got = pq.read_table(out3).to_pylist()
-    assert got == [x for x in offline if x["sample_id"] == shared[0] and x["source"] == "web"] and got
+    assert got == [x for x in offline if x["sample_id"] == shared[0] and x["source"] == "web"]
+    assert got
     res = cli("--job", str(toml), "--steps", "0:1", "--source", "nope")
-    assert res.returncode == 2 and "'nope' is not a source" in res.stderr and "web" in res.stderr
+    assert res.returncode == 2
+    assert "'nope' is not a source" in res.stderr
+    assert "web" in res.stderr
 
 
 def test_lineage_cli_bad_input(tmp_path):
     res = cli("--job", "nojob", "--steps", "3", "--endpoint", str(tmp_path / "none.sock"))
-    assert res.returncode == 2 and "A:B" in res.stderr
+    assert res.returncode == 2
+    assert "A:B" in res.stderr
     res = cli("--job", "nojob", "--steps", "4:2", "--endpoint", str(tmp_path / "none.sock"))
-    assert res.returncode == 2 and "0 <= A < B" in res.stderr
+    assert res.returncode == 2
+    assert "0 <= A < B" in res.stderr
     res = cli("--job", "nojob", "--steps", "0:2", "--endpoint", str(tmp_path / "none.sock"))
-    assert res.returncode == 2 and "no server" in res.stderr
+    assert res.returncode == 2
+    assert "no server" in res.stderr
 
 
 def pieces(batches) -> list[tuple[int, int, bytes]]:
@@ -202,30 +215,32 @@ def pieces(batches) -> list[tuple[int, int, bytes]]:
     for step, _, b in batches:
         flat = b["tokens"].numpy().reshape(-1)
         cu = b["cu_seqlens"].numpy().tolist()
-        segs = [flat[x:y] for x, y in zip(cu[:-1], cu[1:])]
+        segs = [flat[x:y] for x, y in itertools.pairwise(cu)]
         for sid, seg in zip(b["sample_ids"].tolist(), segs):
             out.append((step, sid, seg.tobytes()))
     return out
 
 
 def test_skip_resumes_exactly_and_lineage_marks_the_skipped_steps(srv, first_run):
-    tmp_path, texts, spec, toml, got, lin, saved = first_run
+    _tmp_path, _texts, spec, _toml, got, _lin, saved = first_run
     k = 2
     state = saved[0]
-    after, lin_b, _ = run_job(spec, srv.socket, STEPS - SAVE_AT - k, state=state, skip={"steps": k}, lineage=False)
+    after, _lin_b, _ = run_job(spec, srv.socket, STEPS - SAVE_AT - k, state=state, skip={"steps": k}, lineage=False)
     for r in after:
         # delivered = the uninterrupted run's pieces minus exactly those of the skipped steps SAVE_AT..SAVE_AT+k-1
         want = [p for p in pieces(got[r]) if p[0] >= SAVE_AT + k]
         assert pieces(after[r]) == want
         skipped = [p for p in pieces(got[r]) if SAVE_AT <= p[0] < SAVE_AT + k]
-        assert skipped and not set(skipped) & set(pieces(after[r]))
+        assert skipped
+        assert not set(skipped) & set(pieces(after[r]))
         # and the later batches are bit for bit the uninterrupted ones
         for (s1, m1, b1), (s2, m2, b2) in zip(after[r], [x for x in got[r] if x[0] >= SAVE_AT + k]):
-            assert (s1, m1) == (s2, m2) and all(np.array_equal(b1[key], b2[key]) for key in b1)
+            assert (s1, m1) == (s2, m2)
+            assert all(np.array_equal(b1[key], b2[key]) for key in b1)
 
 
 def test_skip_lineage_from_the_server_shows_skipped_rows(srv, first_run):
-    tmp_path, texts, spec, toml, got, lin, saved = first_run
+    _tmp_path, _texts, spec, _toml, _got, lin, saved = first_run
     k = 2
     gate, done = threading.Event(), threading.Event()
     result: dict = {}
@@ -255,7 +270,7 @@ def test_skip_lineage_from_the_server_shows_skipped_rows(srv, first_run):
     ts = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
     for x in ts:
         x.start()
-    for x in ts + [t]:
+    for x in [*ts, t]:
         x.join(90)
     assert "error" not in result, result.get("error")
     # status --json: per source, the tokens and documents the skip dropped
@@ -266,12 +281,13 @@ def test_skip_lineage_from_the_server_shows_skipped_rows(srv, first_run):
         assert acc["tokens_skipped"] == sum(x["length"] for x in skipped if x["source"] == name) > 0
         assert acc["docs_skipped"] == len({x["ordinal"] for x in skipped if x["source"] == name and x["piece"] == 0})
     rows = result["rows"].to_pylist()
-    assert rows and all(x["skipped"] for x in rows)
+    assert rows
+    assert all(x["skipped"] for x in rows)
     assert [dict(x, skipped=False) for x in rows] == lin[0][SAVE_AT]
 
 
 def test_ranks_that_disagree_on_the_skip_are_refused(srv, first_run):
-    tmp_path, texts, spec, toml, got, lin, saved = first_run
+    _tmp_path, _texts, spec, _toml, _got, _lin, saved = first_run
     world = spec.mesh.world_size
     errs: dict = {}
 
@@ -289,7 +305,8 @@ def test_ranks_that_disagree_on_the_skip_are_refused(srv, first_run):
         x.start()
     for x in ts:
         x.join(60)
-    assert set(errs) == {0, 1} and all("disagree on the skip" in e for e in errs.values())
+    assert set(errs) == {0, 1}
+    assert all("disagree on the skip" in e for e in errs.values())
 
 
 def test_skip_misuse_is_refused_in_the_client(first_run):
@@ -308,7 +325,7 @@ def test_skip_misuse_is_refused_in_the_client(first_run):
 
 
 def test_replay_window_equals_the_original_batches_while_the_job_runs(srv, first_run):
-    tmp_path, texts, spec, toml, got, lin, saved = first_run
+    _tmp_path, _texts, spec, _toml, got, _lin, _saved = first_run
     world, pause_at = spec.mesh.world_size, 2 * spec.micro_batches
     paused, go = threading.Barrier(world + 1), threading.Event()
     again: dict = {r: [] for r in range(world)}
@@ -343,7 +360,8 @@ def test_replay_window_equals_the_original_batches_while_the_job_runs(srv, first
     for w, b in zip(window, want):
         assert sorted(w) == sorted(b)
         for key in b:
-            assert w[key].dtype == b[key].dtype and torch.equal(w[key], b[key]), key
+            assert w[key].dtype == b[key].dtype, key
+            assert torch.equal(w[key], b[key]), key
     # the running job was not disturbed: its ranks got exactly the first run's batches
     for r in range(world):
         assert [(s, m) for s, m, _ in again[r]] == [(s, m) for s, m, _ in got[r]]
@@ -363,7 +381,7 @@ def test_replay_client_is_read_only(first_run):
 
 
 def test_skip_defer_delivers_the_skipped_pieces_after_the_rest_of_their_epoch(srv, first_run):
-    tmp_path, texts, spec, toml, got, lin, saved = first_run
+    _tmp_path, texts, spec, _toml, _got, _lin, saved = first_run
     k, last = 2, 17
     ref = to_pylist(from_wire(asyncio.run(offline(spec, Query(start=0, stop=last), None))))  # uninterrupted
     after, lin_b, _ = run_job(spec, srv.socket, last - SAVE_AT - k, state=saved[0], skip={"steps": k, "defer": True})
@@ -381,7 +399,8 @@ def test_skip_defer_delivers_the_skipped_pieces_after_the_rest_of_their_epoch(sr
         return tuple(x[c] for c in key)
 
     deferred_keys = {piece(x) for x in deferred}
-    assert deferred_keys and len(deferred_keys) == len(deferred)
+    assert deferred_keys
+    assert len(deferred_keys) == len(deferred)
     first_deferred = min(x["step"] for x in mine if piece(x) in deferred_keys)
     # until the deferred pieces come, the resumed run is the uninterrupted one without the skipped steps
     assert [piece(x) for x in mine if SAVE_AT + k <= x["step"] < first_deferred] == [
@@ -396,4 +415,7 @@ def test_skip_defer_delivers_the_skipped_pieces_after_the_rest_of_their_epoch(sr
         steps = [x["step"] for x in mine if x["source"] == name and x["epoch"] == 0 and piece(x) not in deferred_keys]
         late = [x["step"] for x in mine if x["source"] == name and piece(x) in deferred_keys]
         nxt = [x["step"] for x in mine if x["source"] == name and x["epoch"] == 1]
-        assert late and min(late) >= max(steps) - 1 and nxt and max(late) <= min(nxt) + 1, (steps, late, nxt)
+        assert late, (steps, late, nxt)
+        assert min(late) >= max(steps) - 1, (steps, late, nxt)
+        assert nxt, (steps, late, nxt)
+        assert max(late) <= min(nxt) + 1, (steps, late, nxt)

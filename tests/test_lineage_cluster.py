@@ -30,7 +30,8 @@ def test_lineage_on_three_nodes_is_what_ranks_received(etcd_server, cluster_fact
     for r, batches in got.items():
         for step, micro, b in batches:
             rows = [x for x in lin[r][step] if x["micro"] == micro]
-            assert rows and {x["dp_rank"] for x in rows} == {spec.group_of(r)}
+            assert rows
+            assert {x["dp_rank"] for x in rows} == {spec.group_of(r)}
             assert [(x["source_id"], x["sample_id"]) for x in rows] == list(
                 zip(b["source_ids"].tolist(), b["sample_ids"].tolist())
             )

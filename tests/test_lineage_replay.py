@@ -59,7 +59,8 @@ def test_replay_from_any_saved_state_follows_a_mixture_cut():
         plans.append(planner.plan_step(view))
     for start in (0, 3, 6, 9):
         base, held = held_window(history.states, start, 12)
-        assert base is not None and base[0] == start
+        assert base is not None
+        assert base[0] == start
         got = list(replay(CFG, base[1], view, start, 12, held))
         assert [p.step for p in got] == list(range(start, 12))
         assert all(same(p, q) for p, q in zip(got, plans[start:]))
@@ -80,7 +81,8 @@ def test_rows_are_placed_back_to_back_in_their_rows():
     assert max(fill.values()) <= CFG.seq_len
     assert np.array_equal(cols["piece"], cols["doc_offset"] // CFG.seq_len)
     one = plan_columns(plan, Flat(), seq_len=CFG.seq_len, micro_batches=CFG.micro_batches, rows=CFG.rows, group=1)
-    assert set(one["dp_rank"].tolist()) == {1} and np.array_equal(one["offset"], cols["offset"][cols["dp_rank"] == 1])
+    assert set(one["dp_rank"].tolist()) == {1}
+    assert np.array_equal(one["offset"], cols["offset"][cols["dp_rank"] == 1])
 
 
 def test_a_deferred_insert_is_read_at_its_place_in_real_ordinals():
@@ -88,7 +90,8 @@ def test_a_deferred_insert_is_read_at_its_place_in_real_ordinals():
         (Insert(source=0, at=10, ordinal=np.array([3, 4]), offset=np.array([0, 512]), length=np.array([7, 9])),)
     )
     ords, base, lens = d.real(0, np.arange(8, 14))
-    assert ords.tolist() == [8, 9, 3, 4, 10, 11] and base.tolist() == [0, 0, 0, 512, 0, 0]
+    assert ords.tolist() == [8, 9, 3, 4, 10, 11]
+    assert base.tolist() == [0, 0, 0, 512, 0, 0]
     assert lens.tolist() == [-1, -1, 7, 9, -1, -1]
     assert d.view(Lengths()).lengths(0, 8, 6).tolist() == [
         *Lengths().lengths(0, 8, 2),
@@ -96,7 +99,9 @@ def test_a_deferred_insert_is_read_at_its_place_in_real_ordinals():
         9,
         *Lengths().lengths(0, 10, 2),
     ]
-    assert d.virtual(0, 10) == 12 and d.real_cursor(0, 11) == 10 and d.real_cursor(0, 9) == 9
+    assert d.virtual(0, 10) == 12
+    assert d.real_cursor(0, 11) == 10
+    assert d.real_cursor(0, 9) == 9
     assert d.real(1, np.arange(8, 12)).__getitem__(0).tolist() == [8, 9, 10, 11]  # another source: unchanged
     assert Deferred.from_list(d.to_list(), 2).to_list() == d.to_list()
     with pytest.raises(CheckpointError, match="malformed insert"):
@@ -115,5 +120,6 @@ def test_accounting_of_a_state_counts_tokens_documents_and_bad_samples():
         docs = {int(o) for p in plans for o in p.ordinal[p.source == s]} - carried
         assert acc[name]["docs_delivered"] == len(docs)
         bad = sum(1 for o in range(state["cursor"][s]) if s == 1 and o % 37 == 5)
-        assert acc[name]["bad_samples"] == bad and acc[name]["epochs_completed"] == 0
+        assert acc[name]["bad_samples"] == bad
+        assert acc[name]["epochs_completed"] == 0
     assert acc["b"]["bad_samples"] > 0

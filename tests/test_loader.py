@@ -53,7 +53,10 @@ def test_synthetic_lengths_and_tokens(loop):
     docs = src.read([0, 7, 299])
     assert all(np.array_equal(a, b) for a, b in zip(toks, docs))
     assert np.array_equal(ids, src.sample_ids([0, 7, 299]))
-    assert st.samples_done >= 305 and st.ready > 0 and st.memory_bytes > 0 and st.errors == 0
+    assert st.samples_done >= 305
+    assert st.ready > 0
+    assert st.memory_bytes > 0
+    assert st.errors == 0
     assert st.bad_samples == {}
 
 
@@ -73,10 +76,13 @@ def test_readahead_is_bounded():
 
     first, second = run(main())
     # before any request: the batches wholly inside [0, 100)
-    assert first.samples_done == 96 and first.cursor == 96
+    assert first.samples_done == 96
+    assert first.cursor == 96
     # after asking for 0..49: batches ending at or before 149
-    assert second.samples_done == 144 and second.cursor == 144
-    assert second.ready == 144 and second.buffer_fill == pytest.approx(1.44)
+    assert second.samples_done == 144
+    assert second.cursor == 144
+    assert second.ready == 144
+    assert second.buffer_fill == pytest.approx(1.44)
 
 
 def test_release_frees_payloads():
@@ -101,9 +107,13 @@ def test_release_frees_payloads():
             return held, half, empty, t, again, again3, again12
 
     held, half, empty, t, again, again3, again12 = run(main())
-    assert np.array_equal(again3, src.read([3])[0]) and np.array_equal(again12, src.read([12])[0])
-    assert held.ready == 30 and half.ready == 15 and empty.ready == 0
-    assert empty.memory_bytes == 0 and half.memory_bytes < held.memory_bytes
+    assert np.array_equal(again3, src.read([3])[0])
+    assert np.array_equal(again12, src.read([12])[0])
+    assert held.ready == 30
+    assert half.ready == 15
+    assert empty.ready == 0
+    assert empty.memory_bytes == 0
+    assert half.memory_bytes < held.memory_bytes
     assert len(t) == src.lengths([20])[0]
     assert np.array_equal(again, src.lengths(np.arange(10)))
 
@@ -234,7 +244,8 @@ def test_loader_with_pool_matches_in_process(tmp_path):
             return la, lb, ta, tb
 
     la, lb, ta, tb = run(main())
-    assert np.array_equal(la, lb) and np.array_equal(ta, tb)
+    assert np.array_equal(la, lb)
+    assert np.array_equal(ta, tb)
     assert sorted(la[:400].tolist()) == sorted(len(r.encode()) + 1 for r in rows)
 
 
@@ -309,4 +320,5 @@ def test_no_threads_or_segments_left(tmp_path):
 
 
 def test_read_result_is_exported():
-    assert ReadResult([1], 3).nbytes == 3 and BadSample("oversize", "x").reason == "oversize"
+    assert ReadResult([1], 3).nbytes == 3
+    assert BadSample("oversize", "x").reason == "oversize"

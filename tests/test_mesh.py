@@ -187,7 +187,8 @@ def test_fields_pp1_all():
 
 def test_fields_pp2():
     m = ClientPlaceTree(pp=2, dp=2)  # order pp, dp, ...: ranks 0-1 first stage, 2-3 last stage
-    assert m.stage(0) == "first" and m.stage(3) == "last"
+    assert m.stage(0) == "first"
+    assert m.stage(3) == "last"
     assert m.fields(0, ALL_FIELDS) == (
         "tokens",
         "position_ids",
@@ -215,8 +216,10 @@ def test_fields_pp3_middle():
     m = ClientPlaceTree(pp=3)
     assert [m.stage(r) for r in range(3)] == ["first", "middle", "last"]
     assert m.fields(1, ALL_FIELDS) == ("position_ids", "cu_seqlens", "doc_counts", "step", "micro")
-    assert "tokens" in m.fields(0, ALL_FIELDS) and "labels" not in m.fields(0, ALL_FIELDS)
-    assert "labels" in m.fields(2, ALL_FIELDS) and "tokens" not in m.fields(2, ALL_FIELDS)
+    assert "tokens" in m.fields(0, ALL_FIELDS)
+    assert "labels" not in m.fields(0, ALL_FIELDS)
+    assert "labels" in m.fields(2, ALL_FIELDS)
+    assert "tokens" not in m.fields(2, ALL_FIELDS)
 
 
 def test_fields_other_modality_goes_to_first_stage():

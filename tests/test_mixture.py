@@ -127,7 +127,8 @@ def test_weights_are_a_distribution_between_the_points(points, mode, step):
     assert w.sum() == pytest.approx(1.0)
     norm = [m.weights_at(s, SOURCES) for s, _ in points]
     lo, hi = np.min(norm, axis=0), np.max(norm, axis=0)
-    assert (w >= lo - 1e-12).all() and (w <= hi + 1e-12).all()  # never outside the points' range
+    assert (w >= lo - 1e-12).all()
+    assert (w <= hi + 1e-12).all()
 
 
 @settings(max_examples=50, deadline=None)

@@ -43,8 +43,10 @@ def test_three_nodes_one_leader_failover_and_rejoin(etcd_server, cluster_factory
     alive = set(c.nodes)
     leader, token = wait_for(lambda: c.settled(alive), 30, "one leader that every node agrees on")
     roles = {nid: cli_status(srv.socket)["role"] for nid, srv in c.nodes.items()}
-    assert sorted(roles.values()) == ["follower", "follower", "leader"] and roles[leader] == "leader"
-    assert token is not None and token > 0
+    assert sorted(roles.values()) == ["follower", "follower", "leader"]
+    assert roles[leader] == "leader"
+    assert token is not None
+    assert token > 0
 
     # SIGKILL the leader: no goodbye, its lease must expire; another node leads with a larger token
     t0 = time.monotonic()
@@ -52,7 +54,8 @@ def test_three_nodes_one_leader_failover_and_rejoin(etcd_server, cluster_factory
     alive.discard(leader)
     leader2, token2 = wait_for(lambda: c.settled(alive), 6 * TTL, "a new leader after the old one was killed")
     took = time.monotonic() - t0
-    assert leader2 != leader and token2 > token
+    assert leader2 != leader
+    assert token2 > token
     assert took < 4 * TTL, f"failover took {took:.1f}s with a {TTL}s lease"
 
     # the killed node restarts and rejoins as a follower; the leader stays
@@ -67,14 +70,16 @@ def test_three_nodes_one_leader_failover_and_rejoin(etcd_server, cluster_factory
     assert c.nodes[leader2].stop() == 0
     alive.discard(leader2)
     leader4, token4 = wait_for(lambda: c.settled(alive), 6 * TTL, "a new leader after a graceful stop")
-    assert leader4 != leader2 and token4 > token2
+    assert leader4 != leader2
+    assert token4 > token2
     assert time.monotonic() - t0 < 2 * TTL + 3  # no lease expiry to wait for (plus process shutdown)
 
 
 def test_single_node_without_cluster_is_its_own_leader(server_factory):
     srv = server_factory().start()
     st = cli_status(srv.socket)
-    assert st["role"] == "single" and "cluster" not in st
+    assert st["role"] == "single"
+    assert "cluster" not in st
     assert srv.ready["listen"] is None
 
 
@@ -233,11 +238,13 @@ def test_mixture_weighted_placement_spreads_the_reading_work_when_a_node_leaves(
     by_count = worst(place_sources([3] * 4, ["n0", "n2"]))
     by_cost = worst(place_sources([3] * 4, ["n0", "n2"], cost))
     assert by_count == pytest.approx(1.1)
-    assert by_cost <= 1.04 and by_cost < by_count
+    assert by_cost <= 1.04
+    assert by_cost < by_count
     # a schedule averages its points; a source off at first still gets a (small) cost, so it spreads out
     sched = MixSpec(schedule=((0, {"a": 1.0, "b": 0.0}), (100, {"a": 0.5, "b": 0.5})))
     ca, cb = partition_costs(sched, ["a", "b"], 2)
-    assert ca == pytest.approx(0.75 / 2) and cb == pytest.approx(0.25 / 2)
+    assert ca == pytest.approx(0.75 / 2)
+    assert cb == pytest.approx(0.25 / 2)
     off = partition_costs(MixSpec(weights={"a": 1.0, "b": 0.0}), ["a", "b"], 1)
     assert off[1] > 0
     spread = place_sources(
@@ -272,13 +279,16 @@ def test_plan_frame_round_trip_is_exact():
 
     plan = _a_plan()
     header, buf = encode_plan(plan, job="j", digest="d" * 64, token=17)
-    assert header["token"] == 17 and header["step"] == plan.step == 1
+    assert header["token"] == 17
+    assert header["step"] == plan.step == 1
     got = decode_plan(orjson_round(header), memoryview(buf))
     for f in ("source", "ordinal", "offset", "length", "group", "micro", "row", "bounds"):
         a, b = getattr(plan, f), getattr(got, f)
-        assert a.dtype == b.dtype and np.array_equal(a, b), f
+        assert a.dtype == b.dtype, f
+        assert np.array_equal(a, b), f
     assert np.array_equal(got.stats.micro_cost, plan.stats.micro_cost)
-    assert got.stats.tokens == plan.stats.tokens and got.stats.imbalance == plan.stats.imbalance
+    assert got.stats.tokens == plan.stats.tokens
+    assert got.stats.imbalance == plan.stats.imbalance
     assert np.array_equal(got.micro_batch(1, 1).ordinal, plan.micro_batch(1, 1).ordinal)
 
 
@@ -289,7 +299,7 @@ def orjson_round(header):
 
 
 @pytest.mark.parametrize(
-    "mutate, why",
+    ("mutate", "why"),
     [
         (lambda h, b: (h, b[:-8]), "does not fit"),
         (lambda h, b: ({**h, "arrays": h["arrays"][1:]}, b), "source"),
@@ -346,8 +356,11 @@ def test_state_store_keeps_a_window_and_only_the_leader_writes(etcd_server):
 
     steps, newest, at4, gone, late, took_over = asyncio.run(main())
     assert steps == [3, 4, 5]
-    assert newest == (5, {"step": 5}) and at4 == (4, {"step": 4}) and gone is None
-    assert late is False and took_over is True
+    assert newest == (5, {"step": 5})
+    assert at4 == (4, {"step": 4})
+    assert gone is None
+    assert late is False
+    assert took_over is True
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,8 @@ def test_job_on_three_nodes_equals_one_node(etcd_server, cluster_factory, server
     # payloads and plans crossed the nodes over the peer links, and every byte sent was received
     tin = sum(st["cluster"]["traffic"]["bytes_in"] for st in sts.values())
     tout = sum(st["cluster"]["traffic"]["bytes_out"] for st in sts.values())
-    assert tin > 4 * len(ids) and abs(tin - tout) <= 0.05 * tout, (tin, tout)
+    assert tin > 4 * len(ids), (tin, tout)
+    assert abs(tin - tout) <= 0.05 * tout, (tin, tout)
 
 
 def test_leader_sigkill_mid_run_loses_and_repeats_nothing(etcd_server, cluster_factory, server_factory):
@@ -135,7 +136,8 @@ def test_plans_lost_on_a_broken_link_are_sent_again(etcd_server, cluster_factory
         assert got[r] == want[r], f"rank {r} saw other batches than an uninterrupted run"
     log = lead.log()
     assert log.count("dropped the plan of step") == 4, "the fault did not drop the plans it was told to"
-    assert f"to {victim}" in log and "re-sending the plans of steps" in log
+    assert f"to {victim}" in log
+    assert "re-sending the plans of steps" in log
 
 
 def test_etcd_restart_during_a_job_one_planner_and_exact_data(fresh_etcd, cluster_factory, server_factory):
@@ -223,15 +225,18 @@ def test_set_mixture_across_nodes_cuts_everywhere_and_survives_resume(etcd_serve
         c, spec, n, spread(spec.mesh.world_size), saved=saved, mixture=(at * spec.micro_batches, {"a": 1.0, "b": 0.0})
     )
     e = saved["mixture_step"]
-    assert at <= e and e + 2 < steps, f"cut at step {e}"
+    assert at <= e, f"cut at step {e}"
+    assert e + 2 < steps, f"cut at step {e}"
     world = spec.mesh.world_size
     for r in range(world):
         assert [rec["step"] for rec in got[r]] == [s for s in range(steps) for _ in range(spec.micro_batches)]
         after = [rec for rec in got[r] if rec["step"] >= e + 2]
-        assert after and all(src == 0 for rec in after for src, _ in rec["ids"]), f"rank {r} saw b after the cut"
+        assert after, f"rank {r} saw b after the cut"
+        assert all(src == 0 for rec in after for src, _ in rec["ids"]), f"rank {r} saw b after the cut"
         grp = spec.mesh.group_of(r, spec.distribute)
         peers = [q for q in range(world) if spec.mesh.group_of(q, spec.distribute) == grp]
-        assert len(peers) == 2 and all(got[q] == got[r] for q in peers), f"rank {r} and TP peers {peers} disagree"
+        assert len(peers) == 2, f"rank {r} and TP peers {peers} disagree"
+        assert all(got[q] == got[r] for q in peers), f"rank {r} and TP peers {peers} disagree"
     assert any(src == 1 for r in range(world) for rec in got[r] if rec["step"] < e for src, _ in rec["ids"])
     assert saved[0]["planner"]["mixture"] != spec.to_dict()["mix"]  # the override is in the state
     assert sum("mixture {'a': 1.0, 'b': 0.0} from step" in srv.log() for srv in c.nodes.values()) == 1
@@ -347,7 +352,8 @@ def test_mixture_change_then_leader_sigkill_the_next_leader_keeps_it(etcd_server
     import re
 
     m = re.search(r"job mixfail: resumed run \w+ across 2 node\(s\) from step (\d+)", c.nodes[new].log())
-    assert m is not None and int(m.group(1)) < steps, "the new leader did not plan the rest of the run"
+    assert m is not None, "the new leader did not plan the rest of the run"
+    assert int(m.group(1)) < steps, "the new leader did not plan the rest of the run"
     post = run_ranks(spec, server_factory().start().socket, (steps - e) * mb, states={0: info["state"]})
     for r in (0, 1):
         assert len(got[r]) == n
@@ -401,7 +407,8 @@ def test_leader_dies_during_a_mixture_change_nothing_applied_and_nothing_lost(
         t.join(120)
         assert not t.is_alive(), "a rank on a surviving node hung after the leader died in a mixture change"
     assert set(errs) <= {2}, errs
-    assert "broke before it answered" in info["error"] and info["wait"] < 30 * TTL, info
+    assert "broke before it answered" in info["error"], info
+    assert info["wait"] < 30 * TTL, info
     # the held nodes went on as soon as they saw the new leader (not only when their hold expired)
     assert all(
         "held the constructors for a mixture change is gone" in c.nodes[f"node-{node_of[r]}"].log() for r in (0, 1)
@@ -486,7 +493,8 @@ def test_a_lost_mixture_cut_reaches_its_node_late_and_tp_peers_stay_identical(
     )
     assert "must not all be 0" in saved["mixture_refused"]
     e = saved["mixture_step"]
-    assert at <= e and e + 2 < steps, f"cut at step {e}"
+    assert at <= e, f"cut at step {e}"
+    assert e + 2 < steps, f"cut at step {e}"
     assert lead.log().count("test fault: dropped a mixcut") == 2
     assert f"mixture change from step {e}" in c.nodes[victim].log()
     world = spec.mesh.world_size
@@ -540,5 +548,5 @@ def test_a_run_the_leader_cannot_start_fails_its_ranks_with_the_reason(etcd_serv
     later: dict = {}
     run_spread(c, spec, 2 * spec.micro_batches, place, states={r: first[r] for r in range(world)}, saved=later)
     states = {r: (first if r == 0 else later)[r] for r in range(world)}
-    with pytest.raises(msd.errors.CheckpointError, match="states of different positions.*same checkpoint"):
+    with pytest.raises(msd.errors.CheckpointError, match=r"states of different positions.*same checkpoint"):
         run_spread(c, spec, spec.micro_batches, place, states=states)

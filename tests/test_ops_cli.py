@@ -89,24 +89,32 @@ def test_health_fails_where_nothing_listens(sockdir):
     for path in (dead, os.path.join(sockdir, "missing.sock")):
         out = cli("health", "--endpoint", path, "--timeout", "2")
         assert out.returncode == 1, out
-        assert out.stderr.count("\n") == 1 and f"no status from {path!r}" in out.stderr
+        assert out.stderr.count("\n") == 1
+        assert f"no status from {path!r}" in out.stderr
 
 
 def test_health_passes_for_a_known_role_and_fails_without_one(server):
     ok = cli("health", "--endpoint", server(SAMPLE).path)
-    assert ok.returncode == 0 and ok.stdout.startswith("ok: node node-0 role leader"), ok
+    assert ok.returncode == 0, ok
+    assert ok.stdout.startswith("ok: node node-0 role leader"), ok
     starting = cli("health", "--endpoint", server({**SAMPLE, "role": None}).path)
-    assert starting.returncode == 1 and "has no role yet" in starting.stderr and starting.stderr.count("\n") == 1
+    assert starting.returncode == 1
+    assert "has no role yet" in starting.stderr
+    assert starting.stderr.count("\n") == 1
     refused = cli("health", "--endpoint", server(reply={"t": "error", "message": "nope"}).path)
-    assert refused.returncode == 1 and "answered 'error'" in refused.stderr
+    assert refused.returncode == 1
+    assert "answered 'error'" in refused.stderr
 
 
 def test_status_and_status_json_are_unchanged(server):
     path = server(SAMPLE).path
     out = cli("status", "--endpoint", path, "--json")
-    assert out.returncode == 0 and orjson.loads(out.stdout) == SAMPLE and out.stdout.count("\n") == 1
+    assert out.returncode == 0
+    assert orjson.loads(out.stdout) == SAMPLE
+    assert out.stdout.count("\n") == 1
     plain = cli("status", "--endpoint", path)
-    assert plain.returncode == 0 and plain.stdout.startswith("node node-0  role leader  pid 4242")
+    assert plain.returncode == 0
+    assert plain.stdout.startswith("node node-0  role leader  pid 4242")
 
 
 def test_status_watch_redraws_until_interrupted(server):
@@ -138,6 +146,8 @@ def test_status_watch_redraws_until_interrupted(server):
 
 def test_status_watch_refuses_json_and_a_bad_interval(sockdir):
     out = cli("status", "--watch", "--json", "--endpoint", os.path.join(sockdir, "x.sock"))
-    assert out.returncode == 2 and "does not combine with --json" in out.stderr
+    assert out.returncode == 2
+    assert "does not combine with --json" in out.stderr
     out = cli("status", "--watch", "--interval", "0")
-    assert out.returncode == 2 and "'0' must be a number of seconds > 0" in out.stderr
+    assert out.returncode == 2
+    assert "'0' must be a number of seconds > 0" in out.stderr

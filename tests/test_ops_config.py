@@ -15,18 +15,21 @@ from .server_util import ROOT
 
 def test_defaults_are_off_and_text():
     node = parse_config({}).node
-    assert node.metrics == "" and node.metrics_addr is None and node.log_format == "text"
+    assert node.metrics == ""
+    assert node.metrics_addr is None
+    assert node.log_format == "text"
 
 
 def test_good_values():
     node = parse_config({"node": {"metrics": "0.0.0.0:9460", "log_format": "json"}}).node
-    assert node.metrics_addr == ("0.0.0.0", 9460) and node.log_format == "json"
+    assert node.metrics_addr == ("0.0.0.0", 9460)
+    assert node.log_format == "json"
     assert parse_config({"node": {"metrics": "[::1]:0"}}).node.metrics_addr == ("::1", 0)
     assert parse_config({"node": {"metrics": "localhost:9460"}}).node.metrics_addr == ("localhost", 9460)
 
 
 @pytest.mark.parametrize(
-    "node, match",
+    ("node", "match"),
     [
         ({"metrics": "9460"}, r'\[node\] metrics = \'9460\' must be "HOST:PORT", e\.g\. "127\.0\.0\.1:9460"'),
         ({"metrics": "127.0.0.1:65536"}, r"\[node\] metrics = .* must be \"HOST:PORT\""),
@@ -56,4 +59,5 @@ def test_validate_reports_a_bad_metrics_address(tmp_path):
         check=False,
         timeout=60,
     )
-    assert out.returncode == 2 and "[node] metrics = '127.0.0.1' must be \"HOST:PORT\"" in out.stderr
+    assert out.returncode == 2
+    assert "[node] metrics = '127.0.0.1' must be \"HOST:PORT\"" in out.stderr

@@ -33,7 +33,8 @@ def test_an_unreachable_notify_socket_is_warned_about_once(sockdir, caplog):
             assert n.watchdog() is False
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 2, [r.getMessage() for r in warnings]  # the failure, and that repeats go to debug
-    assert "nobody.sock" in warnings[0].getMessage() and "debug level" in warnings[1].getMessage()
+    assert "nobody.sock" in warnings[0].getMessage()
+    assert "debug level" in warnings[1].getMessage()
     assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 4
 
 

@@ -40,10 +40,12 @@ def test_json_logs_are_one_object_per_line(restore_logging):
     docs = [orjson.loads(line) for line in lines]
     assert len(lines) == 3
     assert docs[0]["message"] == "job pretrain registered\nwith a newline"
-    assert docs[0]["level"] == "INFO" and docs[0]["logger"] == "msdata_server.test"
+    assert docs[0]["level"] == "INFO"
+    assert docs[0]["logger"] == "msdata_server.test"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", docs[0]["time"])
     assert "exc_info" not in docs[0]
-    assert docs[1]["level"] == "ERROR" and "KeyError: 'missing'" in docs[1]["exc_info"]
+    assert docs[1]["level"] == "ERROR"
+    assert "KeyError: 'missing'" in docs[1]["exc_info"]
     assert "Traceback" in docs[1]["exc_info"]
     assert "stack_info" in docs[2]
 
@@ -57,7 +59,7 @@ def test_text_logs_and_levels(restore_logging):
 
 
 @pytest.mark.parametrize(
-    "level, fmt, match",
+    ("level", "fmt", "match"),
     [("INFO", "xml", r"'xml' must be one of \['text', 'json'\]"), ("LOUD", "text", "log level 'LOUD'")],
 )
 def test_bad_format_or_level(level, fmt, match, restore_logging):
@@ -67,8 +69,11 @@ def test_bad_format_or_level(level, fmt, match, restore_logging):
 
 def test_once_names_each_offender_once_and_stays_bounded():
     once = Once(limit=3)
-    assert once("bad-frame", "peer-a") and not once("bad-frame", "peer-a") and not once("bad-frame", "peer-a")
-    assert once("bad-frame", "peer-b") and once("stale-token", "peer-a")  # another kind or peer is news
+    assert once("bad-frame", "peer-a")
+    assert not once("bad-frame", "peer-a")
+    assert not once("bad-frame", "peer-a")
+    assert once("bad-frame", "peer-b")
+    assert once("stale-token", "peer-a")
     assert once.suppressed == 2
     assert once("x", 1)  # a fourth key: the oldest ("bad-frame", "peer-a") is forgotten ...
     assert once("bad-frame", "peer-a")  # ... and would be logged again

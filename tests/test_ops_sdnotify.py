@@ -42,7 +42,10 @@ def test_messages_arrive_in_order(listener):
     path, s = listener
     n = Notifier({"NOTIFY_SOCKET": path})
     assert n.enabled
-    assert n.ready() and n.watchdog() and n.status("draining") and n.stopping()
+    assert n.ready()
+    assert n.watchdog()
+    assert n.status("draining")
+    assert n.stopping()
     n.ready(status="serving 2 jobs")
     assert [s.recv(4096).decode() for _ in range(5)] == [
         "READY=1",
@@ -53,7 +56,8 @@ def test_messages_arrive_in_order(listener):
     ]
     n.close()
     n.close()  # idempotent
-    assert not n.ready() and _drain(s) == []
+    assert not n.ready()
+    assert _drain(s) == []
 
 
 def test_abstract_namespace_and_one_shot_notify():
@@ -68,8 +72,11 @@ def test_abstract_namespace_and_one_shot_notify():
 
 def test_everything_is_a_no_op_without_notify_socket(arun):
     n = Notifier({"WATCHDOG_USEC": "1000000"})
-    assert not n.enabled and n.watchdog_interval is None
-    assert not (n.ready() or n.watchdog() or n.stopping())
+    assert not n.enabled
+    assert n.watchdog_interval is None
+    assert not (n.ready())
+    assert not (n.watchdog())
+    assert not (n.stopping())
     assert notify("READY=1", env={}) is False
     arun(asyncio.wait_for(n.watchdog_loop(), 5))  # returns at once instead of looping
 
@@ -114,7 +121,7 @@ def test_watchdog_pings_stop_while_the_loop_is_blocked(listener, arun):
             loop.call_soon(lambda: (block(), blocked.set_result(None)))
             await blocked
             after = (await asyncio.wait_for(loop.sock_recv(s, 4096), 5)).decode()  # pings resume
-            return before + [after]
+            return [*before, after]
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

@@ -26,7 +26,8 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 def test_metrics_of_a_running_job_move(server_factory):
     srv = server_factory(extra='metrics = "127.0.0.1:0"\n').start()
     port = srv.ready["metrics"]
-    assert isinstance(port, int) and port > 0
+    assert isinstance(port, int)
+    assert port > 0
     spec = small_job("metrics", dp=2, samples=300, prefetch=1)
     n = spec.micro_batches * 6
     go = threading.Event()
@@ -50,7 +51,8 @@ def test_metrics_of_a_running_job_move(server_factory):
         for (name, lab), v in first.items()
         if name == "msdata_source_samples_total" and dict(lab).get("job") == "metrics"
     ]
-    assert src and all(v > 0 for v in src)
+    assert src
+    assert all(v > 0 for v in src)
     assert any(name.startswith("msdata_job_steps") for name, _ in first)
 
 
@@ -96,4 +98,5 @@ def test_data_wait_per_rank_is_measured_where_it_happens(server_factory):
     assert fig["step"] == n // spec.micro_batches
     assert 0 <= fig["wait_p50_s"] < compute  # data was ready: the median next() did not block for long
     assert fig["wait_s"] < wall - n * compute * 0.9  # waits are what the wall time had beyond computing
-    assert fig["wait_frac"] is not None and fig["wait_frac"] < 0.5
+    assert fig["wait_frac"] is not None
+    assert fig["wait_frac"] < 0.5

@@ -56,15 +56,18 @@ def test_scrape_over_http_parses_with_the_status_values(arun):
         finally:
             server.close()
             await server.wait_closed()
-        with pytest.raises(OSError):  # closed: nobody listens any more
+        with pytest.raises(ConnectionRefusedError):  # closed: nobody listens any more
             await asyncio.open_connection("127.0.0.1", port)
         return first, second, missing
 
     first, second, missing = arun(main())
     assert len(calls) == 2  # once per scrape, nothing cached
     code, ctype, text = first
-    assert code == 200 and ctype.startswith("text/plain") and "version=" in ctype
-    assert second[0] == 200 and missing[0] == 404
+    assert code == 200
+    assert ctype.startswith("text/plain")
+    assert "version=" in ctype
+    assert second[0] == 200
+    assert missing[0] == 404
     v = _values(text)
     web, rank1, g0 = (
         (("job", "pretrain"), ("source", "web")),
@@ -83,7 +86,8 @@ def test_scrape_over_http_parses_with_the_status_values(arun):
     assert v[("msdata_rank_data_wait_seconds_total", rank1)] == 4.25
     assert v[("msdata_rank_micro_batches_delivered_total", rank1)] == 1200
     assert v[("msdata_ring_slots_in_use", g0)] == 5  # two rings of group 0 summed: one series per group
-    assert v[("msdata_role", (("role", "leader"),))] == 1 and v[("msdata_role", (("role", "single"),))] == 0
+    assert v[("msdata_role", (("role", "leader"),))] == 1
+    assert v[("msdata_role", (("role", "single"),))] == 0
     assert v[("msdata_cluster_peer_sent_bytes_total", ())] == 654321
     assert v[("msdata_memory_total_pss_bytes", ())] == 812 << 20
     assert v[("msdata_autoscale_supply_samples_per_second", (("source", "web"),))] == 950.0
@@ -101,7 +105,8 @@ def test_names_types_and_label_sets_follow_the_conventions(arun):
     fams = list(text_string_to_metric_families(arun(main())))
     assert {f.name for f in fams} == {n.removesuffix("_total") for n in METRICS}
     for f in fams:
-        assert f.name.startswith("msdata_") and NAME.match(f.name), f.name
+        assert f.name.startswith("msdata_"), f.name
+        assert NAME.match(f.name), f.name
         if f.type == "counter":
             assert all(s.name == f.name + "_total" for s in f.samples), f.name
         else:
@@ -187,17 +192,21 @@ def test_render_fits_the_width_and_shows_the_figures(width):
         assert all(len(line) <= width for line in screen.splitlines()), screen
     screen = render(SAMPLE)
     assert "…" not in screen  # the sample needs no clipping at 80 columns
-    assert "pretrain [running]" in screen and "node-0  leader" in screen
+    assert "pretrain [running]" in screen
+    assert "node-0  leader" in screen
     assert re.search(r"^\s+1\s+299\s+1200\s+4\.25s\s+1\.1ms\s+15\.0ms\s+1\.2%$", screen, re.MULTILINE), screen
     assert re.search(r"^  web\s+812\.5\s+341\.8 KiB\s+40/96\s+0\.62\s+4\s+1$", screen, re.MULTILINE), screen
-    assert "g0 5/8" not in screen and "g0 5/16" in screen and "g1 1/8" in screen
+    assert "g0 5/8" not in screen
+    assert "g0 5/16" in screen
+    assert "g1 1/8" in screen
     assert "… 24 more ranks; most waiting: rank 39 39.0%" in render(_many_ranks())
     assert render({"node": "n", "role": "single", "jobs": []}).endswith("no jobs")
 
 
 def test_render_shows_the_stage_imbalances_of_a_two_stage_job():
     screen = render(_two_stage())
-    assert "…" not in screen and all(len(line) <= 80 for line in screen.splitlines())
+    assert "…" not in screen
+    assert all(len(line) <= 80 for line in screen.splitlines())
     lines = screen.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith("job pretrain"))
     assert lines[at + 2] == "  stage imbalance: encoder 1.021  backbone 1.008  (last step 1.030 / 1.010)"
@@ -221,7 +230,8 @@ class _Tty(io.StringIO):
 def test_watch_redraws_and_clears_only_a_terminal():
     piped, tty = io.StringIO(), _Tty()
     assert watch("/nowhere.sock", 0.01, iterations=2, stream=piped, fetch=lambda: SAMPLE) == 0
-    assert CLEAR not in piped.getvalue() and piped.getvalue().count("pretrain [running]") == 2
+    assert CLEAR not in piped.getvalue()
+    assert piped.getvalue().count("pretrain [running]") == 2
     watch("/nowhere.sock", 0.01, iterations=1, stream=tty, fetch=lambda: SAMPLE)
     assert tty.getvalue().startswith(CLEAR)
 

@@ -103,7 +103,8 @@ def test_lanes_follow_the_files():
 def test_a_wider_spread_reads_more_files_at_once():
     order = Order.from_units(seed=2, name="w", units=sharded(256), spread=64)
     _, f, _ = order.locate(np.arange(order.num_samples))
-    assert order.lanes == 64 and min_distinct(f, 64) == 64
+    assert order.lanes == 64
+    assert min_distinct(f, 64) == 64
     assert Order.from_units(seed=2, name="w", units=sharded(256)).lanes == 32
 
 
@@ -144,10 +145,9 @@ def test_every_mode_is_a_pure_bijection_per_epoch(units, window, spread, seed, e
     assert np.array_equal(again.locate(ords[::-1])[2], r[::-1])
     k = len(ords) // 2
     assert again.locate(ords[k : k + 1])[1][0] == f[k]
-    if order.lanes > 1:
-        # the exact guarantee of the docstring: lanes consecutive ordinals, lanes files, if none holds n // lanes
-        if order.counts.max() < n // order.lanes:
-            assert min_distinct(f, order.lanes) == order.lanes
+    # the exact guarantee of the docstring: lanes consecutive ordinals, lanes files, if none holds n // lanes
+    if order.lanes > 1 and order.counts.max() < n // order.lanes:
+        assert min_distinct(f, order.lanes) == order.lanes
 
 
 def test_lane_position_is_a_bijection():
@@ -177,7 +177,9 @@ def test_fixed_order_is_files_in_path_order_rows_in_file_order():
     e, f, r = order.locate(np.arange(24))
     assert f[:12].tolist() == [0] * 7 + [2] * 5
     assert r[:12].tolist() == list(range(7)) + list(range(5))
-    assert np.array_equal(f[12:], f[:12]) and np.array_equal(r[12:], r[:12]) and e[12:].tolist() == [1] * 12
+    assert np.array_equal(f[12:], f[:12])
+    assert np.array_equal(r[12:], r[:12])
+    assert e[12:].tolist() == [1] * 12
 
 
 def test_one_file_has_nothing_to_mix():
@@ -249,7 +251,8 @@ def test_shuffle_spec_values_and_round_trip():
     assert s.to_dict()["shuffle"] == {"spread": 64, "window": 1024}
     assert SourceSpec.from_dict(s.to_dict()) == s
     f = SourceSpec(**base, shuffle=False)
-    assert SourceSpec.from_dict(f.to_dict()) == f and f.to_dict()["shuffle"] is False
+    assert SourceSpec.from_dict(f.to_dict()) == f
+    assert f.to_dict()["shuffle"] is False
     syn = SourceSpec(name="y", format="synthetic", shuffle=False)
     assert SourceSpec.from_dict(syn.to_dict()) == syn
 

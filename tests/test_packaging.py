@@ -57,7 +57,8 @@ def test_cli_help_and_readme_commands():
     for cmd in ("serve", "demo", "status", "validate", "cleanup"):
         assert cmd in out.stdout
     head = (ROOT / "README.md").read_text().splitlines()[:10]
-    assert any("make demo" in line for line in head) and any("make test" in line for line in head)
+    assert any("make demo" in line for line in head)
+    assert any("make test" in line for line in head)
 
 
 def test_one_version_everywhere():
@@ -70,7 +71,8 @@ def test_one_version_everywhere():
     want = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert msdata_client.__version__ == msdata_server.__version__ == want
     out = subprocess.run([sys.executable, "-m", "msdata_server", "--version"], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip() == f"msdata-server {want}"
+    assert out.returncode == 0
+    assert out.stdout.strip() == f"msdata-server {want}"
 
 
 def test_setuptools_reads_pyproject_without_a_deprecation_warning():

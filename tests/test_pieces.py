@@ -18,7 +18,8 @@ def test_a_document_spanning_steps_is_freed_after_its_last_piece():
     assert refs.plan(arr(0, 0, 1), arr(7, 7, 3), np.array([False, False, True])) == []
     assert refs.done(arr(0, 1), arr(7, 3)) == [(1, 3)]
     assert refs.done(arr(0), arr(7)) == []  # its carried pieces are still to come
-    assert refs.pinned(0) == 0 and len(refs) == 0  # pinned by the planner's carry, not by a plan
+    assert refs.pinned(0) == 0
+    assert len(refs) == 0
     # step s+1: the last piece
     refs.plan(arr(0), arr(7), np.array([True]))
     assert refs.pinned(0) == 1

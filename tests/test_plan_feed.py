@@ -56,7 +56,7 @@ class _Job:
     inst = "inst-1"
 
     class ranks:
-        conns = {1: object()}
+        conns = {1: object()}  # noqa: RUF012  (a stand-in's fixed table)
 
 
 def _plans(steps: int):
@@ -97,21 +97,26 @@ def test_plans_that_came_before_the_ranks_said_where_they_are_take_their_turn():
         run = Run(host, spec, "digest", _start_frame())
         for plan, state in plans[6:8]:  # the re-send of steps 6..7 crosses the rank's start
             run.add_plan(plan, state)
-        assert run.next_step == 0 and sorted(run.early) == [6, 7]
+        assert run.next_step == 0
+        assert sorted(run.early) == [6, 7]
         run.adopt(_Job(), {"0": [8, 0], "1": [6, 0], "2": [8, 0]})
-        assert run.next_step == 8 and not run.early
+        assert run.next_step == 8
+        assert not run.early
         fed = []
         for _ in range(2):
             plan, _epoch = await asyncio.wait_for(run.next(), 2)
             run.fed(plan)
             fed.append(plan.step)
-        assert fed == [6, 7] and host.acks == [6, 7] and host.needs == []
+        assert fed == [6, 7]
+        assert host.acks == [6, 7]
+        assert host.needs == []
         assert run.states[6] == plans[6][1]
         # a duplicate after the turn is ignored; the next step is asked for when it does not come
         run.add_plan(*plans[7])
         waiting = asyncio.ensure_future(run.next())
         await asyncio.wait_for(host.asked.wait(), 5)
-        assert host.needs[0] == 8 and not waiting.done()
+        assert host.needs[0] == 8
+        assert not waiting.done()
         waiting.cancel()
 
     asyncio.run(main())
@@ -129,11 +134,14 @@ def test_plans_behind_the_ranks_are_dropped_and_later_ones_wait_their_turn():
         for i in (2, 3, 6):
             run.add_plan(*plans[i])
         run.adopt(_Job(), {"1": [4, 0]})
-        assert run.next_step == 4 and sorted(run.early) == [6], "plans behind the ranks were kept"
+        assert run.next_step == 4, "plans behind the ranks were kept"
+        assert sorted(run.early) == [6], "plans behind the ranks were kept"
         assert len(run.shard.refs) == 0, "a plan that never took its turn was counted"
         run.add_plan(*plans[5])
         run.add_plan(*plans[4])
-        assert run.next_step == 7 and not run.early and len(run.shard.refs) > 0
+        assert run.next_step == 7
+        assert not run.early
+        assert len(run.shard.refs) > 0
         fed = []
         for _ in range(3):
             plan, _epoch = await asyncio.wait_for(run.next(), 2)
@@ -159,13 +167,15 @@ def test_a_node_that_only_owns_data_keeps_the_plans_of_recent_steps_only():
         for plan, state in plans:
             run.add_plan(plan, state)
             counted.append(len(run.shard.refs))
-        assert run.next_step == steps and not run.early
+        assert run.next_step == steps
+        assert not run.early
         assert sorted(run.plans) == list(range(steps - KEEP_STATES, steps)), "a data owner kept old plans"
         assert len(run.states) <= KEEP_STATES
         # every plan was counted as it took its turn, the trimmed ones too
         assert counted[-1] > counted[KEEP_STATES] > 0
         run.cut(steps - 3, (0, 1))
-        assert sorted(run.plans)[-1] == steps - 4 and run.next_step == steps - 3
+        assert sorted(run.plans)[-1] == steps - 4
+        assert run.next_step == steps - 3
         assert len(run.shard.refs) < counted[-1], "the cut plans' references were not taken back"
 
     asyncio.run(main())

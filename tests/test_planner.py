@@ -26,19 +26,23 @@ def plan_arrays(plan):
 
 def check_plan(plan, cfg):
     """Sorted by (dp, micro, row), rows within seq_len, dtypes, micro_batch slices."""
-    assert plan.source.dtype == np.int32 and plan.ordinal.dtype == np.int64
-    assert plan.offset.dtype == np.int32 and plan.length.dtype == np.int32
+    assert plan.source.dtype == np.int32
+    assert plan.ordinal.dtype == np.int64
+    assert plan.offset.dtype == np.int32
+    assert plan.length.dtype == np.int32
     assert plan.group.dtype == plan.micro.dtype == plan.row.dtype == np.int32
     key = (plan.group.astype(np.int64) * cfg.micro_batches + plan.micro) * cfg.rows + plan.row
     assert (np.diff(key) >= 0).all()
     used = np.bincount(key, plan.length, minlength=cfg.dp * cfg.micro_batches * cfg.rows)
-    assert used.max() <= cfg.seq_len and (plan.length > 0).all()
+    assert used.max() <= cfg.seq_len
+    assert (plan.length > 0).all()
     total = 0
     for d in range(cfg.dp):
         for m in range(cfg.micro_batches):
             mb = plan.micro_batch(d, m)
             assert isinstance(mb, StepPlan)
-            assert (mb.group == d).all() and (mb.micro == m).all()
+            assert (mb.group == d).all()
+            assert (mb.micro == m).all()
             total += len(mb)
     assert total == len(plan)
     s = plan.stats
@@ -46,7 +50,8 @@ def check_plan(plan, cfg):
     assert s.padding_fraction == pytest.approx(1 - plan.length.sum() / cfg.capacity)
     assert sum(s.tokens.values()) == plan.length.sum()
     assert s.imbalance == pytest.approx(s.cost.max() / s.cost.mean())
-    assert s.gap >= 1.0 - 1e-12 and s.lower_bound > 0
+    assert s.gap >= 1.0 - 1e-12
+    assert s.lower_bound > 0
 
 
 def all_pieces(plans, planner):
@@ -89,7 +94,8 @@ def test_plans_are_well_formed_and_lose_nothing(method):
     view = View(MEDIANS, zero_every=97)
     planner = Planner(cfg)
     plans = run(planner, view, 6)
-    assert [p.step for p in plans] == list(range(6)) and planner.step == 6
+    assert [p.step for p in plans] == list(range(6))
+    assert planner.step == 6
     for p in plans:
         check_plan(p, cfg)
     check_exactly_once(plans, planner, view, cfg)
@@ -116,7 +122,8 @@ def test_long_documents_split_into_pieces():
     planner = Planner(cfg)
     plans = run(planner, view, 5)
     pieces = np.concatenate([p.offset for p in plans])
-    assert (pieces > 0).any() and (pieces % 1024 == 0).all()  # later pieces start at k * seq_len
+    assert (pieces > 0).any()
+    assert (pieces % 1024 == 0).all()
     check_exactly_once(plans, planner, view, cfg)
 
 
@@ -156,7 +163,8 @@ def test_a_failing_view_leaves_the_planner_unchanged():
     restored = Planner(cfg, before)  # no look-ahead: every source is read
     with pytest.raises(ConnectionError):
         restored.plan_step(Flaky())
-    assert restored.step == 1 and restored.state_dict() == before
+    assert restored.step == 1
+    assert restored.state_dict() == before
     assert plan_arrays(restored.plan_step(view)) == plan_arrays(planner.plan_step(view))
 
 
@@ -222,7 +230,8 @@ def test_mixture_is_followed_exactly(weights, medians, sigma, long_docs):
     longest = max_doc(view, state["cursor"], cfg)
     # each source is ahead of its target by less than one document, never behind
     ahead = taken - target
-    assert (ahead > -1e-6).all() and (ahead <= longest).all()
+    assert (ahead > -1e-6).all()
+    assert (ahead <= longest).all()
     # the targets follow the weights exactly, so each share is within one document of its weight
     w = mixture.weights_at(0, NAMES)
     total = target.sum()
@@ -251,10 +260,14 @@ def test_schedule_and_set_mixture_move_the_targets():
         targets.append(np.array(planner.state_dict()["target"]))
         if planner.step == 4:
             planner.set_mixture(5, {"web": 1, "code": 1})
-    inc = np.diff(np.vstack([np.zeros(4)] + targets), axis=0)
-    assert (inc[:3, 1:] == 0).all() and (inc[:3, 0] > 0).all()  # steps 0-2: chat only
-    assert (inc[3:5, :3] == 0).all() and (inc[3:5, 3] > 0).all()  # steps 3-4: books only
-    assert inc[5, 0] == 0 and inc[5, 3] == 0 and inc[5, 1] == pytest.approx(inc[5, 2])  # the override
+    inc = np.diff(np.vstack([np.zeros(4), *targets]), axis=0)
+    assert (inc[:3, 1:] == 0).all()
+    assert (inc[:3, 0] > 0).all()
+    assert (inc[3:5, :3] == 0).all()
+    assert (inc[3:5, 3] > 0).all()
+    assert inc[5, 0] == 0
+    assert inc[5, 3] == 0
+    assert inc[5, 1] == pytest.approx(inc[5, 2])
     with pytest.raises(ConfigError, match="planned up to step 5"):
         planner.set_mixture(2, {"web": 1})
     with pytest.raises(ConfigError, match="unknown sources"):
@@ -315,7 +328,8 @@ def test_interrupted_and_restored_runs_plan_the_same(stop, method, dp, tolerance
     assert second.step == stop
     tail = drive(second, stop, steps)
     for a, b in zip(straight, head + tail):
-        assert a.step == b.step and plan_arrays(a) == plan_arrays(b)
+        assert a.step == b.step
+        assert plan_arrays(a) == plan_arrays(b)
     assert whole.state_dict() == second.state_dict()
 
 

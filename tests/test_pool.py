@@ -94,9 +94,14 @@ def test_results_in_order_through_shm_and_inline(prefix, loop):
     out, st = run(main(), loop)
     expected = run_transform(byte_tokens, recs, seed=3, sample_ids=ids)
     assert all(np.array_equal(a, b) for a, b in zip(out[:40], expected[:40]))
-    assert isinstance(out[40], BadSample) and out[40].reason == "invalid_utf8"
-    assert st.bytes_via_shm > 0 and st.bytes_inline > 0
-    assert st.samples_done == 41 and st.bad_samples == 1 and st.alive == 2 and st.shm_bytes > 0
+    assert isinstance(out[40], BadSample)
+    assert out[40].reason == "invalid_utf8"
+    assert st.bytes_via_shm > 0
+    assert st.bytes_inline > 0
+    assert st.samples_done == 41
+    assert st.bad_samples == 1
+    assert st.alive == 2
+    assert st.shm_bytes > 0
 
 
 def test_rng_matches_in_process_and_big_results_spill_inline(prefix):
@@ -118,13 +123,15 @@ def test_a_raising_transform_spoils_one_sample_only(prefix):
             recs = ["a", "bad", BadSample("oversize", "f row 3"), "ccc"]
             out = await pool.transform(f"{HERE}:raise_on_bad", recs, seed=0, sample_ids=np.arange(4))
             # a transform that cannot be imported in the workers is a configuration error, not bad data
-            with pytest.raises(ConfigError, match="no_such_module_xyz:f' failed to load.*cannot import"):
+            with pytest.raises(ConfigError, match=r"no_such_module_xyz:f' failed to load.*cannot import"):
                 await pool.transform("no_such_module_xyz:f", ["a"], seed=0, sample_ids=[0])
             return out
 
     out = run(main())
-    assert out[0].tolist() == [97, 256] and out[3].tolist() == [99, 99, 99, 256]
-    assert out[1].reason == "transform_error" and "this record is bad" in out[1].detail
+    assert out[0].tolist() == [97, 256]
+    assert out[3].tolist() == [99, 99, 99, 256]
+    assert out[1].reason == "transform_error"
+    assert "this record is bad" in out[1].detail
     assert out[2] == BadSample("oversize", "f row 3")  # passed through, never sent to a worker
 
 
@@ -172,10 +179,13 @@ def test_killed_worker_is_replaced_and_its_task_rerun(prefix, tmp_path, method):
 
     first, second, out, st, after, more = run(main())
     assert out[0].tolist() == [second]
-    assert st.restarts == 1 and st.samples_done == 1
-    assert len(after) == 2 and first not in after
+    assert st.restarts == 1
+    assert st.samples_done == 1
+    assert len(after) == 2
+    assert first not in after
     assert all(m.tolist() == [97, 98, 256] for m in more)
-    assert gone(first) and all(gone(p) for p in after)
+    assert gone(first)
+    assert all(gone(p) for p in after)
 
 
 def test_a_sample_that_kills_workers_becomes_bad(prefix):
@@ -186,9 +196,12 @@ def test_a_sample_that_kills_workers_becomes_bad(prefix):
             return out, pool.statistics()
 
     out, st = run(main())
-    assert out[0].tolist() == [111, 107, 256] and out[2].tolist() == [102, 105, 110, 101, 256]
-    assert isinstance(out[1], BadSample) and out[1].reason == "worker_crash"
-    assert st.restarts >= 3 and st.alive == 2
+    assert out[0].tolist() == [111, 107, 256]
+    assert out[2].tolist() == [102, 105, 110, 101, 256]
+    assert isinstance(out[1], BadSample)
+    assert out[1].reason == "worker_crash"
+    assert st.restarts >= 3
+    assert st.alive == 2
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -211,7 +224,8 @@ def test_resize_under_load_loses_and_repeats_nothing(prefix, loop):
             await asyncio.sleep(0)  # let the first tasks reach the workers
             assert pool.statistics().busy > 0
             await pool.resize(4)
-            assert pool.size == 4 and len(pool.pids()) == 4
+            assert pool.size == 4
+            assert len(pool.pids()) == 4
             await pool.resize(1)
             assert pool.size == 1
             await pool.resize(3)
@@ -223,8 +237,11 @@ def test_resize_under_load_loses_and_repeats_nothing(prefix, loop):
     assert len(out) == n_tasks
     for t, res in enumerate(out):
         assert [int(r[1]) for r in res] == [len(f"t{t}-{i}") for i in range(per)]
-    assert st.samples_done == n_tasks * per and st.tasks_done == n_tasks  # nothing lost, nothing repeated
-    assert st.restarts == 0 and len(pids) == 3 and st.size == 3
+    assert st.samples_done == n_tasks * per
+    assert st.tasks_done == n_tasks
+    assert st.restarts == 0
+    assert len(pids) == 3
+    assert st.size == 3
     workers_used = {int(r[0]) for res in out for r in res}
     assert len(workers_used) >= 2
 
@@ -243,7 +260,8 @@ def test_close_is_idempotent_and_leaves_nothing(prefix):
         return pids
 
     pids = run(main())
-    assert len(pids) == 2 and all(gone(p) for p in pids)
+    assert len(pids) == 2
+    assert all(gone(p) for p in pids)
 
 
 def test_pool_without_workers_and_identity(prefix):
@@ -254,7 +272,9 @@ def test_pool_without_workers_and_identity(prefix):
             return a, b, pool.pids()
 
     a, b, pids = run(main())
-    assert a[0].tolist() == [104, 105, 256] and b[0].tolist() == [0, 1, 2] and pids == []
+    assert a[0].tolist() == [104, 105, 256]
+    assert b[0].tolist() == [0, 1, 2]
+    assert pids == []
 
 
 def test_bad_arguments():
@@ -289,5 +309,6 @@ def test_a_dead_forkserver_is_restarted(prefix):
             return out, pool.pids(), pool._launcher.proc.pid != zygote.pid
 
     out, pids, restarted = run(main())
-    assert restarted and len(pids) == 2
+    assert restarted
+    assert len(pids) == 2
     assert all(o[0].tolist() == [97, 98, 256] for o in out)

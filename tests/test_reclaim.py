@@ -44,7 +44,8 @@ def test_closed_run_is_freed_without_automatic_gc(tmp_path):
                 for _ in range(6):
                     next(dc)
                 job = server.jobs.get("reclaim")
-                assert job is not None and job.state == "running", f"run {run}: the job did not start"
+                assert job is not None, f"run {run}: the job did not start"
+                assert job.state == "running", f"run {run}: the job did not start"
                 refs.append(weakref.ref(job))
                 del job
             wait_for(lambda: refs[-1]() is None, 30, f"run {run}'s closed Job to be freed (gc is off)")

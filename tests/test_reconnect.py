@@ -54,7 +54,7 @@ def test_rank_socket_closed_mid_run_continues_exactly(server_factory, noticed):
                 for _ in range(5):
                     b = next(dc)
                     recs.append(batch_record(b))
-                    held = (held + [b])[-2:]  # the last two stay alive across the reconnect
+                    held = ([*held, b])[-2:]  # the last two stay alive across the reconnect
                 held_seen.extend(batch_record(b) for b in held)
                 # the server has published every slot of the ring: batches wait, unread, on the old connection
                 wait_for(lambda: ring_full(srv.socket, spec.name, spec.group_of(0)), 30, "a full ring")

@@ -115,4 +115,5 @@ def test_a_reply_goes_back_over_the_requesters_link_while_ours_to_it_is_not_up(e
             await link.aclose()
 
     rep = asyncio.run(ask())
-    assert rep["id"] == 7 and "does not coordinate" in rep["error"], rep
+    assert rep["id"] == 7, rep
+    assert "does not coordinate" in rep["error"], rep

@@ -108,15 +108,16 @@ def _expected(spec, planner_state) -> Counter:
     return want
 
 
-@pytest.mark.parametrize("dp_a,dp_b", [(4, 2), (2, 4)])
+@pytest.mark.parametrize(("dp_a", "dp_b"), [(4, 2), (2, 4)])
 def test_reshard_loses_and_repeats_nothing(srv, dp_a, dp_b):
     # constant global batch: dp * micro_batches = 8; a small source so the run crosses an epoch
     mb_a, mb_b = 8 // dp_a, 8 // dp_b
     kw = dict(seq_len=256, samples=60, median=(40.0, 60.0))
     spec_a = small_job("reshard", dp=dp_a, micro_batches=mb_a, **kw)
     spec_b = small_job("reshard", dp=dp_b, micro_batches=mb_b, **kw)
-    assert spec_a.data_digest() == spec_b.data_digest() and spec_a.digest() != spec_b.digest()
-    a, b, state, b_saved = interrupted(srv.socket, spec_a, 3, spec_b, 4)
+    assert spec_a.data_digest() == spec_b.data_digest()
+    assert spec_a.digest() != spec_b.digest()
+    a, b, _state, b_saved = interrupted(srv.socket, spec_a, 3, spec_b, 4)
     got = _delivered(a) + _delivered(b)
     final = b_saved[0]["planner"]
     assert max(final["cursor"]) > 60  # crossed an epoch boundary of a source
@@ -133,7 +134,8 @@ def test_mixture_change_is_recorded_and_survives_resume(srv):
     # the change may still be placed in step e or e+1, never later
     after = [rec for rec in ref[0] if rec["step"] >= e + 2]
     before = [rec for rec in ref[0] if rec["step"] < e]
-    assert after and all(src == 0 for rec in after for src, _ in rec["ids"])
+    assert after
+    assert all(src == 0 for rec in after for src, _ in rec["ids"])
     assert any(src == 1 for rec in before for src, _ in rec["ids"])
     assert saved[0]["planner"]["mixture"] != small_job("mix").to_dict()["mix"]  # the override is in the state
     # resume from a state saved before the end: the change is part of the state

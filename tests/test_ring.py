@@ -48,7 +48,8 @@ def test_segment_is_private_unlinked_and_views_are_copy_on_write():
         o2, a2, _, _ = r2.batch(HEADER_SIZE, wire)
         assert a1["x"].tolist() == list(range(16))
         a1["x"][0] = 999  # a reader's write stays private
-        assert a2["x"][0] == 0 and view[0] == 0
+        assert a2["x"][0] == 0
+        assert view[0] == 0
         del o1, a1, o2, a2
         view[:] = 7  # the producer reuses the slot
         assert r1.scrub(s1, e1)  # the written page is dropped at release ...
@@ -69,7 +70,7 @@ def test_named_segment_mode_and_cleanup():
         assert os.stat(path).st_mode & 0o777 == 0o600
         names = {n for n, _ in shm.list_segments()}
         assert seg.name[1:] in names
-        removed, kept = shm.cleanup()
+        _removed, kept = shm.cleanup()
         assert seg.name[1:] in kept  # its owner (us) is alive
     finally:
         seg.close()
@@ -109,4 +110,5 @@ def test_too_small_shm_fails_at_creation_clearly():
         timeout=60,
     )
     assert "ShmError:" in out.stdout, out.stderr
-    assert "shm-size" in out.stdout and "2.0 MiB free" in out.stdout
+    assert "shm-size" in out.stdout
+    assert "2.0 MiB free" in out.stdout

@@ -32,7 +32,8 @@ def test_standbys_are_other_nodes_spread_by_load_and_deterministic():
     load = dict.fromkeys(NODES, 0.0)
     for s, row in enumerate(sh):
         for k, nids in enumerate(row):
-            assert len(nids) == 1 and owners[s][k] not in nids
+            assert len(nids) == 1
+            assert owners[s][k] not in nids
             load[nids[0]] += cost[s]
     assert max(load.values()) - min(load.values()) <= max(cost) + 1e-9, load  # within one partition of even
     two = place_shadows(owners, NODES, 2, cost)
@@ -51,23 +52,28 @@ def test_fail_over_moves_only_the_lost_nodes_partitions_to_their_standbys():
     sh = place_shadows(owners, NODES, 1, cost)
     new, taken = fail_over(owners, sh, ["node-0", "node-1"], cost)
     lost = [(s, k) for s, row in enumerate(owners) for k, n in enumerate(row) if n == "node-2"]
-    assert lost and sorted(taken) == sorted(lost)
+    assert lost
+    assert sorted(taken) == sorted(lost)
     for s, row in enumerate(owners):
         for k, n in enumerate(row):
             assert new[s][k] == (sh[s][k][0] if n == "node-2" else n)
     # no standby left alive: the plain placement over the live nodes (cold), as without shadows
     cold = place_sources([6, 6], ["node-0"], cost)
     new2, taken2 = fail_over(owners, [[("node-1",)] * 6] * 2, ["node-0"], cost)
-    assert new2 == cold and taken2 == []
+    assert new2 == cold
+    assert taken2 == []
 
 
 def test_shadow_loaders_key_round_trips_and_is_layout_not_data():
     spec = small_job("sh", seed=3)
     with_shadow = msd.DGraph.from_spec(spec).shadow_loaders(2).plan()
-    assert with_shadow.shadow_loaders == 2 and spec.shadow_loaders == 0
+    assert with_shadow.shadow_loaders == 2
+    assert spec.shadow_loaders == 0
     assert msd.JobSpec.from_dict(with_shadow.to_dict()) == with_shadow
-    assert "shadow_loaders" in with_shadow.to_toml() and "shadow_loaders" not in spec.to_toml()
-    assert with_shadow.data_digest() == spec.data_digest() and with_shadow.digest() != spec.digest()
+    assert "shadow_loaders" in with_shadow.to_toml()
+    assert "shadow_loaders" not in spec.to_toml()
+    assert with_shadow.data_digest() == spec.data_digest()
+    assert with_shadow.digest() != spec.digest()
     with pytest.raises(ConfigError, match="shadow_loaders=-1 must be an integer >= 0"):
         msd.DGraph.from_spec(spec).shadow_loaders(-1).plan()
 
@@ -90,7 +96,8 @@ def test_a_standby_counts_references_of_recent_steps_only():
     cold = JobShard(_Host(), spec, "d", 3, run="r")
     warm = JobShard(_Host(), msd.DGraph.from_spec(spec).shadow_loaders(1).plan(), "d", 3, run="r")
     owners, standbys = warm.where.layout()
-    assert owners == cold.placement() and any("node-1" in n for row in standbys for n in row)
+    assert owners == cold.placement()
+    assert any("node-1" in n for row in standbys for n in row)
 
     class View:
         def lengths(self, source, start, count):

@@ -142,7 +142,8 @@ def test_peer_link_broken_while_the_owner_lives_standbys_serve_then_hand_back_ex
     rk.open(before)
     rk.at(late, "ranks past the link breaks", lambda: _here(c.nodes[owner], "shlink", "partitions_here"))
     assert standing(), "the standbys do not stand by again after the links came back"
-    assert c.nodes[owner].proc is not None and c.nodes[owner].proc.poll() is None, "the owner was to live on"
+    assert c.nodes[owner].proc is not None, "the owner was to live on"
+    assert c.nodes[owner].proc.poll() is None, "the owner was to live on"
     rk.join()
     for r in range(2):
         assert rk.got[r] == want[r], f"rank {r} saw other batches than an uninterrupted run"

@@ -64,15 +64,17 @@ def test_range_skips_only_a_to_b(srv, base, defer):
         same([x for x in got[r] if x[0] < A], [x for x in plain[r] if S <= x[0] < A])
         same([x for x in got[r] if x[0] >= B], ref[r])
         for step in range(A, B):  # lineage of the skipped steps: replayed by the server, flagged skipped
-            assert lin[r][step] and all(x["skipped"] for x in lin[r][step])
+            assert lin[r][step]
+            assert all(x["skipped"] for x in lin[r][step])
         assert not any(x["skipped"] for s in range(S, A) for x in lin[r][s])
     # the state after B is the one skip(steps=B-A) from A reaches (skips recorded, deferred pieces, counts)
     assert got_state[0]["planner"] == ref_state[0]["planner"]
-    assert got_state[0]["planner"]["skips"] == [[A, B]] and "pending_skip" not in got_state[0]["planner"]
+    assert got_state[0]["planner"]["skips"] == [[A, B]]
+    assert "pending_skip" not in got_state[0]["planner"]
 
 
 def test_a_checkpoint_before_a_carries_the_skip(srv, base):
-    spec, plain, at_s, at_a = base
+    spec, _plain, at_s, _at_a = base
     whole, _, mid = run_job(spec, srv.socket, (A - S) + (N - B), state=at_s, skip={"steps": (A, B)}, save_at=1)
     assert mid[0]["planner"]["pending_skip"] == {"start": A, "stop": B, "defer": False}
     assert "skip" not in mid[0]  # the planner state carries it: a plain load resumes with the skip
@@ -83,7 +85,7 @@ def test_a_checkpoint_before_a_carries_the_skip(srv, base):
 
 
 def test_a_state_saved_at_a_is_skip_of_b_minus_a(srv, base):
-    spec, plain, at_s, at_a = base
+    spec, _plain, _at_s, at_a = base
     ref, _, _ = run_job(spec, srv.socket, N - B, state=at_a, skip={"steps": B - A}, lineage=False)
     got, _, _ = run_job(spec, srv.socket, N - B, state=at_a, skip={"steps": (A, B)}, lineage=False)
     for r in got:
@@ -91,7 +93,7 @@ def test_a_state_saved_at_a_is_skip_of_b_minus_a(srv, base):
 
 
 def test_range_misuse_is_refused(base):
-    spec, plain, at_s, at_a = base
+    spec, _plain, _at_s, at_a = base
     with msd.DataClient(spec, endpoint="/nonexistent.sock", rank=0, world_size=2) as dc:
         dc.load_state_dict(at_a)
         with pytest.raises(msd.errors.CheckpointError, match=rf"state is at step {A}, past step {S}"):

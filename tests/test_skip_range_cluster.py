@@ -34,6 +34,8 @@ def test_range_skip_on_three_nodes_is_one_nodes(etcd_server, cluster_factory, se
         want = [x for x in plain[r] if S <= x[0] < A] + ref[r]
         assert [(s, m) for s, m, _ in got[r]] == [(s, m) for s, m, _ in want]
         for (s, m, b1), (_, _, b2) in zip(got[r], want):
-            assert set(b1) == set(b2) and all(np.array_equal(b1[k].numpy(), b2[k].numpy()) for k in b1), (s, m)
+            assert set(b1) == set(b2), (s, m)
+            assert all(np.array_equal(b1[k].numpy(), b2[k].numpy()) for k in b1), (s, m)
         for step in range(A, B):
-            assert lin[r][step] and all(x["skipped"] for x in lin[r][step])
+            assert lin[r][step]
+            assert all(x["skipped"] for x in lin[r][step])

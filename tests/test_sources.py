@@ -81,8 +81,11 @@ def test_round_trip_every_row_once_per_epoch(tmp_path, fmt):
             assert recs == [truth[(int(a), int(b))] for a, b in zip(f, r)]
             assert sorted(recs) == sorted(truth.values())
         stats = src.statistics()
-        assert stats.rows_read == 2 * n and stats.bytes_read > 0 and stats.bad_samples == {}
-        assert stats.files == 3 and stats.index_bytes > 0
+        assert stats.rows_read == 2 * n
+        assert stats.bytes_read > 0
+        assert stats.bad_samples == {}
+        assert stats.files == 3
+        assert stats.index_bytes > 0
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
@@ -198,15 +201,20 @@ def synth(seed=5, name="syn", **kw):
 
 def test_synthetic_documents():
     s = synth(samples=4000, median=200.0, sigma=1.0, min_len=16, max_len=3000)
-    assert isinstance(s, SyntheticSource) and s.num_samples == 4000
+    assert isinstance(s, SyntheticSource)
+    assert s.num_samples == 4000
     ords = np.arange(4000)
     lens = s.lengths(ords)
-    assert lens.min() >= 16 and lens.max() <= 3000
+    assert lens.min() >= 16
+    assert lens.max() <= 3000
     assert 170 <= np.median(lens) <= 230
     docs = s.read(ords[:300])
     assert [len(d) for d in docs] == lens[:300].tolist()
     for d in docs:
-        assert d.dtype == np.int32 and d[-1] == EOS and d[:-1].min() >= 0 and d[:-1].max() < 256
+        assert d.dtype == np.int32
+        assert d[-1] == EOS
+        assert d[:-1].min() >= 0
+        assert d[:-1].max() < 256
     assert len({d.tobytes() for d in docs}) == 300
 
 
@@ -344,7 +352,8 @@ def test_corrupt_row_group_found_at_read(tmp_path):
     recs = src.read(np.arange(300))
     _, _, r = src.locate_many(np.arange(300))
     bad = [x for x in recs if isinstance(x, BadSample)]
-    assert len(bad) == 100 and {b.reason for b in bad} == {"corrupt"}
+    assert len(bad) == 100
+    assert {b.reason for b in bad} == {"corrupt"}
     assert all(isinstance(x, BadSample) == (100 <= row < 200) for x, row in zip(recs, r.tolist()))
     assert sorted(x for x in recs if isinstance(x, str)) == sorted(rows[:100] + rows[200:])
     assert src.statistics().bad_samples == {"corrupt": 100}
@@ -372,7 +381,8 @@ def test_jsonl_bad_lines(tmp_path, caplog):
     stats = src.statistics().bad_samples
     assert stats == {"bad_json": 4, "missing_field": 2, "invalid_utf8": 2, "oversize": 2}
     msgs = [r.getMessage() for r in caplog.records]
-    assert len(msgs) == 5 and all("d.jsonl row" in m for m in msgs)
+    assert len(msgs) == 5
+    assert all("d.jsonl row" in m for m in msgs)
 
 
 def test_oversize_and_null_in_arrow_columns(tmp_path):
@@ -431,7 +441,8 @@ def test_transient_errors_are_retried(tmp_path, monkeypatch):
 
     monkeypatch.setattr(jsonl_mod.os, "pread", flaky)
     assert sorted(src.read(np.arange(10))) == sorted(truth.values())
-    assert failures["left"] == 0 and src.statistics().bad_samples == {}
+    assert failures["left"] == 0
+    assert src.statistics().bad_samples == {}
 
     def broken(fd, n, off):
         raise OSError(errno.EIO, "Input/output error")

@@ -85,12 +85,14 @@ def test_bases_and_deltas_compose_to_the_states_exactly(states, every):
     for state in states:
         data, is_base = w.encode(state["step"], state)
         rec = decode(data, "test")
-        assert rec.step == state["step"] and rec.is_delta != is_base
+        assert rec.step == state["step"]
+        assert rec.is_delta != is_base
         if is_base:
             bases[rec.step] = data
             assert same(rec.state, state)
         else:
-            assert rec.base is not None and state["step"] - rec.base < every
+            assert rec.base is not None
+            assert state["step"] - rec.base < every
             assert same(compose(rec, decode(bases[rec.base], "b"), bases[rec.base], "test"), state)
 
 
@@ -104,7 +106,9 @@ def test_state_dir_loads_every_step_of_its_window(tmp_path_factory, states, ever
         store.save(s, state)
         for back in range(max(0, s - keep + 1), s + 1):  # every step of the window loads exactly
             got = StateStore(str(d), "job", "f" * 64).load_at_or_before(back)  # a fresh store: from disk only
-            assert got is not None and got[0] == back and same(got[1], states[back])
+            assert got is not None
+            assert got[0] == back
+            assert same(got[1], states[back])
         assert len(os.listdir(store.dir)) <= keep + every - 1  # bounded: the window and its bases
 
 
@@ -124,7 +128,9 @@ def test_real_planner_states_round_trip_and_restore_a_planner(tmp_path):
     for s in states:
         store.save(s["step"], s)
     got = store.load_at_or_before(13)
-    assert got is not None and got[0] == 13 and same(got[1], states[13])
+    assert got is not None
+    assert got[0] == 13
+    assert same(got[1], states[13])
     from .planner_util import config
 
     assert Planner(config(dp=64), state=got[1]).state_dict() == states[13]  # a planner restores from it
@@ -184,7 +190,9 @@ def test_a_delta_names_its_base_and_its_base_crc():
     a, b = {"step": 0, "x": [1, 2]}, {"step": 1, "x": [1, 2], "y": 3}
     base = encode_base(0, a)
     rec = decode(encode_delta(1, b, 0, a, base), "t")
-    assert rec.base == 0 and rec.changed == {"step": 1, "y": 3} and rec.removed == ()
+    assert rec.base == 0
+    assert rec.changed == {"step": 1, "y": 3}
+    assert rec.removed == ()
     assert same(compose(rec, decode(base, "t"), base, "t"), b)
 
 

@@ -9,8 +9,12 @@ def test_record_keeps_the_newest_steps_in_order_and_forgets_from_the_oldest():
     h = StateHistory(4)
     for step in range(10):
         h.record(step, {"step": step})
-    assert list(h.states) == [6, 7, 8, 9] and len(h) == 4 and h[9] == {"step": 9}
-    assert h.newest() == {"step": 9} and h.oldest() == 6 and h.span() == "6..9"
+    assert list(h.states) == [6, 7, 8, 9]
+    assert len(h) == 4
+    assert h[9] == {"step": 9}
+    assert h.newest() == {"step": 9}
+    assert h.oldest() == 6
+    assert h.span() == "6..9"
     assert h.window(7, 9) == ((7, {"step": 7}), {8: {"step": 8}})
 
 
@@ -31,6 +35,8 @@ def test_forget_from_drops_the_cut_steps_and_later_records_stay_in_order():
     for step in range(6):
         h.record(step, {"step": step})
     h.forget_from(3)
-    assert list(h.states) == [0, 1, 2] and 3 not in h
+    assert list(h.states) == [0, 1, 2]
+    assert 3 not in h
     h.record(3, {"step": "3 again"})
-    assert list(h.states) == [0, 1, 2, 3] and h.get(3) == {"step": "3 again"}
+    assert list(h.states) == [0, 1, 2, 3]
+    assert h.get(3) == {"step": "3 again"}

@@ -56,10 +56,12 @@ def test_tls_keys_are_set_together_and_resolve_against_the_config_dir(tmp_path):
     with pytest.raises(ConfigError, match=r"tls_key = 3 must be a path"):
         parse_config(_doc(tls_key=3))  # type: ignore[arg-type]
     cc = parse_config(_doc(tls_cert="n.pem", tls_key="/k/n.key", tls_ca="ca.pem"), base_dir=str(tmp_path)).cluster
-    assert cc is not None and cc.tls
+    assert cc is not None
+    assert cc.tls
     assert (cc.tls_cert, cc.tls_key, cc.tls_ca) == (str(tmp_path / "n.pem"), "/k/n.key", str(tmp_path / "ca.pem"))
     plain = parse_config(_doc()).cluster
-    assert plain is not None and not plain.tls
+    assert plain is not None
+    assert not plain.tls
 
 
 def test_tls_files_must_exist_load_and_keep_the_key_private(pki, tmp_path):
@@ -98,7 +100,9 @@ def test_tls_link_carries_frames_and_payloads_intact(pki, arun):
         got: list = []
         srv, port = await _server(a.server, got)
         link = await PeerLink.connect("127.0.0.1", port, token=TOKEN, node_id="cli", tls=b.client)
-        assert link.authenticated and link.peer_id == "srv" and link.tls_version == "TLSv1.3"
+        assert link.authenticated
+        assert link.peer_id == "srv"
+        assert link.tls_version == "TLSv1.3"
         await link.send({"t": "hi", "n": 1})
         await link.send_payload({"t": "blob"}, blob)
         await link.send({"t": "bye"})
@@ -114,8 +118,8 @@ def test_tls_link_carries_frames_and_payloads_intact(pki, arun):
 
 
 async def _until(cond) -> None:
-    while not cond():
-        await asyncio.sleep(0.01)  # polls state the loop's other callbacks change
+    while not cond():  # noqa: ASYNC110  (polls another process's state)
+        await asyncio.sleep(0.01)
 
 
 def test_a_certificate_of_another_ca_is_refused_both_ways(pki, arun, caplog):
@@ -153,7 +157,8 @@ def test_tls_and_plain_sides_refuse_each_other(pki, arun, caplog):
             await PeerLink.connect("127.0.0.1", tls_port, token=TOKEN, node_id="plain-one")
         with pytest.raises(AuthError, match=r"refused us: this node has no TLS on peer links"):
             await PeerLink.connect("127.0.0.1", plain_port, token=TOKEN, node_id="tls-one", tls=a.client)
-        assert not tls_srv.links and not plain_srv.links
+        assert not tls_srv.links
+        assert not plain_srv.links
         await tls_srv.aclose()
         await plain_srv.aclose()
 
@@ -199,7 +204,7 @@ def test_etcd_over_https_needs_our_client_certificate(pki, etcd_https, arun):
 
 def test_job_over_tls_links_and_https_etcd_gives_the_batches_of_one_plain_node(
     pki, etcd_https, cluster_factory, server_factory
-):  # noqa: F811
+):
     spec = small_job("tls", dp=3, tp=2, samples=300, seed=11)
     n = 3 * spec.micro_batches
     want = run_ranks(spec, server_factory().start().socket, n)
@@ -215,7 +220,7 @@ def test_job_over_tls_links_and_https_etcd_gives_the_batches_of_one_plain_node(
     assert "plain http although tls_* are set" not in c.nodes["node-0"].log()
 
 
-def test_nodes_with_a_foreign_certificate_or_without_tls_get_no_link(pki, etcd_server, cluster_factory):  # noqa: F811
+def test_nodes_with_a_foreign_certificate_or_without_tls_get_no_link(pki, etcd_server, cluster_factory):
     certs = {"node-0": pki["node-0"], "node-1": pki["node-1"], "node-2": pki["foreign"], "node-3": None}
     c = _with_tls(cluster_factory(etcd_server.url, n=4), certs).start()
     every = set(c.nodes)
@@ -238,7 +243,10 @@ def test_nodes_with_a_foreign_certificate_or_without_tls_get_no_link(pki, etcd_s
              30, "the two good nodes linked")  # fmt: skip
     sts = c.statuses()
     assert sts["node-1"]["cluster"]["links"] == ["node-0"]
-    assert sts["node-2"]["cluster"]["links"] == [] and sts["node-3"]["cluster"]["links"] == []
-    assert sts["node-2"]["cluster"]["incoming"] == [] and sts["node-3"]["cluster"]["incoming"] == []
+    assert sts["node-2"]["cluster"]["links"] == []
+    assert sts["node-3"]["cluster"]["links"] == []
+    assert sts["node-2"]["cluster"]["incoming"] == []
+    assert sts["node-3"]["cluster"]["incoming"] == []
     assert "plain http although tls_* are set" in c.nodes["node-0"].log()
-    assert TOKEN not in c.nodes["node-0"].log() and c.token_file.read_text() not in c.nodes["node-0"].log()
+    assert TOKEN not in c.nodes["node-0"].log()
+    assert c.token_file.read_text() not in c.nodes["node-0"].log()

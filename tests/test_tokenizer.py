@@ -91,12 +91,16 @@ def test_pad_id_is_the_tokenizers_pad_token_else_257_with_a_warning(tmp_path):
     spec = msd.DGraph.from_toml(write_job(tmp_path, t.format("n.json"))).spec
     assert spec.pad_id == 257
     warning = pad_warning(spec.pad_id, [s.transform for s in spec.sources])
-    assert warning is not None and "pad_id=257" in warning and "no pad token" in warning
+    assert warning is not None
+    assert "pad_id=257" in warning
+    assert "no pad token" in warning
     spec = msd.DGraph.from_toml(write_job(tmp_path, t.format("n.json"), "pad_id = 5000")).spec
-    assert spec.pad_id == 5000 and pad_warning(5000, [s.transform for s in spec.sources]) is None
+    assert spec.pad_id == 5000
+    assert pad_warning(5000, [s.transform for s in spec.sources]) is None
     # byte tokens: 257 as before, nothing to warn about
     spec = msd.DGraph.from_toml(write_job(tmp_path, "msdata_server.transforms:byte_tokens")).spec
-    assert spec.pad_id == 257 and pad_warning(257, [s.transform for s in spec.sources]) is None
+    assert spec.pad_id == 257
+    assert pad_warning(257, [s.transform for s in spec.sources]) is None
 
 
 def test_validate_loads_the_tokenizer_and_warns_about_pad_id(tmp_path):
@@ -105,7 +109,9 @@ def test_validate_loads_the_tokenizer_and_warns_about_pad_id(tmp_path):
     job = write_job(tmp_path, "msdata_server.transforms:hf_tokenizer('missing.json')")
     out = cli("validate", "--config", str(node), "--job", str(job), cwd=tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "web" in out.stderr and "missing.json" in out.stderr and "Traceback" not in out.stderr
+    assert "web" in out.stderr
+    assert "missing.json" in out.stderr
+    assert "Traceback" not in out.stderr
     train_bpe(tmp_path / "n.json", pad=False)
     job = write_job(tmp_path, "msdata_server.transforms:hf_tokenizer('n.json')")
     out = cli("validate", "--config", str(node), "--job", str(job), cwd="/")
@@ -119,7 +125,7 @@ def test_tokenizer_outside_data_roots_is_refused(tmp_path):
     spec = msd.DGraph.from_toml(
         write_job(tmp_path / "roots", f"msdata_server.transforms:hf_tokenizer('{tmp_path}/t.json')")
     ).spec
-    with pytest.raises(msd.ConfigError, match="tokenizer file .* lies outside \\[node\\] data_roots"):
+    with pytest.raises(msd.ConfigError, match=r"tokenizer file .* lies outside \[node\] data_roots"):
         check_paths(spec, (str(tmp_path / "roots"),))
     check_paths(spec, (str(tmp_path),))
 
@@ -130,10 +136,11 @@ def test_a_server_tokenizes_with_a_relative_tokenizer(server_factory, tmp_path, 
     job = write_job(tmp_path, f"msdata_server.transforms:hf_tokenizer('tokenizer.json', eos={eos})")
     srv = server_factory().start()  # its working directory is not tmp_path
     spec = msd.DGraph.from_toml(job)
-    want = {tuple(tok.encode(t).ids + [eos]) for t in TEXTS}
+    want = {tuple([*tok.encode(t).ids, eos]) for t in TEXTS}
     with msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1) as dc:
         b = next(dc)
         tokens, cu, counts = b["tokens"].flatten().tolist(), b["cu_seqlens"].tolist(), b["doc_counts"].tolist()
         docs = [tuple(tokens[cu[i] : cu[i + 1]]) for i in range(counts[0])]
-    assert docs and all(d in want for d in docs if d[-1] == eos)
+    assert docs
+    assert all(d in want for d in docs if d[-1] == eos)
     assert tokens[cu[counts[0]] :] == [spec.spec.pad_id] * (len(tokens) - cu[counts[0]])

@@ -59,14 +59,16 @@ def test_step_is_forward_and_backward(e2e):
     torch.manual_seed(0)
     model = e2e.TinyLM(d_model=16, heads=1, head_dim=8, layers=1, max_len=64)
     loss = e2e.make_step(model)(packed_batch([30, 20], 64, generator=torch.Generator().manual_seed(0)))
-    assert math.isfinite(loss) and loss > 0
+    assert math.isfinite(loss)
+    assert loss > 0
     assert all(p.grad is not None for p in model.parameters())
 
 
 def test_placements_hold_the_same_kind_of_steps(e2e):
     seq_len, dp = 2048, 4
     for placed, tokens in e2e.arrival_steps(seq_len, dp, 2, 0) + e2e.planner_steps(seq_len, dp, 2, 0, 1e-9, 1e-5):
-        assert len(placed) == dp and all(len(rank) == e2e.MICRO for rank in placed)
+        assert len(placed) == dp
+        assert all(len(rank) == e2e.MICRO for rank in placed)
         assert all(sum(mb) <= seq_len for rank in placed for mb in rank)
         assert tokens == sum(sum(mb) for rank in placed for mb in rank)
         assert tokens > 0.5 * dp * e2e.MICRO * seq_len
@@ -77,4 +79,6 @@ def test_timed_ranks_takes_the_predicted_slowest_and_a_sample(e2e):
     rng = np.random.default_rng(0)
     assert e2e.timed_ranks(pred[:8], 8, 8, 2, 2, rng) == list(range(8))
     got = e2e.timed_ranks(pred, 64, 8, 2, 3, rng)
-    assert len(got) == 5 and {63, 62} <= set(got) and got == sorted(got)
+    assert len(got) == 5
+    assert {63, 62} <= set(got)
+    assert got == sorted(got)

@@ -124,6 +124,7 @@ def test_hf_llama_trains_and_resumes_bit_for_bit(server_factory, tmp_path):
     _train(job, srv.socket, tmp_path / "ckpt-resumed", resumed, "--resume", str(ckpt / f"step-{SAVE}.pt"))
 
     a, b = _losses(whole), _losses(resumed)
-    assert len(a) == STEPS and len(b) == STEPS - SAVE
+    assert len(a) == STEPS
+    assert len(b) == STEPS - SAVE
     assert b == a[SAVE:]  # the same floats as the uninterrupted run
     assert a[-1] < 0.8 * a[0], a  # the model learns the byte statistics of its data

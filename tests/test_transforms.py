@@ -97,14 +97,17 @@ def test_run_transform_seeds_per_sample_and_isolates_failures():
     assert not np.array_equal(one[0], other[0])
     out = run_transform(fails_on_b, ["a", "b", BadSample("oversize", "x"), "dd"], seed=0, sample_ids=np.arange(4))
     assert out[0].tolist() == [0, 0]
-    assert isinstance(out[1], BadSample) and out[1].reason == "transform_error" and "boom on b" in out[1].detail
+    assert isinstance(out[1], BadSample)
+    assert out[1].reason == "transform_error"
+    assert "boom on b" in out[1].detail
     assert out[2].reason == "oversize"
     assert len(out[3]) == 3
 
 
 def test_run_transform_rejects_scalars_and_non_token_records():
     out = run_transform(lambda r, **_: 5, ["a"], seed=0, sample_ids=[0])
-    assert out[0].reason == "transform_error" and "scalar" in out[0].detail
+    assert out[0].reason == "transform_error"
+    assert "scalar" in out[0].detail
     out = run_transform(identity, ["text"], seed=0, sample_ids=[0])
     assert "set transform" in out[0].detail
     assert run_transform(identity, [[1, 2]], seed=0, sample_ids=[0])[0].dtype == np.int32
@@ -118,7 +121,8 @@ def test_hf_tokenizer(tmp_path):
     tok.save(str(path))
     fn = hf_tokenizer(str(path), eos=99)
     out = fn("hello world again")
-    assert out.dtype == np.int32 and out.tolist() == [0, 1, 2, 99]
+    assert out.dtype == np.int32
+    assert out.tolist() == [0, 1, 2, 99]
     assert fn(b"world").tolist() == [1, 99]
     with pytest.raises(BadSampleError, match="UTF-8"):
         fn(b"\xff")
@@ -146,14 +150,18 @@ def _png(w, h):
 def test_image_patches():
     data = _png(100, 60)
     a = image_patches(data, rng=np.random.default_rng(1), patch=8, grid=(4, 6))
-    assert a.dtype == np.uint8 and a.shape == (24, 8 * 8 * 3) and len(a) == 24
+    assert a.dtype == np.uint8
+    assert a.shape == (24, 8 * 8 * 3)
+    assert len(a) == 24
     b = image_patches(data, rng=np.random.default_rng(1), patch=8, grid=(4, 6))
     c = image_patches(data, rng=np.random.default_rng(2), patch=8, grid=(4, 6))
-    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
     # through run_transform the crop is seeded from (seed, sample id)
     r1 = run_transform(image_patches, [data], seed=3, sample_ids=[5])[0]
     r2 = run_transform(image_patches, [data], seed=3, sample_ids=[5])[0]
-    assert r1.shape == (256, 768) and np.array_equal(r1, r2)
+    assert r1.shape == (256, 768)
+    assert np.array_equal(r1, r2)
     with pytest.raises(BadSampleError, match="does not decode"):
         image_patches(b"not an image", rng=np.random.default_rng(0))
 

@@ -76,7 +76,10 @@ def test_smart_resize_bounds(h, w, patch, merge, lo, span):
     assume(max(h, w) <= 200 * min(h, w))
     assume(-(-lo // (f * f)) <= hi // (f * f))  # some area of whole blocks lies in the bounds
     th, tw = smart_resize(h, w, factor=f, min_pixels=lo, max_pixels=hi)
-    assert th % f == 0 and tw % f == 0 and th >= f and tw >= f
+    assert th % f == 0
+    assert tw % f == 0
+    assert th >= f
+    assert tw >= f
     assert lo <= th * tw <= hi
     ref = hf_smart_resize(h, w, f, lo, hi)
     if lo <= ref[0] * ref[1] <= hi:  # Qwen2-VL's own answer wherever it keeps the bounds
@@ -91,10 +94,12 @@ def test_smart_resize_bounds(h, w, patch, merge, lo, span):
 def test_smart_resize_keeps_aspect_for_the_workload_bounds(h, aspect):
     w = max(1, round(h * aspect))
     th, tw = smart_resize(h, w, factor=28, min_pixels=3136, max_pixels=1048576)
-    assert 3136 <= th * tw <= 1048576 and th % 28 == tw % 28 == 0
+    assert 3136 <= th * tw <= 1048576
+    assert th % 28 == tw % 28 == 0
     assert abs(math.log((tw / th) / (w / h))) < 0.5  # sides >= 56 px: at worst half a block per side off
     if (h + 14) * (w + 14) <= 1048576 and min(h, w) >= 60:
-        assert abs(th - h) <= 14 and abs(tw - w) <= 14  # in bounds even rounded up: only rounded to the grid
+        assert abs(th - h) <= 14
+        assert abs(tw - w) <= 14
 
 
 def test_smart_resize_examples_and_errors():
@@ -132,15 +137,21 @@ def test_one_image_caption(fmt, size):
     fn = vlm(max_pixels=401_408)  # 2400 x 1200 goes down (a JPEG through DCT scaling), 20 x 15 goes up
     colour = "yellow" if size[0] % 2 else "blue"
     out = fn({"image": encode(colour, size, fmt), "caption": f"a {colour} thing"})
-    assert isinstance(out, VlmSample) and out.tokens.dtype == np.int32
+    assert isinstance(out, VlmSample)
+    assert out.tokens.dtype == np.int32
     ((t, h, w),) = out.image_grid_thw.tolist()
-    assert out.image_grid_thw.dtype == np.int64 and t == 1
-    assert 3136 <= h * w * 196 <= 401_408 and h % 2 == 0 and w % 2 == 0
+    assert out.image_grid_thw.dtype == np.int64
+    assert t == 1
+    assert 3136 <= h * w * 196 <= 401_408
+    assert h % 2 == 0
+    assert w % 2 == 0
     assert abs(math.log((w / h) / (size[0] / size[1]))) < 0.25
     n_ph = t * h * w // 4
     assert len(out) == n_ph + len(f"a {colour} thing") + 1
-    assert (out.tokens[:n_ph] == IMAGE_TOKEN).all() and out.tokens[-1] == 256
-    assert out.pixel_values.dtype == np.uint8 and out.pixel_values.shape == (t * h * w, 588)
+    assert (out.tokens[:n_ph] == IMAGE_TOKEN).all()
+    assert out.tokens[-1] == 256
+    assert out.pixel_values.dtype == np.uint8
+    assert out.pixel_values.shape == (t * h * w, 588)
     assert np.abs(colour_of(out.pixel_values) - COLOURS[colour]).max() <= (1.5 if fmt == "PNG" else 8)
 
 
@@ -167,14 +178,16 @@ def test_interleaved_images_transparency_and_modes():
 def test_text_only_record_and_key_alternatives():
     fn = load_transform("msdata_server.transforms:vlm(image_key='jpg;png', text_key='txt', image_token_id=300)")
     out = fn({"png": encode("red"), "txt": b"hi"})
-    assert out.tokens[-3:].tolist() == [104, 105, 256] and (out.tokens[:-3] == 300).all()
+    assert out.tokens[-3:].tolist() == [104, 105, 256]
+    assert (out.tokens[:-3] == 300).all()
     empty = fn({"jpg": [], "txt": "only text"})
-    assert empty.tokens.tolist() == list(b"only text") + [256]
-    assert empty.pixel_values.shape == (0, 588) and empty.image_grid_thw.shape == (0, 3)
+    assert empty.tokens.tolist() == [*list(b"only text"), 256]
+    assert empty.pixel_values.shape == (0, 588)
+    assert empty.image_grid_thw.shape == (0, 3)
 
 
 @pytest.mark.parametrize(
-    "record, reason, match",
+    ("record", "reason", "match"),
     [
         ({"image": b"\x89PNG\r\n\x1a\n" + b"\0" * 50, "caption": "x"}, "corrupt", "does not decode"),
         ({"image": encode("red", (200, 200), "JPEG")[:300], "caption": "x"}, "corrupt", "does not decode"),
@@ -195,7 +208,8 @@ def test_bad_records_are_bad_samples(record, reason, match):
     assert e.value.reason == reason
     # run_transform (what the loader and the workers call) turns them into counted BadSamples
     [bad] = run_transform(fn, [record], seed=0, sample_ids=[7])
-    assert isinstance(bad, BadSample) and bad.reason == reason
+    assert isinstance(bad, BadSample)
+    assert bad.reason == reason
 
 
 def test_corrupt_pixels_of_a_valid_header():
@@ -221,7 +235,8 @@ def test_configuration_errors(monkeypatch):
 def test_vlm_sample_arrays_round_trip():
     out = vlm()({"image": encode("red"), "caption": "r"})
     again = VlmSample.from_arrays({k: v.copy() for k, v in out.arrays().items()})
-    assert len(again) == len(out) and again.nbytes == out.nbytes
+    assert len(again) == len(out)
+    assert again.nbytes == out.nbytes
     assert all(np.array_equal(a, b) for a, b in zip(out.arrays().values(), again.arrays().values()))
 
 
@@ -260,10 +275,12 @@ def test_multi_column_records_round_trip(tmp_path, fmt):
         recs = src.read(np.arange(20))
         assert sorted(r["n"] for r in recs) == list(range(20))
         for r in recs:
-            assert set(r) == {"images", "caption", "n"} and r["images"] == table["images"][r["n"]].as_py()
+            assert set(r) == {"images", "caption", "n"}
+            assert r["images"] == table["images"][r["n"]].as_py()
             out = one(r)
             per = out.image_grid_thw.prod(axis=1)
-            assert len(per) == 2 and len(out.pixel_values) == per.sum()
+            assert len(per) == 2
+            assert len(out.pixel_values) == per.sum()
             assert (out.tokens[: per.sum() // 4] == IMAGE_TOKEN).all()
             for k, name in enumerate(r["caption"].split(" then ")):
                 lo = per[:k].sum()
@@ -351,4 +368,5 @@ def test_stage_loads_add_up(docs):
     assert loads.shape == (2, 6)
     assert np.allclose(loads.sum(axis=1), [b[rank >= 0].sum(), v[rank >= 0].sum()])
     imb = stage_imbalance(rank, b, v, 6)
-    assert 1.0 <= imb.backbone <= 6.0 + 1e-9 and 1.0 <= imb.vision <= 6.0 + 1e-9
+    assert 1.0 <= imb.backbone <= 6.0 + 1e-9
+    assert 1.0 <= imb.vision <= 6.0 + 1e-9

@@ -121,10 +121,11 @@ def arrays(plan) -> list[bytes]:
 def test_vlm_is_a_cost_kind_and_configs_are_checked():
     assert CostKind.parse("vlm", "cost") is CostKind.VLM
     cfg = config()
-    assert cfg.vlm_cost == COST and config(cost="attention").vlm_cost is None
+    assert cfg.vlm_cost == COST
+    assert config(cost="attention").vlm_cost is None
     with pytest.raises(ConfigError, match="cost='cubic' is not one of 'attention', 'vlm'"):
         config(cost="cubic")
-    with pytest.raises(ConfigError, match="alpha_v=-1.0 must be a finite number >= 0"):
+    with pytest.raises(ConfigError, match=r"alpha_v=-1.0 must be a finite number >= 0"):
         config(alpha_v=-1.0)
     with pytest.raises(ConfigError, match="beta_v=nan"):
         config(beta_v=float("nan"))
@@ -140,16 +141,21 @@ def test_job_spec_with_the_vlm_cost():
         "balance": {"cost": "vlm", "alpha": 2.0},
     }
     cfg = planner_config(JobSpec.from_dict(d))
-    assert cfg.cost == "vlm" and cfg.cost_fn is None and cfg.alpha == 2.0
+    assert cfg.cost == "vlm"
+    assert cfg.cost_fn is None
+    assert cfg.alpha == 2.0
     d["balance"]["cost"] = "numpy:square"
     cfg = planner_config(JobSpec.from_dict(d))
-    assert cfg.cost == "attention" and cfg.cost_fn == "numpy:square"
+    assert cfg.cost == "attention"
+    assert cfg.cost_fn == "numpy:square"
 
 
 def test_stats_keys_are_added_only():
     plan = Planner(config(cost="attention")).plan_step(VlmView())
     d = plan.stats.to_dict()
-    assert d["encoder_imbalance"] is None and d["backbone_imbalance"] is None and plan.stats.stage_cost is None
+    assert d["encoder_imbalance"] is None
+    assert d["backbone_imbalance"] is None
+    assert plan.stats.stage_cost is None
     assert {
         "imbalance",
         "gap",
@@ -164,7 +170,8 @@ def test_stats_keys_are_added_only():
         "ingest_ms",
     } < set(d)
     d = Planner(config()).plan_step(VlmView()).stats.to_dict()
-    assert d["encoder_imbalance"] >= 1.0 and d["backbone_imbalance"] >= 1.0
+    assert d["encoder_imbalance"] >= 1.0
+    assert d["backbone_imbalance"] >= 1.0
     json.dumps(d)
 
 
@@ -274,7 +281,8 @@ def test_every_image_is_costed_once_with_its_first_piece():
     src = np.concatenate([p.source for p in plans] + [carry["source"]]).astype(np.int64)
     ords = np.concatenate([p.ordinal for p in plans] + [carry["ordinal"]])
     offs = np.concatenate([p.offset for p in plans] + [carry["offset"]]).astype(np.int64)
-    assert (offs > 0).any() and ((offs > 0) & (src == 1)).any()  # split document images (their rest has no images)
+    assert (offs > 0).any()
+    assert ((offs > 0) & (src == 1)).any()
     for s in range(len(NAMES)):
         cursor = state["cursor"][s]
         lengths = view.lengths(s, 0, cursor)
@@ -283,7 +291,7 @@ def test_every_image_is_costed_once_with_its_first_piece():
     # the carried pieces' moments are their documents' (first piece) or zero
     for i in range(carry["source"].size):
         s, o, off = int(carry["source"][i]), int(carry["ordinal"][i]), int(carry["offset"][i])
-        images, patches = view.vision(s, o, 1)
+        _images, patches = view.vision(s, o, 1)
         want = (int(patches.sum()), int((patches * patches).sum())) if off == 0 else (0, 0)
         assert (int(carry["patches"][i]), int(carry["patches_sq"][i])) == want
 
@@ -297,7 +305,8 @@ def test_resume_is_exact_and_states_do_not_mix():
     for _ in range(3):
         first.plan_step(view)
     state = json.loads(json.dumps(first.state_dict()))
-    assert state["carry"]["patches"] and len(state["carry"]["patches"]) == len(state["carry"]["source"])
+    assert state["carry"]["patches"]
+    assert len(state["carry"]["patches"]) == len(state["carry"]["source"])
     resumed = Planner.from_state(cfg, state)
     got = [resumed.plan_step(view) for _ in range(3)]
     for a, b in zip(want[3:], got):
@@ -321,18 +330,20 @@ def test_both_stages_balance_where_arrival_order_does_not():
         got[method] = [max(p.stats.encoder_imbalance, p.stats.backbone_imbalance) for p in plans]
         for p in plans:
             check_stage_stats(p, cfg, view)
-    assert max(got["karmarkar_karp"]) <= 1.03 and max(got["greedy"]) <= 1.03, got
+    assert max(got["karmarkar_karp"]) <= 1.03, got
+    assert max(got["greedy"]) <= 1.03, got
     assert min(got["none"]) > 1.2, got
 
 
 def test_a_text_view_has_no_encoder_cost():
     plan = Planner(config()).plan_step(TextView())
-    assert not plan.stats.stage_cost[1].any() and plan.stats.encoder_imbalance == 1.0
+    assert not plan.stats.stage_cost[1].any()
+    assert plan.stats.encoder_imbalance == 1.0
     assert plan.stats.backbone_imbalance < 1.1
 
 
 @pytest.mark.parametrize(
-    "answer,match",
+    ("answer", "match"),
     [
         (lambda n: (np.ones(n + 1, np.int64), np.ones(n + 1, np.int64)), "image counts"),
         (lambda n: (np.ones(n, np.int64), np.ones(n - 1, np.int64)), "image counts"),
@@ -377,9 +388,12 @@ def test_baseline_two_stages_share_the_one_stage_rule():
     one = per_rank_steps(text, **kw)
     two = per_rank_steps(pictures, **kw, vlm=COST)
     for a, b in zip(one, two):
-        assert a["tokens"] == b["tokens"] and a["padding"] == b["padding"]
-        assert b["backbone_imbalance"] == pytest.approx(a["imbalance"]) and b["encoder_imbalance"] == 1.0
-        assert b["max_backbone"] == pytest.approx(a["max_cost"]) and b["max_encoder"] == 0.0
+        assert a["tokens"] == b["tokens"]
+        assert a["padding"] == b["padding"]
+        assert b["backbone_imbalance"] == pytest.approx(a["imbalance"])
+        assert b["encoder_imbalance"] == 1.0
+        assert b["max_backbone"] == pytest.approx(a["max_cost"])
+        assert b["max_encoder"] == 0.0
 
     def images(s, n, rng):
         lengths = text(s, n, rng)
@@ -388,5 +402,6 @@ def test_baseline_two_stages_share_the_one_stage_rule():
 
     rows = per_rank_steps(images, **kw, vlm=COST)
     for r in rows:
-        assert r["max_encoder"] > 0 and r["encoder_imbalance"] >= 1.0
+        assert r["max_encoder"] > 0
+        assert r["encoder_imbalance"] >= 1.0
         assert r["max_cost"] <= r["max_backbone"] + r["max_encoder"] * (1 + 1e-12)

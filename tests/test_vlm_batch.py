@@ -76,10 +76,12 @@ def test_image_keys_in_order_of_appearance():
     b = np.array([70, 71, 256], dtype=np.int32)  # text between them
     c = picture(3, [67], [(1, 2, 2), (1, 2, 4)], fill=5)  # two images: 4 + 8 patches
     out = build([a, b, c])
-    assert out["pixel_values"].dtype == np.uint8 and out["pixel_values"].shape == (20, ROW)
+    assert out["pixel_values"].dtype == np.uint8
+    assert out["pixel_values"].shape == (20, ROW)
     assert out["pixel_values"][:, 0].tolist() == [1] * 8 + [5] * 4 + [6] * 8
     assert out["image_grid_thw"].tolist() == [[1, 2, 4], [1, 2, 2], [1, 2, 4]]
-    assert out["image_cu_seqlens"].dtype == np.int32 and out["image_cu_seqlens"].tolist() == [0, 8, 12, 20]
+    assert out["image_cu_seqlens"].dtype == np.int32
+    assert out["image_cu_seqlens"].tolist() == [0, 8, 12, 20]
     assert out["image_sample_ids"].tolist() == [10, 12, 12]
     # each image's placeholders are where its document starts, t*h*w / merge**2 of them
     assert int((out["tokens"] == 258).sum()) == int(out["image_grid_thw"].prod(axis=1).sum()) // 4
@@ -101,24 +103,27 @@ def test_without_images_the_keys_are_absent():
 def test_a_split_picture_document_takes_its_images_with_its_first_piece():
     doc = picture(2, list(range(60, 90)), [(1, 2, 4)], fill=3)
     first, second = cut_piece(doc, 0, 16), cut_piece(doc, 16, 17)
-    assert isinstance(first, VlmSample) and len(first) == 16 and first.pixel_values.shape == (8, ROW)
-    assert (
-        isinstance(second, VlmSample)
-        and second.pixel_values.shape == (0, ROW)
-        and second.image_grid_thw.shape == (0, 3)
-    )
+    assert isinstance(first, VlmSample)
+    assert len(first) == 16
+    assert first.pixel_values.shape == (8, ROW)
+    assert isinstance(second, VlmSample)
+    assert second.pixel_values.shape == (0, ROW)
+    assert second.image_grid_thw.shape == (0, 3)
     assert np.array_equal(np.concatenate([first.tokens, second.tokens]), doc.tokens)
     out = build([first, second], rows=2, seq_len=20, row_of=[0, 1])
-    assert out["image_grid_thw"].tolist() == [[1, 2, 4]] and out["image_sample_ids"].tolist() == [10]
+    assert out["image_grid_thw"].tolist() == [[1, 2, 4]]
+    assert out["image_sample_ids"].tolist() == [10]
     assert np.array_equal(cut_piece(np.arange(10), 2, 3), [2, 3, 4])
 
 
 def test_the_fetch_codec_carries_pictures_without_pickle():
     docs = [np.arange(5, dtype=np.uint16), picture(3, [1], [(1, 2, 2), (1, 2, 4)], fill=9), np.zeros(0, np.int64)]
     head, buf = pack_docs(docs)
-    assert isinstance(buf, bytes) and head["pics"] == [None, [12, 2, ROW], None]
+    assert isinstance(buf, bytes)
+    assert head["pics"] == [None, [12, 2, ROW], None]
     back = split_docs(head, memoryview(buf))
-    assert back[0].tolist() == [0, 1, 2, 3, 4] and back[2].size == 0
+    assert back[0].tolist() == [0, 1, 2, 3, 4]
+    assert back[2].size == 0
     assert isinstance(back[1], VlmSample)
     for k in ("tokens", "pixel_values", "image_grid_thw"):
         assert np.array_equal(getattr(back[1], k), getattr(docs[1], k))
@@ -136,7 +141,8 @@ def test_vision_answers_of_several_owners_go_back_in_order():
         (np.array([0, 1]), np.array([50])),
     ]
     images, patches = _in_order(0, 6, spans, res, vision=True)
-    assert images.tolist() == [1, 0, 0, 1, 2, 1] and patches.tolist() == [10, 50, 20, 30, 40]
+    assert images.tolist() == [1, 0, 0, 1, 2, 1]
+    assert patches.tolist() == [10, 50, 20, 30, 40]
     (lengths,) = _in_order(0, 6, spans, [(np.array([1, 2, 5, 6]),), (np.array([3, 4]),)], vision=False)
     assert lengths.tolist() == [1, 2, 3, 4, 5, 6]
 
@@ -175,12 +181,16 @@ def test_a_loader_tells_images_and_patches_and_bounds_its_bytes(tmp_path):
             src.close()
 
     lengths, bad, images, patches, whole, held_small = run(main())
-    assert lengths[bad] == 0 and images[bad] == 0 and images.sum() == 31 and set(images.tolist()) == {0, 1}
+    assert lengths[bad] == 0
+    assert images[bad] == 0
+    assert images.sum() == 31
+    assert set(images.tolist()) == {0, 1}
     assert patches.tolist() == [int(t.image_grid_thw.prod()) for t in whole]
     assert [len(t) for t in whole] == [int(n) for o, n in enumerate(lengths) if o != bad]
     # the bytes bound: once a byte is held nothing more is scheduled past what was asked (batch 0): only the batch
     # that was in flight before anything was held came; the sample bound alone would have read up to 36
-    assert held_small.held_ahead <= 4 and held_small.cursor <= 8
+    assert held_small.held_ahead <= 4
+    assert held_small.cursor <= 8
 
 
 class _PictureView:
@@ -203,7 +213,8 @@ def test_the_plan_wire_carries_both_stages_figures():
         sources=("p",), seq_len=512, dp=4, micro_batches=2, cost="vlm", mixture=Mixture.constant({"p": 1})
     )
     plan = Planner(cfg).plan_step(_PictureView())
-    assert plan.stats.encoder_imbalance is not None and plan.stats.backbone_imbalance is not None
+    assert plan.stats.encoder_imbalance is not None
+    assert plan.stats.backbone_imbalance is not None
     head, buf = encode_plan(plan, job="j", digest="d", token=1)
     back = decode_plan(head, buf)
     assert back.stats.encoder_imbalance == plan.stats.encoder_imbalance
@@ -215,4 +226,5 @@ def test_the_plan_wire_carries_both_stages_figures():
     assert summary["last_step"]["backbone_imbalance"] == plan.stats.backbone_imbalance
     text = Planner(PlannerConfig(sources=("p",), seq_len=512, dp=4, mixture=Mixture.constant({"p": 1})))
     head, buf = encode_plan(text.plan_step(_PictureView()), job="j", digest="d", token=1)
-    assert "encoder_imbalance" not in head and decode_plan(head, buf).stats.encoder_imbalance is None
+    assert "encoder_imbalance" not in head
+    assert decode_plan(head, buf).stats.encoder_imbalance is None

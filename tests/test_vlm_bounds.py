@@ -82,9 +82,11 @@ def test_a_document_whose_placeholders_exceed_seq_len_is_a_bad_sample_naming_the
     fn = vlm(patch=PATCH, merge=MERGE, min_pixels=3136, max_pixels=FITS, seq_len=SEQ)
     records = [{"image": [png(c, SIDE[n]) for n, c in DOCS[i][0]], "caption": "x"} for i in (2, 3, 5)]
     fits, two_big, two_mid = run_transform(fn, records, seed=0, sample_ids=[7, 8, 9])
-    assert (fits.tokens == IMG).sum() == SEQ and len(fits.image_grid_thw) == 1  # exactly seq_len: fine
+    assert (fits.tokens == IMG).sum() == SEQ
+    assert len(fits.image_grid_thw) == 1
     for bad, sid, n_ph, which in ((two_big, 8, 128, "its 2 images"), (two_mid, 9, 72, "its 2 images")):
-        assert isinstance(bad, BadSample) and bad.reason == "image_tokens_exceed_seq_len"
+        assert isinstance(bad, BadSample)
+        assert bad.reason == "image_tokens_exceed_seq_len"
         assert bad.location == f"sample {sid}"
         assert f"{which}: {n_ph} image placeholder tokens, more than seq_len={SEQ}" in bad.detail
         assert "raise [job] seq_len or lower the vlm transform's max_pixels" in bad.detail
@@ -94,7 +96,8 @@ def test_a_document_whose_placeholders_exceed_seq_len_is_a_bad_sample_naming_the
     assert bad.reason == "image_tokens_exceed_seq_len"
     assert "its first 2 of 3 images: 128 image placeholder tokens" in bad.detail
     (corrupt,) = run_transform(vlm(), [many], seed=0, sample_ids=[1])  # without a seq_len the third is decoded
-    assert isinstance(corrupt, BadSample) and corrupt.reason == "corrupt"
+    assert isinstance(corrupt, BadSample)
+    assert corrupt.reason == "corrupt"
 
 
 def test_a_max_pixels_whose_one_image_cannot_fit_is_refused(tmp_path):
@@ -120,7 +123,8 @@ def test_a_max_pixels_whose_one_image_cannot_fit_is_refused(tmp_path):
     records = [{"image": png("red", 56), "caption": "s"}, {"image": png("red", 400), "caption": "l"}]
     small, large = run_transform(fn, records, seed=0, sample_ids=[1, 2])
     assert (small.tokens == IMG).sum() == 4
-    assert large.reason == "image_tokens_exceed_seq_len" and "its image: 196 image placeholder tokens" in large.detail
+    assert large.reason == "image_tokens_exceed_seq_len"
+    assert "its image: 196 image placeholder tokens" in large.detail
 
 
 # ---- through a real server -----------------------------------------------------------------------------------
@@ -141,7 +145,8 @@ def test_images_and_placeholders_stay_in_a_documents_first_piece(server_factory,
             assert len(ks) == 1, f"document {i}: a piece that is no cut of it at a multiple of seq_len: {seg}"
             seen.setdefault(i, set()).add(ks[0])
             if ks[0] > 0:
-                assert not doc["images"] and not (seg == IMG).any(), f"document {i} piece {ks[0]} has image parts"
+                assert not doc["images"], f"document {i} piece {ks[0]} has image parts"
+                assert not (seg == IMG).any(), f"document {i} piece {ks[0]} has image parts"
                 continue
             images = DOCS[i][0]
             assert doc["n_ph"] == sum(p for p, _ in images)  # every placeholder in the first piece...
@@ -153,16 +158,20 @@ def test_images_and_placeholders_stay_in_a_documents_first_piece(server_factory,
     # every piece of every document at least once (truncating, the planner may hold a short document back until
     # it can fill a row with it; the documents truncation cuts are those this test is about)
     must = {i for i in pieces if i not in BAD and (long_docs == "split" or len(full_tokens(i)) > SEQ)}
-    assert must <= set(seen) <= set(pieces) - BAD and {2, 4} <= must
+    assert must <= set(seen) <= set(pieces) - BAD
+    assert {2, 4} <= must
     assert all(seen[i] == set(range(pieces[i])) for i in seen)
     (job,) = st["jobs"]
     bad = job["sources"]["pq"]["bad_samples"]
-    assert set(bad) == {"image_tokens_exceed_seq_len"} and bad["image_tokens_exceed_seq_len"] >= len(BAD)
+    assert set(bad) == {"image_tokens_exceed_seq_len"}
+    assert bad["image_tokens_exceed_seq_len"] >= len(BAD)
 
 
 def test_a_job_whose_one_image_cannot_fit_fails_at_its_start(server_factory, picture_docs):
     spec = picture_job(picture_docs, transform=VLM.replace(f"max_pixels={FITS}", "max_pixels=1003520"))
     srv = server_factory(workers=1).start()
-    with msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1, connect_timeout=30) as dc:
-        with pytest.raises(ConfigError, match=f"source 'pq': max_pixels=1003520 .* lower max_pixels to at most {FITS}"):
-            next(dc)
+    with (
+        msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1, connect_timeout=30) as dc,
+        pytest.raises(ConfigError, match=rf"source 'pq': max_pixels=1003520 .* lower max_pixels to at most {FITS}"),
+    ):
+        next(dc)

@@ -28,11 +28,15 @@ def job(tmp_path, *, transform=VLM, columns=("image", "caption"), fmt="parquet",
 def test_round_trip_through_toml_and_the_data_identity(tmp_path):
     spec = job(tmp_path, fmt="webdataset", columns=("jpg;png", "txt"), alpha_v=2.0, beta_v=100.0, image_token_id=300)
     back = JobSpec.from_dict(tomllib.loads(spec.to_toml()))
-    assert back == spec and back.digest() == spec.digest()
-    assert back.sources[0].columns == ("jpg;png", "txt") and back.sources[0].format == "webdataset"
-    assert back.image_token_id == 300 and (back.balance.alpha_v, back.balance.beta_v) == (2.0, 100.0)
+    assert back == spec
+    assert back.digest() == spec.digest()
+    assert back.sources[0].columns == ("jpg;png", "txt")
+    assert back.sources[0].format == "webdataset"
+    assert back.image_token_id == 300
+    assert (back.balance.alpha_v, back.balance.beta_v) == (2.0, 100.0)
     cfg = planner_config(back)
-    assert cfg.cost == "vlm" and (cfg.alpha_v, cfg.beta_v) == (2.0, 100.0)
+    assert cfg.cost == "vlm"
+    assert (cfg.alpha_v, cfg.beta_v) == (2.0, 100.0)
     # each of them is part of the data identity: a state of one does not restore into another
     others = [
         job(tmp_path, fmt="webdataset", columns=("jpg;png", "txt"), alpha_v=2.0, beta_v=100.0, image_token_id=301),
@@ -46,12 +50,13 @@ def test_text_jobs_keep_their_digests(tmp_path):
     """A job that sets none of the new keys writes none of them (checkpoints of existing jobs still fit)."""
     spec = msd.DGraph("t").source("a", "parquet", [str(tmp_path)]).mix({"a": 1.0}).plan()
     d = spec.to_dict()
-    assert "image_token_id" not in d["job"] and "columns" not in d["source"][0]
+    assert "image_token_id" not in d["job"]
+    assert "columns" not in d["source"][0]
     assert set(d["balance"]) == {"cost", "alpha", "beta", "method"}
 
 
 @pytest.mark.parametrize(
-    "make, message",
+    ("make", "message"),
     [
         (lambda p: SourceSpec(name="s", format="parquet", paths=(p,), columns=()), "non-empty list of distinct"),
         (lambda p: SourceSpec(name="s", format="parquet", paths=(p,), columns=("a", "a")), "distinct"),

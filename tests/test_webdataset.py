@@ -4,6 +4,7 @@ truncated shards and missing parts counted; end to end through the vlm transform
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import tarfile
 
@@ -92,7 +93,8 @@ def test_round_trip_png_and_jpeg_through_vlm(tmp_path):
             recs = src.read(ords)
             _, f, r = src.locate_many(ords)
             ids = src.sample_ids(ords)
-            assert len(set(ids.tolist())) == n and np.array_equal(ids, (f << 32) | r)
+            assert len(set(ids.tolist())) == n
+            assert np.array_equal(ids, (f << 32) | r)
             for rec, fi, ri in zip(recs, f.tolist(), r.tolist()):
                 want = truth[(fi, ri)]
                 assert rec == want  # the parts, byte for byte
@@ -106,7 +108,9 @@ def test_round_trip_png_and_jpeg_through_vlm(tmp_path):
                 tol = 1.5 if "png" in rec else 8
                 assert np.abs(colour_of(out.pixel_values) - COLOURS[colour]).max() <= tol
         st_ = src.statistics()
-        assert st_.bad_samples == {} and st_.format == "webdataset" and st_.files == 3
+        assert st_.bad_samples == {}
+        assert st_.format == "webdataset"
+        assert st_.files == 3
 
 
 def test_order_is_deterministic_and_seeded(tmp_path):
@@ -125,9 +129,11 @@ def test_index_is_numpy_arrays(tmp_path):
     ids: dict[str, int] = {}
     idx = shard_index(str(d / "shard-000.tar"), ids)
     assert ids == {"png": 0, "txt": 1}
-    assert idx.num_samples == 6 and idx.truncated == ""
+    assert idx.num_samples == 6
+    assert idx.truncated == ""
     for a, dt in ((idx.offsets, np.int64), (idx.sizes, np.int64), (idx.exts, np.int32), (idx.starts, np.int64)):
-        assert isinstance(a, np.ndarray) and a.dtype == dt
+        assert isinstance(a, np.ndarray)
+        assert a.dtype == dt
     assert idx.starts.tolist() == list(range(0, 13, 2))
     assert (idx.offsets % 512 == 0).all()
     src = open_source(spec(d), seed=0)
@@ -181,7 +187,7 @@ def test_reading_in_pieces_equals_one_read(tmp_path_factory, sizes, seed, cuts):
         total = 2 * src.num_samples
         once = src.read(np.arange(total))
         bounds = sorted({0, total, *(c % (total + 1) for c in cuts)})
-        pieces = [r for a, b in zip(bounds, bounds[1:]) for r in src.read(np.arange(a, b))]
+        pieces = [r for a, b in itertools.pairwise(bounds) for r in src.read(np.arange(a, b))]
     assert pieces == once
     written = sorted(f"{k}/{i}".encode() for k, n in enumerate(sizes) for i in range(n))
     assert sorted(r["txt"] for r in once[: total // 2]) == written
@@ -205,11 +211,15 @@ def test_missing_and_duplicate_parts_are_counted(tmp_path, caplog):
         recs = src.read(np.arange(10))
         _, _, rows = src.locate_many(np.arange(10))
         by_row = dict(zip(rows.tolist(), recs))
-        assert by_row[3].reason == "missing_field" and "txt" in by_row[3].detail
-        assert by_row[6].reason == "missing_field" and "jpg" in by_row[6].detail
-        assert by_row[9].reason == "corrupt" and "twice" in by_row[9].detail
+        assert by_row[3].reason == "missing_field"
+        assert "txt" in by_row[3].detail
+        assert by_row[6].reason == "missing_field"
+        assert "jpg" in by_row[6].detail
+        assert by_row[9].reason == "corrupt"
+        assert "twice" in by_row[9].detail
         good = [r for r in recs if not isinstance(r, BadSample)]
-        assert len(good) == 7 and all(set(r) == {"jpg", "txt"} for r in good)
+        assert len(good) == 7
+        assert all(set(r) == {"jpg", "txt"} for r in good)
         assert src.statistics().bad_samples == {"missing_field": 2, "corrupt": 1}
     assert any("json" in r.getMessage() for r in caplog.records)  # the rare extension is named once
 
@@ -262,7 +272,8 @@ def test_truncated_shard_counts_bad_samples(tmp_path, where, caplog):
         for r in range(complete):
             assert not isinstance(got[(1, r)], BadSample)
         for r in range(complete, complete + bad):
-            assert got[(1, r)].reason == "corrupt" and "truncated" in got[(1, r)].detail
+            assert got[(1, r)].reason == "corrupt"
+            assert "truncated" in got[(1, r)].detail
         for r in range(6):
             assert got[(0, r)] == good[r][1]
         stats = src.statistics()
@@ -304,9 +315,11 @@ def test_a_corrupt_header_mid_shard_is_skipped_and_the_rest_read(tmp_path, membe
         recs = src.read(np.arange(8))
         _, _, rows = src.locate_many(np.arange(8))
         got = dict(zip(rows.tolist(), recs))
-        assert got[3].reason == "corrupt" and f"corrupt header at byte {m[member][1]}" in got[3].detail
+        assert got[3].reason == "corrupt"
+        assert f"corrupt header at byte {m[member][1]}" in got[3].detail
         for r in (0, 1, 2, 4, 5, 6, 7):
             assert got[r] == samples[r][1], r
         assert src.statistics().bad_samples == {"corrupt": 1}
     msgs = [r.getMessage() for r in caplog.records]
-    assert any("damaged" in t for t in msgs) and not any("truncated" in t for t in msgs), msgs
+    assert any("damaged" in t for t in msgs), msgs
+    assert not any("truncated" in t for t in msgs), msgs

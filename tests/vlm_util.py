@@ -94,9 +94,12 @@ def documents(batch) -> list[dict]:
     pv = np.asarray(batch["pixel_values"])
     icu = np.asarray(batch["image_cu_seqlens"])
     isid = np.asarray(batch["image_sample_ids"])
-    assert pv.dtype == np.uint8 and pv.shape[1] == 3 * PATCH * PATCH
-    assert grid.dtype == np.int64 and grid.shape[1] == 3
-    assert icu.dtype == np.int32 and isid.dtype == np.int64
+    assert pv.dtype == np.uint8
+    assert pv.shape[1] == 3 * PATCH * PATCH
+    assert grid.dtype == np.int64
+    assert grid.shape[1] == 3
+    assert icu.dtype == np.int32
+    assert isid.dtype == np.int64
     assert pv.shape[0] == int(grid.prod(axis=1).sum())  # pixel_values rows == sum over image_grid_thw
     assert icu.tolist() == [0, *np.cumsum(grid.prod(axis=1)).tolist()]
     segs = [toks[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
@@ -120,13 +123,17 @@ def documents(batch) -> list[dict]:
 def check_colours(doc: dict, caption: str, tol: float) -> None:
     """The document's text is its caption and its image is painted the colour the caption names."""
     text = bytes(doc["tokens"][doc["n_ph"] : -1].astype(np.uint8)).decode()
-    assert text == caption and doc["tokens"][-1] == EOS
+    assert text == caption
+    assert doc["tokens"][-1] == EOS
     (pixels, thw), want = doc["images"][0], np.array(COLOURS[caption.split()[1]], dtype=np.float64)
-    assert thw[0] == 1 and pixels.shape[0] == int(thw.prod())
+    assert thw[0] == 1
+    assert pixels.shape[0] == int(thw.prod())
     got = pixels.reshape(-1, 3, PATCH * PATCH).astype(np.float64).mean(axis=(0, 2))
     assert np.abs(got - want).max() <= tol, (caption, got)
     h, w = int(thw[1]) * PATCH, int(thw[2]) * PATCH
-    assert h % (PATCH * MERGE) == 0 and w % (PATCH * MERGE) == 0 and 3136 <= h * w <= 40000  # resize bounds
+    assert h % (PATCH * MERGE) == 0
+    assert w % (PATCH * MERGE) == 0
+    assert 3136 <= h * w <= 40000
 
 
 def read_with_status(spec, endpoint: str, n: int) -> tuple[dict[int, list], dict]:

@@ -57,7 +57,7 @@ class Settle:
         self._ev.set()
         self._ev = asyncio.Event()
 
-    async def wait(self, timeout: float) -> None:
+    async def wait(self, timeout: float) -> None:  # noqa: ASYNC109  (a bounded wait is what it is)
         """Until the next wake, or ``timeout`` seconds."""
         with suppress(TimeoutError):
             await asyncio.wait_for(self._ev.wait(), timeout)

@@ -25,7 +25,7 @@ __all__ = ["pack_docs", "split_docs"]
 def pack_docs(docs: list) -> tuple[dict, bytes]:
     """Documents (int arrays or ``VlmSample``) as one buffer plus the header that splits it."""
     toks = [d.tokens if isinstance(d, VlmSample) else d for d in docs]
-    lens = [int(len(t)) for t in toks]
+    lens = [len(t) for t in toks]
     buf = np.concatenate([np.asarray(t, dtype=np.int32) for t in toks]) if toks else np.zeros(0, np.int32)
     parts = [buf.astype("<i4", copy=False).tobytes()]
     head: dict = {"lens": lens, "dtype": "<i4"}
@@ -43,7 +43,7 @@ def _pic(d: object) -> list[int] | None:
     if not isinstance(d, VlmSample):
         return None
     pv = d.pixel_values
-    return [int(pv.shape[0]), int(len(d.image_grid_thw)), int(pv.shape[1]) if pv.ndim == 2 else 0]
+    return [int(pv.shape[0]), len(d.image_grid_thw), int(pv.shape[1]) if pv.ndim == 2 else 0]
 
 
 def split_docs(head: dict, payload: Buffer | None) -> list:

@@ -146,9 +146,12 @@ def longest(wires: Iterable[object]) -> list | None:
     prefixes of one history). None when no node reports one."""
     best: list | None = None
     for w in wires:
-        if isinstance(w, list) and all(isinstance(r, list) for r in w):
-            if best is None or sum(map(len, w)) > sum(map(len, best)):
-                best = w
+        if (
+            isinstance(w, list)
+            and all(isinstance(r, list) for r in w)
+            and (best is None or sum(map(len, w)) > sum(map(len, best)))
+        ):
+            best = w
     return best
 
 

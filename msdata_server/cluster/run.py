@@ -464,7 +464,7 @@ class RunTable:
         """The run a frame is about (None: a run that ended here, or one not started here yet)."""
         return self.held(str(frame.get("digest")), str(frame.get("run")))
 
-    async def started(self, frame: dict, timeout: float) -> Run | None:
+    async def started(self, frame: dict, timeout: float) -> Run | None:  # noqa: ASYNC109  (its own deadline)
         """The run a peer asks about; its start may still be on the way from the leader: wait up to timeout."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout

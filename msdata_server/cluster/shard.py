@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import suppress
 
 import numpy as np
 
@@ -309,7 +310,7 @@ class JobShard:
             if nid == self.ctx.node_id:
                 self.unref(src[idx], ords[idx])
             else:
-                try:
+                with suppress(PeerLostError):  # the owner is gone: its payloads went with it
                     await self.ctx.rpc.send(
                         nid,
                         {
@@ -320,8 +321,6 @@ class JobShard:
                             "o": ords[idx].tolist(),
                         },
                     )
-                except PeerLostError:
-                    pass  # the owner is gone: its payloads went with it
 
     def status(self, newest_state: dict | None) -> dict[str, dict]:
         """Per source: the partitions read here, their loaders' figures summed, and the held-payload bound."""

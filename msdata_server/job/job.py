@@ -241,7 +241,8 @@ class Job:
         return rings
 
     def construct(self, grp: Group) -> None:
-        assert self.feed is not None and self.payloads is not None
+        assert self.feed is not None
+        assert self.payloads is not None
         feed, payloads, ranks = self.feed, self.payloads, self.ranks
         con = Constructor(
             spec=self.spec, group=grp, ranks=ranks, feed=feed, payloads=payloads, cp=self._cp, tasks=self.tasks

@@ -57,7 +57,8 @@ class Query:
     @classmethod
     def from_frame(cls, frame: Mapping) -> Query:
         start, stop = _int(frame, "start", 0), _int(frame, "stop", 1)
-        assert start is not None and stop is not None
+        assert start is not None
+        assert stop is not None
         return cls(start=start, stop=stop, group=_int(frame, "group", 0, True), sample=_int(frame, "sample", 0, True))
 
 

@@ -203,7 +203,8 @@ class SourceLoader:
             raise ClosedError(f"loader of source {self.name!r} was closed while waiting for batch {bs.index}")
         if bs.error is not None:
             raise MsdataError(f"source {self.name!r}: reading batch {bs.index} failed: {bs.error!r}") from bs.error
-        assert bs.lengths is not None and bs.payloads is not None, "a batch without error was filled"
+        assert bs.lengths is not None, "a batch without error was filled"
+        assert bs.payloads is not None, "a batch without error was filled"
         return bs
 
     # ---- the work of one batch ----
@@ -264,7 +265,8 @@ class SourceLoader:
             return images, np.zeros(0, dtype=np.int64)
         patches = []
         for bs, lo, hi in await self._filled(start, count):
-            assert bs.images is not None and bs.patches is not None  # _wait checked the batch was filled
+            assert bs.images is not None
+            assert bs.patches is not None
             a, b = lo - bs.start, hi - bs.start
             at = np.concatenate([[0], np.cumsum(bs.images)])
             images[lo - start : hi - start] = bs.images[a:b]

@@ -39,17 +39,17 @@ class ReadBatch:
     """One batch of ``batch`` consecutive ordinals: filled once by its task, then released sample by sample."""
 
     __slots__ = (
-        "index",
-        "start",
+        "error",
         "event",
-        "lengths",
+        "held",
         "images",
+        "index",
+        "lengths",
+        "nbytes",
         "patches",
         "payloads",
         "released",
-        "held",
-        "nbytes",
-        "error",
+        "start",
     )
 
     def __init__(self, index: int, start: int, size: int):

@@ -112,7 +112,7 @@ class Deferred:
         return r
 
     def with_insert(self, ins: Insert) -> Deferred:
-        return Deferred(self.inserts + (ins,))
+        return Deferred((*self.inserts, ins))
 
     def view(self, view: MetadataView) -> MetadataView:
         return _DeferredView(self, view)

@@ -6,6 +6,7 @@ and a checkpoint can record it (`to_dict` / `from_dict`) including every overrid
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -72,10 +73,10 @@ class Mixture:
         if not self.points:
             raise ConfigError("a mixture needs at least one (step, weights) point")
         steps = [s for s, _ in self.points]
-        if any(b <= a for a, b in zip(steps, steps[1:])):
+        if any(b <= a for a, b in itertools.pairwise(steps)):
             raise ConfigError(f"mixture schedule steps must be strictly increasing, got {steps}; sort the points")
         osteps = [s for s, _ in self.overrides]
-        if any(b <= a for a, b in zip(osteps, osteps[1:])):
+        if any(b <= a for a, b in itertools.pairwise(osteps)):
             raise ConfigError(f"mixture override steps must be strictly increasing, got {osteps}")
 
     @classmethod
@@ -108,7 +109,7 @@ class Mixture:
         return Mixture(
             points=self.points,
             interpolate=self.interpolate,
-            overrides=kept + ((step, _normalise(weights, f"mixture override at step {step}")),),
+            overrides=(*kept, (step, _normalise(weights, f"mixture override at step {step}"))),
         )
 
     def since(self, step: int) -> Mixture:

@@ -1,6 +1,6 @@
 """Multiway number partitioning: split values into k bins so that the largest bin sum is small.
 
-Largest differencing (Karmarkar–Karp) and longest-processing-time-first (greedy), both accepting
+Largest differencing (Karmarkar-Karp) and longest-processing-time-first (greedy), both accepting
 the bins' existing loads. The planner uses them for the long pieces of a step (see balance.place).
 """
 
@@ -26,7 +26,7 @@ def _resolve(parent: np.ndarray) -> np.ndarray:
 
 
 def kk_partition(values: np.ndarray, k: int, loads: np.ndarray | None = None) -> np.ndarray:
-    """Largest differencing (Karmarkar–Karp) k-way partition: the bin of each value.
+    """Largest differencing (Karmarkar-Karp) k-way partition: the bin of each value.
 
     Each value starts as a k-tuple (v, 0, ..., 0); the two tuples with the largest spread are merged
     (largest entry of one with the smallest of the other) until one tuple is left. `loads` (length k),

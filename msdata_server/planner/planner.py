@@ -279,7 +279,7 @@ class Planner:
         counts = {k: v.copy() for k, v in self._pos.count_arrays().items()}
         counts["skipped_docs"] += counts["started"] - old.count_arrays()["started"]
         counts["skipped_tokens"] += self._pos.placed - old.placed
-        self._pos = replace(self._pos, skips=self._pos.skips + ((old.step, self._pos.step),), counts=counts)
+        self._pos = replace(self._pos, skips=(*self._pos.skips, (old.step, self._pos.step)), counts=counts)
 
     @property
     def pending_skip(self) -> PendingSkip | None:

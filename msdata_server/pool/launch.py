@@ -8,6 +8,7 @@ pool's bookkeeping of workers and tasks does not need to see.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import select
@@ -156,7 +157,5 @@ def kill(pid: int | None) -> None:
     """SIGKILL a worker that may already be gone."""
     if pid is None:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

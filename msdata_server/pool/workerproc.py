@@ -30,7 +30,7 @@ _HDR_BIG = struct.Struct("!Q")
 class Task:
     """Records of one source to transform in one worker; ``deaths`` counts the workers that died running it."""
 
-    __slots__ = ("id", "transform", "seed", "ids", "records", "future", "deaths", "source")
+    __slots__ = ("deaths", "future", "id", "ids", "records", "seed", "source", "transform")
 
     def __init__(
         self,
@@ -55,7 +55,7 @@ class Task:
 class Worker:
     """A worker process: started by ``launch``, told to exit by ``stop``, forgotten by ``close``."""
 
-    __slots__ = ("n", "pid", "reader", "writer", "seg", "task", "retiring", "stopping", "ready", "serve")
+    __slots__ = ("n", "pid", "reader", "ready", "retiring", "seg", "serve", "stopping", "task", "writer")
 
     def __init__(self, n: int):
         self.n = n
@@ -126,9 +126,8 @@ class Worker:
         if self.ready is not None and not self.ready.done():
             self.ready.set_exception(err or MsdataError(f"transform worker {self.n} exited before it was ready"))
             self.ready.exception()  # retrieved: the spawner re-raises it
-        if self.task is not None and not self.task.future.done():
-            if err is not None:
-                self.task.future.set_exception(err)
+        if self.task is not None and not self.task.future.done() and err is not None:
+            self.task.future.set_exception(err)
         self.task = None
         if self.writer is not None and not self.writer.is_closing():
             self.writer.close()

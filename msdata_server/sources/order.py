@@ -232,7 +232,7 @@ class Order:
             return epoch, files, pos - (self._fixed_cum[files] - self.counts[files])
         if self.lanes > 1:
             pos = self.lane_position(pos)
-        if len(o) == 0 or epoch[0] == epoch[-1] and bool((epoch == epoch[0]).all()):  # one epoch: the usual
+        if len(o) == 0 or (epoch[0] == epoch[-1] and bool((epoch == epoch[0]).all())):  # one epoch: the usual
             files, rows = self._locate_epoch(int(epoch[0]) if len(o) else 0, pos)
             return epoch, files, rows
         files = np.empty_like(o)

@@ -125,7 +125,7 @@ def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
     key = None
     seen: set[int] = set()
     with open(path, "rb") as fh:
-        tf = tarfile.open(fileobj=fh, mode="r:")
+        tf = tarfile.open(fileobj=fh, mode="r:")  # noqa: SIM115  (reopened past a damaged header; fh owns it)
         while True:
             try:
                 m = tf.next()
@@ -148,7 +148,7 @@ def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
                     flags[-1] = _DAMAGED  # the lost member may have been one of its parts
                 after_damage = True  # ... or the first part of the sample that comes next
                 fh.seek(resume)
-                tf = tarfile.open(fileobj=fh, mode="r:")
+                tf = tarfile.open(fileobj=fh, mode="r:")  # noqa: SIM115  (as above)
                 continue
             if not m.isreg():
                 continue

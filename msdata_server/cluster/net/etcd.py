@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import math
 import ssl as _ssl
@@ -199,7 +200,7 @@ def _put(key: Key, value: bytes | str, lease: int | None) -> dict:
 class _Conn:
     """One HTTP/1.1 keep-alive connection to one endpoint."""
 
-    __slots__ = ("reader", "writer", "index", "used", "answered")
+    __slots__ = ("answered", "index", "reader", "used", "writer")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int):
         self.reader = reader
@@ -334,10 +335,8 @@ class Etcd:
         for c in conns:
             c.close()
         for c in conns:
-            try:
+            with contextlib.suppress(OSError, asyncio.CancelledError):
                 await c.writer.wait_closed()
-            except (OSError, asyncio.CancelledError):
-                pass
 
     # ---- plumbing -------------------------------------------------------------------------------------
     async def _open(self) -> _Conn:

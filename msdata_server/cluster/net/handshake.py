@@ -36,7 +36,7 @@ class Refusal(AuthError):
     """An AuthError the other side is told about (``notice``) before the link closes: a wrong proof, or no TLS
     where we need it (or TLS where we have none)."""
 
-    notice = {"t": "error", "message": "authentication failed"}
+    notice = {"t": "error", "message": "authentication failed"}  # noqa: RUF012  (replaced per instance, never mutated)
 
     def __init__(self, message: str, notice: str | None = None):
         super().__init__(message)

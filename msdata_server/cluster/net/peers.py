@@ -422,7 +422,7 @@ async def dial(
     node_id: str,
     handler: Handler | None = None,
     high_water: int = HIGH_WATER,
-    timeout: float = AUTH_TIMEOUT,
+    timeout: float = AUTH_TIMEOUT,  # noqa: ASYNC109  (the handshake's deadline, as open_connection's)
     **kw: Any,
 ) -> PeerLink:
     """Connect to a peer and authenticate (over mutual TLS with ``tls=`` a client context); AuthError when the

@@ -110,8 +110,8 @@ def hf_tokenizer(path: str, *, eos: int | None = None, add_special_tokens: bool 
     """A transform tokenizing text with a local tokenizer.json (package ``tokenizers``), then ``eos`` if given.
 
     Its ``batch`` tokenizes a task's records in one ``encode_batch`` call (what ``run_transform`` uses): the
-    library's speed, against about half of it record by record. In a pool worker it runs on one thread (the pool
-    is the parallelism; ``pool.worker``)."""
+    library's own speed, which one ``encode`` per record falls well short of (``bench/tokenize.py``). In a pool
+    worker it runs on one thread (the pool is the parallelism; ``pool.worker``)."""
     try:
         from tokenizers import Tokenizer
     except ImportError:

@@ -1,7 +1,13 @@
-# .venv/bin/python bench/cluster.py [--quick]
+# PYTHONPATH=$PWD .venv/bin/python bench/cluster.py [--quick | --smoke]
 """Cluster benchmark: leader failover time with three real node servers and a real etcd, the cost of the
-fenced per-step planner-state write to etcd, planner load (plans/s) at simulated dp 512 and 4096, and the data
-path: steps/s and bytes/s of one job with a rank on each of three nodes vs the same job on one node.
+fenced per-step planner-state write to etcd, planner load (plans/s) at simulated dp 512 and 4096, the data
+path: steps/s and bytes/s of one job with a rank on each of three nodes vs the same job on one node
+(``cross_node_ratio``), and one peer link's payload throughput beside raw loopback TCP (``peer_link_efficiency``).
+
+Peer link: a receiver process and this process as the sender, 1 MiB frames on loopback, rounds alternating
+between a raw socket (blocking ``sendmsg`` of a 4-byte length and the frame; the receiver ``recv_into`` one
+preallocated buffer) and a plain (non-TLS) PeerLink (``send_payload`` of 1 MiB payloads into a PeerServer on
+uvloop, as the node servers run), so both arms see the same machine load; median bytes/s of each.
 
 Failover: three `msdata-server serve` processes on loopback share an etcd (default lease 3 s); the leader is
 SIGKILLed (no goodbye: its lease must expire) and we time until a surviving node reports role "leader" and
@@ -19,7 +25,9 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -363,11 +371,161 @@ async def state_write(state: bytes, n: int) -> float:
         shutil.rmtree(base, ignore_errors=True)
 
 
+LINK_FRAME = 1 << 20
+LINK_TOKEN = "bench-link-token-" + "x" * 16
+
+
+def _raw_receiver(port_q) -> None:
+    """Raw arm, receiving side: frames (4-byte length + bytes) read into one buffer; a 0 length: reply the
+    byte count; EOF: exit."""
+    ls = socket.create_server(("127.0.0.1", 0))
+    port_q.put(ls.getsockname()[1])
+    conn, _ = ls.accept()
+    ls.close()
+    buf, head = memoryview(bytearray(LINK_FRAME)), memoryview(bytearray(4))
+    total = 0
+
+    def fill(view: memoryview) -> bool:
+        got = 0
+        while got < len(view):
+            n = conn.recv_into(view[got:])
+            if not n:
+                return False
+            got += n
+        return True
+
+    while fill(head):
+        (n,) = struct.unpack(">I", head)
+        if n == 0:
+            conn.sendall(struct.pack(">Qd", total, time.process_time()))
+            total = 0
+        elif fill(buf[:n]):
+            total += n
+    conn.close()
+
+
+def _link_receiver(port_q) -> None:
+    """Link arm, receiving side: a PeerServer on uvloop counting payload bytes; "count" is answered, "stop" ends."""
+    import uvloop
+
+    from msdata_server.cluster.net.peers import PeerServer
+
+    async def run() -> None:
+        done, total = asyncio.Event(), 0
+
+        async def handler(peer: str, frame: dict, payload) -> None:
+            nonlocal total
+            if payload is not None:
+                total += len(payload)
+            elif frame["t"] == "count":
+                await srv.links[peer].send({"t": "counted", "bytes": total, "cpu": time.process_time()})
+                total = 0
+            elif frame["t"] == "stop":
+                done.set()
+
+        srv = PeerServer(token=LINK_TOKEN, node_id="rx", handler=handler)
+        port_q.put(await srv.start())
+        await done.wait()
+        await srv.aclose()
+
+    uvloop.run(run())
+
+
+def _raw_send(port: int, frames: int) -> tuple[float, float]:
+    """Bytes/s of ``frames`` 1 MiB frames over a raw socket, until the receiver confirms every byte; and the CPU
+    seconds per GB both processes spent."""
+    s = socket.create_connection(("127.0.0.1", port))
+    buf, head = os.urandom(LINK_FRAME), struct.pack(">I", LINK_FRAME)
+    for _ in range(16):  # warm-up
+        s.sendmsg([head, buf])
+    s.sendall(struct.pack(">I", 0))
+    _, rx0 = struct.unpack(">Qd", s.recv(16, socket.MSG_WAITALL))
+    t0, tx0 = time.perf_counter(), time.process_time()
+    for _ in range(frames):
+        s.sendmsg([head, buf])
+    s.sendall(struct.pack(">I", 0))
+    got, rx1 = struct.unpack(">Qd", s.recv(16, socket.MSG_WAITALL))
+    dt, cpu = time.perf_counter() - t0, time.process_time() - tx0 + rx1 - rx0
+    s.close()
+    if got != frames * LINK_FRAME:
+        raise RuntimeError(f"raw arm: the receiver got {got} of {frames * LINK_FRAME} bytes")
+    return got / dt, cpu / (got / 1e9)
+
+
+async def _link_send(port: int, frames: int) -> tuple[float, float]:
+    """Payload bytes/s of ``frames`` 1 MiB payload frames over one plain PeerLink (a warm-up apart); and the
+    CPU seconds per GB both processes spent."""
+    from msdata_server.cluster.net.peers import PeerLink
+
+    answers: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+
+    def handler(peer: str, frame: dict, payload) -> None:
+        if frame["t"] == "counted":
+            answers.put_nowait((int(frame["bytes"]), float(frame["cpu"])))
+
+    link = await PeerLink.connect("127.0.0.1", port, token=LINK_TOKEN, node_id="tx", handler=handler)
+    buf = os.urandom(LINK_FRAME)
+    rate = cpu = rx0 = 0.0
+    for n in (16, frames):  # warm-up, then the measured round
+        t0, tx0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            await link.send_payload({"t": "p"}, buf)
+        await link.send({"t": "count"})
+        got, rx1 = await answers.get()
+        rate = got / (time.perf_counter() - t0)
+        cpu, rx0 = (time.process_time() - tx0 + rx1 - rx0) / (got / 1e9), rx1
+        if got != n * LINK_FRAME:
+            raise RuntimeError(f"link arm: the receiver got {got} of {n * LINK_FRAME} bytes")
+    await link.send({"t": "stop"})
+    await link.aclose()
+    return rate, cpu
+
+
+def _link_arm(kind: str, frames: int) -> tuple[float, float]:
+    import multiprocessing as mp
+
+    import uvloop
+
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    proc = ctx.Process(target=_raw_receiver if kind == "raw" else _link_receiver, args=(port_q,), daemon=True)
+    proc.start()
+    try:
+        port = port_q.get(timeout=60)
+        return _raw_send(port, frames) if kind == "raw" else uvloop.run(_link_send(port, frames))
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def link_efficiency(mib: int, rounds: int) -> dict:
+    """Payload bytes/s over one plain peer link vs raw loopback TCP, 1 MiB frames, rounds alternating."""
+    res: dict[str, list[float]] = {"raw": [], "link": []}
+    cpu: dict[str, list[float]] = {"raw": [], "link": []}
+    for _ in range(rounds):
+        for kind in res:
+            rate, c = _link_arm(kind, mib)
+            res[kind].append(rate)
+            cpu[kind].append(c)
+    raw, link = statistics.median(res["raw"]), statistics.median(res["link"])
+    return {
+        "raw": raw,
+        "link": link,
+        "efficiency": link / raw,
+        "rounds": res,
+        "cpu_s_per_gb": {k: statistics.median(v) for k, v in cpu.items()},
+        "load": os.getloadavg()[0],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     ap.add_argument("--ttl", type=float, default=3.0, help="lease TTL of the failover run (default 3 s)")
     ap.add_argument("--smoke", action="store_true", help="seconds: 1 plan step, 1 failover round, lease 2 s, 3 steps")
+    ap.add_argument("--link-only", action="store_true", help="only the peer-link phase (raw TCP vs PeerLink)")
     args = ap.parse_args()
     import logging
 
@@ -375,9 +533,34 @@ def main() -> None:
     steps = 3 if args.quick else 8
     rounds = 2 if args.quick else 4
     writes, data_steps = 20, 10 if args.quick else 30
+    link_mib, link_rounds = (256, 3) if args.quick else (1024, 5)
     if args.smoke:  # every phase once, at its smallest
         steps, rounds, writes, data_steps = 1, 1, 3, 3
+        link_mib, link_rounds = 8, 1
         args.ttl = min(args.ttl, 2.0)
+
+    link = link_efficiency(link_mib, link_rounds)
+    say(
+        f"peer link (plain, 1 MiB payloads, {link_mib} MiB x {link_rounds} rounds alternating; load "
+        f"{link['load']:.2f}): raw TCP {link['raw'] / 1e9:.2f} GB/s, PeerLink {link['link'] / 1e9:.2f} GB/s, "
+        f"efficiency {link['efficiency']:.2f}; CPU s per GB (both ends): raw {link['cpu_s_per_gb']['raw']:.3f}, "
+        f"PeerLink {link['cpu_s_per_gb']['link']:.3f}"
+    )
+    say(
+        "  rounds GB/s: "
+        + "; ".join(f"{k} " + " ".join(f"{x / 1e9:.2f}" for x in v) for k, v in link["rounds"].items())
+    )
+    link_keys = {
+        "peer_link_efficiency": round(link["efficiency"], 3),
+        "peer_link_payload_bytes_per_s": round(link["link"]),
+        "raw_tcp_bytes_per_s": round(link["raw"]),
+        "peer_link_cpu_s_per_gb": round(link["cpu_s_per_gb"]["link"], 4),
+        "raw_tcp_cpu_s_per_gb": round(link["cpu_s_per_gb"]["raw"], 4),
+        "link_load_avg": round(link["load"], 2),
+    }
+    if args.link_only:
+        say(json.dumps(link_keys))
+        return
 
     say(
         f"planner load: text4, seq_len {SEQ}, {MICRO} micro-batches per rank, metadata only; "
@@ -416,8 +599,8 @@ def main() -> None:
         )
     say(
         f"  across nodes: {dpath['three']['peer_bytes_per_s'] / 2**20:.1f} MiB/s over the peer links "
-        f"({dpath['three']['peer_bytes_per_batch_byte']:.2f} B per batch byte; ratio three/one nodes "
-        f"{dpath['three']['steps_per_s'] / dpath['one']['steps_per_s']:.2f})"
+        f"({dpath['three']['peer_bytes_per_batch_byte']:.2f} B per batch byte; cross_node_ratio (three/one nodes "
+        f"steps/s) {dpath['three']['steps_per_s'] / dpath['one']['steps_per_s']:.2f}; load {os.getloadavg()[0]:.2f})"
     )
     say(
         json.dumps(
@@ -437,6 +620,8 @@ def main() -> None:
                 "peer_link_bytes_per_s": round(dpath["three"]["peer_bytes_per_s"]),
                 "one_node_steps_per_s": round(dpath["one"]["steps_per_s"], 2),
                 "one_node_bytes_per_s": round(dpath["one"]["bytes_per_s"]),
+                "cross_node_ratio": round(dpath["three"]["steps_per_s"] / dpath["one"]["steps_per_s"], 3),
+                **link_keys,
             }
         )
     )

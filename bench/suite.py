@@ -39,6 +39,7 @@ BENCHES = (
     "lineage",
     "order",
     "tls",
+    "tokenize",
 )
 MICRO_DUMP = "train_e2e_micro.json"  # predicted vs measured seconds per micro-batch (the cost-model plot)
 

@@ -78,7 +78,36 @@ def big_random(record, *, rng, **_):
     return rng.integers(0, 256, size=int(record), dtype=np.int32)
 
 
+def worker_setting(record, **_):
+    """The tokenizers thread setting this worker runs with."""
+    return np.array([os.environ.get("TOKENIZERS_PARALLELISM") == "false"], dtype=np.int32)
+
+
+def batch_size(record, **_):
+    return np.array([-1], dtype=np.int64)  # one by one: what the batch path must not use
+
+
+batch_size.needs_rng = False
+batch_size.batch = lambda records: [np.array([len(records)], dtype=np.int64) for _ in records]
+
+
 # ---- tests ----
+def test_a_batch_transform_gets_a_task_per_call_on_one_thread(prefix, monkeypatch):
+    """A transform's ``batch`` runs once per task in the worker (hf_tokenizer: one encode_batch), and a worker
+    runs tokenizers on one thread (the pool is the parallelism)."""
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+
+    async def main():
+        async with WorkerPool(1, shm_prefix=prefix) as pool:
+            sizes = await pool.transform(f"{HERE}:batch_size", ["a"] * 7, seed=0, sample_ids=np.arange(7))
+            setting = await pool.transform(f"{HERE}:worker_setting", ["a"], seed=0, sample_ids=[0])
+            return sizes, setting
+
+    sizes, setting = run(main())
+    assert [int(x[0]) for x in sizes] == [7] * 7
+    assert setting[0].tolist() == [1]
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_results_in_order_through_shm_and_inline(prefix, loop):
     recs = ["x" * (i * 997 % 20000) for i in range(40)] + [b"\xff"]

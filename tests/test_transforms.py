@@ -132,6 +132,53 @@ def test_hf_tokenizer(tmp_path):
         hf_tokenizer(str(tmp_path / "missing.json"))
 
 
+def test_hf_tokenizer_batch_is_the_same_as_one_by_one(tmp_path):
+    """run_transform tokenizes a task's records in one encode_batch: the same tokens and bad samples as
+    record by record; a batch that fails goes one by one and names the sample."""
+    tk = pytest.importorskip("tokenizers")
+    tok = tk.Tokenizer(tk.models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tk.pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    fn = hf_tokenizer(str(tmp_path / "tokenizer.json"), eos=99)
+    recs = ["hello world", b"\xff", "", 7, BadSample("oversize", "f row 1"), b"world hello again", "hello"]
+    ids = np.arange(len(recs)) + 50
+    batched = run_transform(fn, recs, seed=0, sample_ids=ids)
+    single = run_transform(lambda r, **kw: fn(r, **kw), recs, seed=0, sample_ids=ids)  # no .batch: one by one
+    assert [type(x) for x in batched] == [type(x) for x in single]
+    for a, b in zip(batched, single):
+        if isinstance(a, BadSample):
+            assert (a.reason, a.location, a.detail) == (b.reason, b.location, b.detail)
+        else:
+            assert a.dtype == np.int32
+            assert a.tolist() == b.tolist()
+    assert batched[0].tolist() == [0, 1, 99]
+    assert batched[2].tolist() == [99]
+    assert batched[1].reason == "invalid_utf8"
+    assert batched[1].location == "sample 51"
+    assert batched[3].reason == "transform_error"
+    assert "got int" in batched[3].detail
+    assert fn.batch(["hello", b"world"])[1].tolist() == [1, 99]
+
+    calls = []
+
+    def broken(records):
+        calls.append(len(records))
+        raise RuntimeError("the batch failed")
+
+    def one(record, **_):
+        if record == "bad":
+            raise ValueError("this one")
+        return np.array([len(record)], dtype=np.int32)
+
+    one.needs_rng, one.batch = False, broken
+    out = run_transform(one, ["ab", "bad", "c"], seed=0, sample_ids=[1, 2, 3])
+    assert calls == [3]
+    assert out[0].tolist() == [2]
+    assert out[2].tolist() == [1]
+    assert out[1].location == "sample 2"
+    assert "this one" in out[1].detail
+
+
 def test_hf_tokenizer_without_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ConfigError, match="pip install tokenizers"):

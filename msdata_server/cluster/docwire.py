@@ -23,20 +23,27 @@ __all__ = ["pack_docs", "split_docs"]
 
 
 def pack_docs(docs: list) -> tuple[dict, bytes]:
-    """Documents (int arrays or ``VlmSample``) as one buffer plus the header that splits it."""
+    """Documents (int arrays or ``VlmSample``) as one buffer plus the header that splits it.
+
+    The buffer is joined straight from the documents' arrays (one copy; arrays already ``<i4``/uint8/``<i8``
+    and contiguous are not converted first), and is immutable bytes, which the link sends without copying."""
     toks = [d.tokens if isinstance(d, VlmSample) else d for d in docs]
     lens = [len(t) for t in toks]
-    buf = np.concatenate([np.asarray(t, dtype=np.int32) for t in toks]) if toks else np.zeros(0, np.int32)
-    parts = [buf.astype("<i4", copy=False).tobytes()]
+    parts = [_raw(t, "<i4") for t in toks]
     head: dict = {"lens": lens, "dtype": "<i4"}
     pics = [_pic(d) for d in docs]
     if any(p is not None for p in pics):
         head["pics"] = pics
         for d in docs:
             if isinstance(d, VlmSample):
-                parts.append(np.ascontiguousarray(d.pixel_values, dtype=np.uint8).tobytes())
-                parts.append(np.ascontiguousarray(d.image_grid_thw, dtype="<i8").tobytes())
+                parts.append(_raw(d.pixel_values, np.uint8))
+                parts.append(_raw(d.image_grid_thw, "<i8"))
     return head, b"".join(parts)
+
+
+def _raw(a: object, dtype: np.typing.DTypeLike) -> memoryview:
+    """The bytes of ``a`` as ``dtype``, C order: a view when it already is, else a converted copy."""
+    return np.ascontiguousarray(a, dtype=dtype).data.cast("B")
 
 
 def _pic(d: object) -> list[int] | None:

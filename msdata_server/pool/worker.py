@@ -69,6 +69,9 @@ def worker_main(conn, seg_fd: int, seg_size: int, data_start: int) -> None:
     """Serve tasks until told to stop or until the parent goes away."""
     from ..transforms import load_transform, run_transform
 
+    # a worker is one core of the pool, which is the parallelism: a transform library's own thread pool
+    # (tokenizers' encode_batch) would only oversubscribe the cores the other workers use (an explicit setting wins)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     mm = None
     if seg_fd >= 0:
         try:

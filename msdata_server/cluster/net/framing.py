@@ -12,6 +12,8 @@ from __future__ import annotations
 import struct
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from msdata_client.wire import MAX_FRAME, decode, encode
 
 from ...errors import ProtocolError
@@ -96,13 +98,15 @@ class FrameDecoder:
         size = frame["nbytes"]
         if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= self.max_payload:
             raise ProtocolError(f"payload frame announces nbytes={size!r}; must be an int in [0, {self.max_payload}]")
-        data = bytearray(size)
+        # uninitialised memory: every byte of it is received into before the frame is returned (a zeroed
+        # bytearray costs a clearing pass: about 23 us per MiB here, against 0.2 us)
+        data = np.empty(size, np.uint8).data.cast("B")
         take = min(len(buf), size)
         data[:take] = buf[:take]
         del buf[:take]
         if take == size:
-            return frame, memoryview(data), size
-        self._payload, self._payload_frame, self._got = memoryview(data), frame, take  # get_buffer reads the rest
+            return frame, data, size
+        self._payload, self._payload_frame, self._got = data, frame, take  # get_buffer reads the rest
         return None
 
     def buffered(self) -> int:

@@ -10,6 +10,11 @@ Flow control: a sender awaits drain once the transport buffers ``high_water`` by
 never holds more than high_water + CHUNK); a receiver stops reading while its handler has more than ``high_water``
 bytes queued. A malformed frame closes that link only.
 
+Copies: a payload leaves as its header and as many CHUNK views of the caller's buffer as the transport has room
+for, in one ``writelines`` (uvloop: one ``writev`` of the views, and what the kernel does not take stays a view;
+a mutable buffer is copied unless ``copy=False``); it arrives by the transport reading straight into the one
+buffer allocated from the header's length.
+
 This module holds the link's lifecycle (connect, authenticate, deliver in order, close) and the server that
 accepts links; the bytes on the wire and the proof of the token live in the two modules named above.
 """
@@ -93,6 +98,7 @@ class PeerLink(asyncio.BufferedProtocol):
         self._on_ready = on_ready
         self._auth_timeout = auth_timeout
         self._transport: asyncio.Transport | None = None
+        self._vectored = False  # the transport writes a list of buffers without joining them
         self._peername = "?"
         self._frames = FrameDecoder(max_payload)
         self._inbox: deque[tuple[dict, memoryview | None, int]] = deque()
@@ -136,9 +142,7 @@ class PeerLink(asyncio.BufferedProtocol):
         return self._transport
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # a stream protocol gets a stream transport
-        transport = self._transport
-        transport.set_write_buffer_limits(high=self.high_water)
+        self._set_transport(cast(asyncio.Transport, transport))  # a stream protocol gets a stream transport
         peer = transport.get_extra_info("peername")
         self._peername = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._timer = self._loop.call_later(self._auth_timeout, self._auth_expired)
@@ -187,9 +191,8 @@ class PeerLink(asyncio.BufferedProtocol):
         if tls is None or tls.is_closing() or self.closed.done():
             self._tls_failed(raw, PeerLostError("the link closed during the TLS handshake"))
             return
-        self._transport = cast(asyncio.Transport, tls)
+        self._set_transport(cast(asyncio.Transport, tls))
         self._upgrading = None  # frames flow again (this task is about to end)
-        self._transport.set_write_buffer_limits(high=self.high_water)
         if (hello := self._handshake.upgraded()) is not None:
             self._write(encode(hello))
         self._pump()  # the client may have sent its hello before this task resumed
@@ -228,10 +231,30 @@ class PeerLink(asyncio.BufferedProtocol):
             self.ready.set_result(self)
 
     # ---- sending --------------------------------------------------------------------------------------
+    def _set_transport(self, transport: asyncio.Transport) -> None:
+        """Write through ``transport`` from now on (the TCP one, then TLS's), pausing us above high water."""
+        self._transport = transport
+        transport.set_write_buffer_limits(high=self.high_water)
+        # asyncio's default writelines joins its pieces into one bytes (a copy of the payload); uvloop's and
+        # Python 3.12's write the views as they are
+        self._vectored = type(transport).writelines is not asyncio.WriteTransport.writelines
+
     def _write(self, data: bytes | memoryview) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
             self.traffic.bytes_out += len(data)
+
+    def _write_all(self, parts: list[bytes | memoryview]) -> None:
+        """Several pieces in one call (one ``writev`` where the transport has it)."""
+        t = self._transport
+        if t is None or t.is_closing():
+            return
+        if self._vectored:
+            t.writelines(parts)
+        else:
+            for part in parts:
+                t.write(part)
+        self.traffic.bytes_out += sum(len(part) for part in parts)
 
     async def _drain(self) -> None:
         if not self._can_write.is_set():
@@ -256,7 +279,8 @@ class PeerLink(asyncio.BufferedProtocol):
             await self._drain()
 
     async def send_payload(self, header: dict, buffer: Buffer, *, copy: bool | None = None) -> None:
-        """Send a JSON header (gets "nbytes") and the buffer's raw bytes, in CHUNK pieces with drain between.
+        """Send a JSON header (gets "nbytes") and the buffer's raw bytes: each write hands the transport the
+        CHUNK pieces it has room for below high water (at least one), then awaits drain.
 
         The transport may keep a reference to what it could not send yet; so a mutable buffer (anything but
         bytes) is copied piece by piece unless ``copy=False``, which promises it stays unchanged until sent.
@@ -266,12 +290,21 @@ class PeerLink(asyncio.BufferedProtocol):
             copy = not isinstance(buffer, bytes)
         async with self._send_lock:
             self._check_open()
-            self._write(head)
-            for piece in pieces:
-                self._write(bytes(piece) if copy else piece)
+            parts: list[bytes | memoryview] = [head]
+            at = 0
+            while True:
+                room = self.high_water - self._live_transport().get_write_buffer_size()
+                first = at
+                while at < len(pieces) and (room > 0 or at == first):
+                    piece = pieces[at]
+                    parts.append(bytes(piece) if copy else piece)
+                    room -= len(piece)
+                    at += 1
+                self._write_all(parts)
                 await self._drain()
-            if not pieces:
-                await self._drain()
+                if at == len(pieces):
+                    return
+                parts = []
 
     def pause_writing(self) -> None:
         self._can_write.clear()

@@ -80,3 +80,71 @@ def indices_of(values: np.ndarray, grids) -> list[list[int]]:
         out.append([index_of(f) for f in frames_of(values[at : at + n], g)])
         at += n
     return out
+
+
+CLIP_SIDE = 112  # 8 x 8 patches a frame: 16 placeholders a temporal patch
+VIDEO_VLM = (
+    f'msdata_server.transforms:vlm(patch={PATCH}, merge={MERGE}, min_pixels=3136, max_pixels=40000, video_key="mp4", '
+    f'text_key="txt", video_min_pixels=3136, video_max_pixels={CLIP_SIDE * CLIP_SIDE})'
+)
+
+
+def caption(k: int, n: int, rate: int) -> str:
+    """A clip's text: which clip, how many frames at what rate (so a test knows which frames it must hold)."""
+    return f"clip {k} of {n} frames at {rate}"
+
+
+def expected_frames(text: str, *, fps: float = 2.0, min_frames: int = 4, max_frames: int = 768) -> list[int]:
+    """The frame indices the sampling rule takes from the clip a caption describes."""
+    from msdata_server.video import frame_count, sample_indices
+
+    words = text.split()
+    n, rate = int(words[3]), int(words[6])
+    nf = frame_count(n / rate, n, fps=fps, min_frames=min_frames, max_frames=max_frames, temporal_patch=TP)
+    return sample_indices(n, nf).tolist()
+
+
+def clip_samples(tag: str, count: int, seed: int, *, rate: int = 10) -> list[tuple[bytes, str]]:
+    """count (clip, caption) of 4 to 40 frames at ``rate`` fps, CLIP_SIDE square."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(count):
+        n = int(rng.integers(4, 41))
+        out.append((make_clip(n, width=CLIP_SIDE, height=CLIP_SIDE, rate=rate), caption(k, n, rate) + f" {tag}"))
+    return out
+
+
+def video_documents(batch, *, image_token: int = 258) -> list[dict]:
+    """Each document of a micro-batch (full rows): its tokens, sample id, and clips with their frame indices;
+    checks on the way that the video keys agree with the placeholders, in order, clip by clip."""
+    toks = np.asarray(batch["tokens"]).reshape(-1)
+    cu = np.asarray(batch["cu_seqlens"])
+    pv = np.asarray(batch["pixel_values_videos"])
+    grid = np.asarray(batch["video_grid_thw"])
+    vcu = np.asarray(batch["video_cu_seqlens"])
+    vsid = np.asarray(batch["video_sample_ids"])
+    assert pv.dtype == np.uint8 and pv.shape[1] == 3 * TP * PATCH * PATCH
+    assert grid.dtype == np.int64 and grid.shape[1] == 3 and vcu.dtype == np.int32 and vsid.dtype == np.int64
+    assert pv.shape[0] == int(grid.prod(axis=1).sum())
+    blocks = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0])  # every temporal patch's rows
+    assert vcu.tolist() == [0, *np.cumsum(blocks).tolist()]
+    segs = [toks[a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    segs = [s for s in segs if not (s == 257).all()]
+    sids = np.asarray(batch["sample_ids"]).tolist()
+    assert len(segs) == len(sids)
+    out, k, at = [], 0, 0
+    for seg, sid in zip(segs, sids):
+        n_img = int(np.argmax(seg != image_token)) if (seg != image_token).any() else len(seg)
+        rest = seg[n_img:]
+        n_vid = int(np.argmax(rest != VIDEO_TOKEN)) if (rest != VIDEO_TOKEN).any() else len(rest)
+        clips = []
+        while n_vid and sum(int(np.prod(g)) // MERGE**2 for _, g in clips) < n_vid:
+            assert vsid[k] == sid, "a clip went to another document"
+            rows = int(np.prod(grid[k]))
+            clips.append((pv[at : at + rows], grid[k]))
+            at, k = at + rows, k + 1
+        assert sum(int(np.prod(g)) // MERGE**2 for _, g in clips) == n_vid
+        frames = [[index_of(f) for f in frames_of(v, g)] for v, g in clips]
+        out.append({"sid": int(sid), "tokens": seg, "n_img": n_img, "n_vid": n_vid, "clips": clips, "frames": frames})
+    assert k == len(grid) and at == pv.shape[0]
+    return out

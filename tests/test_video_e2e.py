@@ -8,6 +8,7 @@ for bit."""
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -17,43 +18,17 @@ import pytest
 import msdata_client as msd
 from msdata_server.batch import VIDEO_FIELDS
 
-from .e2e_util import run_ranks
-from .video_util import CLIP_SIDE, VIDEO_VLM, clip_samples, expected_frames, make_clip, video_documents
-from .vlm_util import VLM, pictures, read_with_status, write_parquet, write_shards
+from .e2e_util import batch_record, run_ranks
+from .video_util import CLIP_SIDE, VIDEO_VLM, expected_frames, make_clip, mixed_job, video_documents, write_mixed
+from .vlm_util import read_with_status
 
 pytest.importorskip("PIL.Image")
 
 
 @pytest.fixture
 def mixed(tmp_path):
-    """Four sources: clips in WebDataset shards (one clip broken), clips in a Parquet binary column, pictures in
-    Parquet (captions), plain text."""
-    shards = []
-    for s in range(2):
-        shards.append(
-            [(f"s{s}/{i:04d}", {"mp4": c, "txt": t.encode()}) for i, (c, t) in enumerate(clip_samples(f"w{s}", 6, s))]
-        )
-    shards[1][2] = (shards[1][2][0], {"mp4": b"\x00\x00\x00\x18ftypmp42" + b"broken" * 40, "txt": b"clip broken"})
-    write_shards(tmp_path / "wds", shards)
-    (tmp_path / "pqv").mkdir()
-    rows = clip_samples("p", 8, 7)
-    pq.write_table(pa.table({"mp4": [c for c, _ in rows], "txt": [t for _, t in rows]}), tmp_path / "pqv" / "a.parquet")
-    write_parquet(tmp_path / "pics", [pictures("i", 10, "PNG", 3)])
-    (tmp_path / "txt").mkdir()
-    pq.write_table(
-        pa.table({"text": [f"plain text {i} " * (1 + i % 7) for i in range(300)]}), tmp_path / "txt" / "t.parquet"
-    )
+    write_mixed(tmp_path)
     return tmp_path
-
-
-def mixed_job(root, name="mixed", *, dp=2, cp=1, pp=1, tp=1, micro=2, seq_len=512):
-    g = msd.DGraph(name, seed=5)
-    g.source("wds", "webdataset", [str(root / "wds")], columns=["mp4", "txt"], transform=VIDEO_VLM)
-    g.source("pqv", "parquet", [str(root / "pqv")], columns=["mp4", "txt"], transform=VIDEO_VLM)
-    g.source("pics", "parquet", [str(root / "pics")], columns=["image", "caption"], transform=VLM)
-    g.source("txt", "parquet", [str(root / "txt")])
-    g.mix({"wds": 0.3, "pqv": 0.3, "pics": 0.2, "txt": 0.2}).cost("vlm", alpha_v=1.0, beta_v=2048.0)
-    return g.pack(seq_len, micro_batches=micro).mesh(dp=dp, cp=cp, pp=pp, tp=tp).prefetch(2).plan()
 
 
 def _check_clip_docs(batches, *, video_sources=(0, 1)) -> Counter:
@@ -142,3 +117,32 @@ def test_resume_mid_epoch_with_video_is_bit_identical(server_factory, mixed):
     for r in whole:
         assert rest[r] == whole[r][3:]  # every field hashed, pixel_values_videos included
         assert any("pixel_values_videos" in rec for rec in whole[r])
+
+
+def test_skip_and_lineage_with_video(server_factory, mixed):
+    spec = mixed_job(mixed, "skip", dp=2, micro=1)
+    srv = server_factory(workers=2).start()
+    saved: dict = {}
+    whole = run_ranks(spec, srv.socket, 6)
+    run_ranks(spec, srv.socket, 2, saved=saved)
+
+    def rank(r: int):
+        with msd.DataClient(spec, endpoint=srv.socket, rank=r, world_size=2, connect_timeout=30) as dc:
+            dc.load_state_dict(saved[r])
+            dc.skip(steps=2)
+            recs = [batch_record(next(dc)) for _ in range(2)]
+            return recs, {s: _rows(dc, s) for s in range(2, 6)}
+
+    with ThreadPoolExecutor(2) as ex:
+        (recs0, lin0), (recs1, lin1) = ex.map(rank, (0, 1))
+    assert recs0 == whole[0][4:6] and recs1 == whole[1][4:6]  # the uninterrupted run's steps 4 and 5
+    for r, lin in ((0, lin0), (1, lin1)):
+        for s in range(2, 6):
+            assert [int(x["sample_id"]) for x in lin[s]] == [x[1] for x in whole[r][s]["ids"]]
+            assert [x["skipped"] for x in lin[s]] == [s in (2, 3)] * len(lin[s])
+    assert {"wds", "pqv"} <= {x["source"] for lin in (lin0, lin1) for rows in lin.values() for x in rows}
+
+
+def _rows(dc, step):
+    rows = dc.lineage(step)
+    return rows.to_pylist() if hasattr(rows, "to_pylist") else rows

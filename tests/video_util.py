@@ -5,9 +5,14 @@ can be read back exactly from its patches (``frames_of`` undoes the Qwen2-VL pat
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+
+import msdata_client as msd
 
 av = pytest.importorskip("av")
 
@@ -148,3 +153,36 @@ def video_documents(batch, *, image_token: int = 258) -> list[dict]:
         out.append({"sid": int(sid), "tokens": seg, "n_img": n_img, "n_vid": n_vid, "clips": clips, "frames": frames})
     assert k == len(grid) and at == pv.shape[0]
     return out
+
+
+def write_mixed(root: Path) -> None:
+    """Four sources under root: clips in WebDataset shards (one clip broken), clips in a Parquet binary column,
+    pictures in Parquet (captions), plain text."""
+    from .vlm_util import pictures, write_parquet, write_shards
+
+    shards = []
+    for s in range(2):
+        samples = clip_samples(f"w{s}", 6, s)
+        shards.append([(f"s{s}/{i:04d}", {"mp4": c, "txt": t.encode()}) for i, (c, t) in enumerate(samples)])
+    shards[1][2] = (shards[1][2][0], {"mp4": b"\x00\x00\x00\x18ftypmp42" + b"broken" * 40, "txt": b"clip broken"})
+    write_shards(root / "wds", shards)
+    (root / "pqv").mkdir()
+    rows = clip_samples("p", 8, 7)
+    pq.write_table(pa.table({"mp4": [c for c, _ in rows], "txt": [t for _, t in rows]}), root / "pqv" / "a.parquet")
+    write_parquet(root / "pics", [pictures("i", 10, "PNG", 3)])
+    (root / "txt").mkdir()
+    texts = [f"plain text {i} " * (1 + i % 7) for i in range(300)]
+    pq.write_table(pa.table({"text": texts}), root / "txt" / "t.parquet")
+
+
+def mixed_job(root: Path, name: str = "mixed", *, dp=2, cp=1, pp=1, tp=1, micro=2, seq_len=512):
+    """A job over write_mixed's sources: clips, pictures and text in one mixture, cost "vlm"."""
+    from .vlm_util import VLM
+
+    g = msd.DGraph(name, seed=5)
+    g.source("wds", "webdataset", [str(root / "wds")], columns=["mp4", "txt"], transform=VIDEO_VLM)
+    g.source("pqv", "parquet", [str(root / "pqv")], columns=["mp4", "txt"], transform=VIDEO_VLM)
+    g.source("pics", "parquet", [str(root / "pics")], columns=["image", "caption"], transform=VLM)
+    g.source("txt", "parquet", [str(root / "txt")])
+    g.mix({"wds": 0.3, "pqv": 0.3, "pics": 0.2, "txt": 0.2}).cost("vlm", alpha_v=1.0, beta_v=2048.0)
+    return g.pack(seq_len, micro_batches=micro).mesh(dp=dp, cp=cp, pp=pp, tp=tp).prefetch(2).plan()

@@ -48,16 +48,17 @@ _Staged = tuple[StepPlan, list[tuple[int, slice]], list[np.ndarray]]
 
 def estimate_slot(spec: JobSpec, cp: int) -> int:
     """Slot size for a typical micro-batch: row fields exactly, per-document ids for docs of >= 64 tokens; with
-    pictures, pixels for half the tokens as image placeholders; with video, as many again as video placeholders
-    (a fuller micro-batch grows the ring)."""
+    pictures, pixels for half the tokens as image placeholders; with video, for a quarter as image and a quarter
+    as video placeholders (a fuller micro-batch grows the ring)."""
     tokens = spec.rows * spec.seq_len
     docs = tokens // 64 + spec.rows + 1
     keys = image_keys(spec)
     images = videos = None
     if keys is not None:
-        images = ImageShape(patches=tokens // 2 * keys.merge**2, images=docs, row=keys.row)
+        share = 2 if keys.video is None else 4
+        images = ImageShape(patches=tokens // share * keys.merge**2, images=docs, row=keys.row)
         if keys.video is not None:
-            rows = tokens // 2 * keys.merge**2
+            rows = tokens // share * keys.merge**2
             videos = VideoShape(rows=rows, videos=docs, blocks=rows // keys.merge**2, row=keys.video_row)
     _, nbytes = layout_fields(
         field_specs(

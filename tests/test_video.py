@@ -348,3 +348,16 @@ def test_bad_sample_error_carries_reason():
     with pytest.raises(BadSampleError) as e:
         transform()({"mp4": b"junk", "txt": b""})
     assert e.value.reason == "video_decode_error"  # type: ignore[attr-defined]
+
+
+def test_give_up_limits(monkeypatch):
+    import msdata_server.video as video
+
+    clip = make_clip(40, rate=10)  # 4 s
+    monkeypatch.setattr(video, "GIVE_UP_DURATION_S", 3.0)
+    b = bad(transform(), {"mp4": clip, "txt": b""})
+    assert b.reason == "video_decode_error" and "give-up limit" in b.detail
+    monkeypatch.setattr(video, "GIVE_UP_DURATION_S", 3600.0)
+    monkeypatch.setattr(video, "GIVE_UP_DECODED_FRAMES", 10)
+    b = bad(transform(), {"mp4": clip, "txt": b""})
+    assert b.reason == "video_decode_error" and "give-up limit" in b.detail

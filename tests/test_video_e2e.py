@@ -146,3 +146,16 @@ def test_skip_and_lineage_with_video(server_factory, mixed):
 def _rows(dc, step):
     rows = dc.lineage(step)
     return rows.to_pylist() if hasattr(rows, "to_pylist") else rows
+
+
+def test_reshard_with_video_continues_exactly(server_factory, mixed):
+    """A state saved at dp=2 restores at dp=1: the job goes on from the same position, clips exact."""
+    two = mixed_job(mixed, "reshard", dp=2, micro=1)
+    one = mixed_job(mixed, "reshard", dp=1, micro=2)
+    srv = server_factory(workers=2).start()
+    saved: dict = {}
+    run_ranks(two, srv.socket, 3, saved=saved)
+    got = run_ranks(one, srv.socket, 4, states={0: saved[0]}, keep=True)[1][0]
+    seen = _check_clip_docs([{k: v.numpy() for k, v in b.items()} for b in got])
+    assert seen[0] + seen[1] >= 1
+    assert int(got[0]["step"]) == 3  # it continues at the saved step

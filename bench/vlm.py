@@ -15,7 +15,15 @@ the planner's compute per step; steady-state means after one warm-up step (plan 
 Then the real preprocessing rate: JPEGs generated here with Pillow (sizes drawn from the same
 resolution distributions, caption and document images in their share of images), run through the
 actual `msdata_server.transforms:vlm` transform in this one process (one worker): decode, resize,
-patchify, tokenize. Warm-up (the first images) and steady state are reported apart. The last line is
+patchify, tokenize. Warm-up (the first images) and steady state are reported apart.
+
+Video (workload vlm_video: captions, document images, short clips, a heavy tail of long clips, web text;
+metadata only, seq_len 16384, max_frames 224 so one clip fits): the same two-stage planner against the
+same per-rank baseline, where a clip of t temporal patches of h x w patches costs the encoder
+alpha_v * t * (h*w)**2 + beta_v * t*h*w. Then real clips: a 1280x720 H.264 clip at 30 fps generated
+once per run into a temp dir (2 minutes; --smoke: 6 seconds at 640x360), decoded by the vlm transform
+at 2 fps (frames per second per worker, against decoding every frame), and the peak memory of a fresh
+process while it decodes that clip beside the pixel bytes of the sample it produced. The last line is
 one JSON object.
 """
 
@@ -35,7 +43,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from progress import say, track
-from workloads import VLM4, ImageDist, SyntheticVlm, image_sizes, vlm_docs
+from workloads import (
+    VLM4,
+    VLM_VIDEO,
+    ImageDist,
+    SyntheticVideo,
+    SyntheticVlm,
+    VlmWorkload,
+    doc_moments,
+    image_sizes,
+    vlm_docs,
+)
 
 from msdata_server.planner import Mixture, Planner, PlannerConfig
 from msdata_server.planner.baseline import per_rank_steps
@@ -50,24 +68,24 @@ TRANSFORM = (
 )
 
 
-def mean_lengths(seq_len: int, seed: int) -> dict[str, float]:
+def mean_lengths(seq_len: int, seed: int, wl: VlmWorkload = VLM4) -> dict[str, float]:
     rng = np.random.default_rng(seed)
-    return {n: float(vlm_docs(VLM4, n, 20000, seq_len, rng)[0].mean()) for n in VLM4.sources}
+    n = 20000 if wl is VLM4 else 4000
+    return {name: float(doc_moments(wl, name, n, seq_len, rng)[0].mean()) for name in wl.sources}
 
 
-def baseline(seq_len: int, dp: int, steps: int, seed: int) -> list[dict]:
-    """Per-rank loaders, each rank's documents with their images' patches (a document's encoder cost goes with
-    its first piece)."""
-    names = list(VLM4.sources)
+def baseline(seq_len: int, dp: int, steps: int, seed: int, wl: VlmWorkload = VLM4) -> list[dict]:
+    """Per-rank loaders, each rank's documents with their images' (or clips' temporal patches') patches (a
+    document's encoder cost goes with its first piece)."""
+    names = list(wl.sources)
 
     def draw(source: int, n: int, rng: np.random.Generator) -> np.ndarray:
-        length, patches = vlm_docs(VLM4, names[source], n, seq_len, rng)
-        return np.stack([length, patches, patches * patches])
+        return doc_moments(wl, names[source], n, seq_len, rng)
 
     rows = per_rank_steps(
         draw,
-        VLM4.weights,
-        mean_lengths(seq_len, seed),
+        wl.weights,
+        mean_lengths(seq_len, seed, wl),
         seq_len=seq_len,
         dp=dp,
         micro_batches=MICRO,
@@ -81,22 +99,22 @@ def baseline(seq_len: int, dp: int, steps: int, seed: int) -> list[dict]:
     return rows
 
 
-def msdata(seq_len: int, dp: int, steps: int, seed: int, tolerance: float | None) -> list[dict]:
+def msdata(seq_len: int, dp: int, steps: int, seed: int, tolerance: float | None, wl: VlmWorkload = VLM4) -> list[dict]:
     cfg = PlannerConfig(
-        sources=tuple(VLM4.sources),
+        sources=tuple(wl.sources),
         seq_len=seq_len,
         dp=dp,
         micro_batches=MICRO,
         rows=ROWS,
         cost="vlm",
         balance_tolerance=tolerance,
-        mixture=Mixture.constant(VLM4.weights),
+        mixture=Mixture.constant(wl.weights),
         alpha=COST.alpha,
         beta=COST.beta,
         alpha_v=COST.alpha_v,
         beta_v=COST.beta_v,
     )
-    view = SyntheticVlm(VLM4, seq_len, seed=seed)
+    view = SyntheticVlm(wl, seq_len, seed=seed) if wl is VLM4 else SyntheticVideo(wl, seq_len, seed=seed)
     planner = Planner(cfg)
     out = []
     for _ in range(steps):
@@ -189,10 +207,164 @@ def preprocessing_rate(n: int, seed: int) -> dict:
     }
 
 
+# -- video ------------------------------------------------------------------------------------------------
+
+
+def video_planner(dps: list[int], steps: int, seed: int, tolerance: float | None) -> dict[str, float]:
+    """The vlm_video workload at 16k through the planner and the per-rank baseline: per dp, both stages'
+    imbalance and the throughput gain."""
+    seq_len, out = 16384, {}
+    say(
+        f"\nvlm_video at seq_len {seq_len}: {steps} measured steps after 1 warm-up; bound: the gain if the "
+        f"baseline's own documents were spread perfectly evenly in both stages at its padding"
+    )
+    head = f"{'dp':>5} | {'enc imb':>7} {'bb imb':>7} {'pad':>6} {'gain':>5} {'plan ms':>8} | "
+    head += f"{'base enc':>8} {'base bb':>8} {'bound':>6}"
+    say(head)
+    say("-" * len(head))
+    for dp in dps:
+        base = baseline(seq_len, dp, steps + 1, seed, VLM_VIDEO)[1:]
+        rows = msdata(seq_len, dp, steps + 1, seed, tolerance, VLM_VIDEO)[1:]
+        gain = throughput(rows) / throughput(base)
+        enc, bb = mean(rows, "encoder_imbalance"), mean(rows, "backbone_imbalance")
+        plan_ms = statistics.median(r["plan_ms"] for r in rows)
+        say(
+            f"{dp:>5} | {enc:7.4f} {bb:7.4f} {mean(rows, 'padding'):6.4f} {gain:5.2f} {plan_ms:8.1f} | "
+            f"{mean(base, 'encoder_imbalance'):8.4f} {mean(base, 'backbone_imbalance'):8.4f} {gain_bound(base):6.2f}"
+        )
+        tag = f"16k_dp{dp}"
+        out[f"video_encoder_imbalance_{tag}"] = round(enc, 4)
+        out[f"video_backbone_imbalance_{tag}"] = round(bb, 4)
+        out[f"gain_video_{tag}"] = round(gain, 3)
+        out[f"video_padding_{tag}"] = round(mean(rows, "padding"), 4)
+        out[f"video_plan_ms_{tag}"] = round(plan_ms, 1)
+        out[f"video_baseline_encoder_imbalance_{tag}"] = round(mean(base, "encoder_imbalance"), 4)
+        out[f"video_baseline_backbone_imbalance_{tag}"] = round(mean(base, "backbone_imbalance"), 4)
+        out[f"video_gain_bound_{tag}"] = round(gain_bound(base), 3)
+    return out
+
+
+def gain_bound(base: list[dict]) -> float:
+    """The gain over the baseline if its own documents, at its own padding, were spread perfectly evenly in
+    both stages (each stage at its mean load): what balancing alone can win on this workload."""
+    even = sum(r["max_backbone"] / r["backbone_imbalance"] + r["max_encoder"] / r["encoder_imbalance"] for r in base)
+    return throughput(base) ** -1 * sum(r["tokens"] for r in base) / even
+
+
+def write_clip(path: str, seconds: float, width: int, height: int, rate: int = 30) -> float:
+    """An H.264 clip (ultrafast, crf 23) of moving gradients; the seconds it took to make."""
+    import av
+
+    t = time.perf_counter()
+    x = np.arange(width, dtype=np.uint16)[None, :]
+    y = np.arange(height, dtype=np.uint16)[:, None]
+    frame = np.empty((height, width, 3), np.uint8)
+    with av.open(path, "w", format="mp4") as c:
+        s = c.add_stream("libx264", rate=rate)
+        s.width, s.height, s.pix_fmt = width, height, "yuv420p"
+        s.options = {"preset": "ultrafast", "crf": "23"}
+        for i in range(int(seconds * rate)):
+            frame[..., 0] = (x + 3 * i) & 255
+            frame[..., 1] = (y + 2 * i) & 255
+            frame[..., 2] = (x + y + i) & 255
+            for p in s.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return time.perf_counter() - t
+
+
+VIDEO_TRANSFORM = 'msdata_server.transforms:vlm(video_key="mp4", text_key="txt", fps=2.0)'
+
+_PEAK = """
+import json, sys
+from msdata_server.transforms import load_transform
+fn = load_transform(sys.argv[2])
+blob = open(sys.argv[1], "rb").read()
+fn({"mp4": blob[:], "txt": b""}, rng=None)  # warm up: libraries loaded, allocator pools made
+def status(key):
+    return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key)][0]
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from now
+base = status("VmRSS")
+s = fn({"mp4": blob, "txt": b""}, rng=None)
+print(json.dumps({"peak": status("VmHWM") - base, "sample": s.pixel_values_videos.nbytes}))
+"""
+
+
+def video_decode(smoke: bool) -> dict[str, float]:
+    """Real clips through the vlm transform: sampled frames per second per worker against decoding every frame,
+    and a fresh process's peak memory while decoding the long clip beside its sample's pixel bytes."""
+    import subprocess
+    import tempfile
+
+    import av
+
+    seconds, (w, h) = (6.0, (640, 360)) if smoke else (120.0, (1280, 720))
+    with tempfile.TemporaryDirectory(prefix="msd-bench-video-") as d:
+        path = os.path.join(d, "clip.mp4")
+        gen_s = write_clip(path, seconds, w, h)
+        with open(path, "rb") as fh:
+            blob = fh.read()
+        fn = load_transform(VIDEO_TRANSFORM)
+        fn({"mp4": make_small_clip(), "txt": b""}, rng=None)  # warm-up: PyAV and its codecs loaded
+        t = time.perf_counter()
+        sample = fn({"mp4": blob, "txt": b""}, rng=None)
+        sampled_s = time.perf_counter() - t
+        frames = int(sample.video_grid_thw[0, 0]) * 2
+        t = time.perf_counter()
+        with av.open(io.BytesIO(blob)) as c:
+            c.streams.video[0].codec_context.thread_count = 1
+            every = sum(1 for _ in c.decode(video=0))
+        every_s = time.perf_counter() - t
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": root}
+        got = subprocess.run(
+            [sys.executable, "-c", _PEAK, path, VIDEO_TRANSFORM], capture_output=True, text=True, env=env, check=True
+        )
+        mem = json.loads(got.stdout.strip().splitlines()[-1])
+    out = {
+        "video_frames_per_s_per_worker": round(frames / sampled_s, 1),
+        "video_decode_every_frame_per_s": round(every / every_s, 1),
+        "video_sampled_frames_per_s_if_decoding_every_frame": round(frames / every_s, 1),
+        "video_worker_peak_mib": round(mem["peak"] / 2**20, 1),
+        "video_sample_pixel_mib": round(mem["sample"] / 2**20, 1),
+        "video_clip_seconds": seconds,
+        "video_clip_generate_s": round(gen_s, 1),
+    }
+    say(
+        f"\nvideo: a {seconds:.0f} s {w}x{h} H.264 clip at 30 fps ({len(blob) / 1e6:.1f} MB, made in {gen_s:.1f} s): "
+        f"{frames} frames sampled at 2 fps, grid {sample.video_grid_thw[0].tolist()}, in {sampled_s:.2f} s = "
+        f"{out['video_frames_per_s_per_worker']} sampled frames/s per worker; decoding every frame ({every}) "
+        f"takes {every_s:.2f} s ({out['video_decode_every_frame_per_s']} frames/s, so "
+        f"{out['video_sampled_frames_per_s_if_decoding_every_frame']} sampled frames/s before any resizing); "
+        f"peak memory while decoding {out['video_worker_peak_mib']} MiB beside {out['video_sample_pixel_mib']} MiB "
+        f"of sample pixels (target <= 2 x that + 64)"
+    )
+    return out
+
+
+def make_small_clip() -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        s = c.add_stream("libx264", rate=10)
+        s.width = s.height = 64
+        s.pix_fmt = "yuv420p"
+        for i in range(4):
+            for p in s.encode(av.VideoFrame.from_ndarray(np.full((64, 64, 3), i * 40, np.uint8), format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return buf.getvalue()
+
+
 def main() -> None:
     global MICRO, ROWS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and images (under two minutes)")
+    ap.add_argument("--smoke", action="store_true", help="seconds: one small config of each part, a short clip")
+    ap.add_argument("--video-dp", default="8,64,512", help="comma list of DP sizes for the vlm_video planner part")
     ap.add_argument("--steps", type=int, default=None, help="measured steps per config (after one warm-up)")
     ap.add_argument("--dp", default="8,64,512", help="comma list of DP sizes")
     ap.add_argument("--seq-lens", default=None, help="comma list (default: the workload's 8192,16384)")
@@ -207,10 +379,12 @@ def main() -> None:
         args.steps, args.dp, args.images, args.micro, args.rows = 1, "8", 10, 2, 1
         args.seq_lens = args.seq_lens or str(min(VLM4.seq_lens))
     MICRO, ROWS = args.micro, args.rows
-    steps = args.steps or (3 if args.quick else 10)
-    images = args.images or (80 if args.quick else 300)
-    dps = [int(x) for x in args.dp.split(",")]
-    seq_lens = [int(x) for x in (args.seq_lens or ",".join(map(str, VLM4.seq_lens))).split(",")]
+    steps = args.steps or (1 if args.smoke else 3 if args.quick else 10)
+    images = args.images or (10 if args.smoke else 80 if args.quick else 300)
+    dps = [8] if args.smoke else [int(x) for x in args.dp.split(",")]
+    seq_lens = (
+        [8192] if args.smoke else [int(x) for x in (args.seq_lens or ",".join(map(str, VLM4.seq_lens))).split(",")]
+    )
     tolerance = None if args.tolerance == "none" else float(args.tolerance)
 
     say(
@@ -260,6 +434,9 @@ def main() -> None:
     results["images_per_s_per_worker"] = round(rate["images_per_s_per_worker"], 1)
     results["images_per_s_warmup"] = round(rate["warmup_images_per_s"], 1)
     results["megapixels_per_s_per_worker"] = round(rate["megapixels_per_s_per_worker"], 2)
+    video_dps = [8] if args.smoke else [int(x) for x in args.video_dp.split(",")]
+    results.update(video_planner(video_dps, 1 if args.smoke else steps, args.seed, tolerance))
+    results.update(video_decode(args.smoke))
     say(json.dumps(results, sort_keys=True))
 
 

@@ -17,14 +17,20 @@ __all__ = [
     "MANYSOURCES",
     "TEXT4",
     "VLM4",
+    "VLM_VIDEO",
+    "ClipDist",
     "ImageDist",
     "LengthDist",
     "SyntheticLengths",
+    "SyntheticVideo",
     "SyntheticVlm",
+    "VideoWorkload",
     "VlmWorkload",
     "Workload",
+    "doc_moments",
     "image_sizes",
     "lengths",
+    "video_docs",
     "vlm_docs",
 ]
 
@@ -222,3 +228,134 @@ class SyntheticVlm(SyntheticLengths):
         patches = self._range(source, start, count)[1]
         images = (patches > 0).astype(np.int64)
         return images, patches[patches > 0].copy()
+
+
+# -- vlm_video: vision-language with video (bench/vlm.py) -----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClipDist:
+    """A clip document: duration seconds lognormal(median, sigma) clipped to [1, max], frame side lognormal(median,
+    sigma) clipped to [64, 1920], aspect exp(normal(0, 0.2)); then text tokens lognormal(text_median, text_sigma),
+    at least 4. Frames from the sampling rule; its length: the placeholders, then the text."""
+
+    duration_median_s: float
+    duration_sigma: float
+    duration_max_s: float
+    frame_side_median: float
+    frame_side_sigma: float
+    text_median: float
+    text_sigma: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VideoWorkload(VlmWorkload):
+    temporal_patch: int
+    fps: float
+    video_min_pixels: int  # per frame
+    video_max_pixels: int
+    max_frames: dict[int, int]  # per seq_len: one clip's placeholders fit it
+
+
+VLM_VIDEO = VideoWorkload(
+    name="vlm_video",
+    description="vision-language with video: captions, document images, short and long clips, web text",
+    seq_lens=(8192, 16384),
+    weights={"caption": 0.25, "docimg": 0.10, "clip": 0.20, "longclip": 0.15, "web": 0.30},
+    sources={
+        "caption": ImageDist(
+            image_side_median=512, image_side_sigma=0.5, aspect_sigma=0.35, text_median=40, text_sigma=0.6
+        ),
+        "docimg": ImageDist(
+            image_side_median=1280, image_side_sigma=0.4, aspect_sigma=0.35, text_median=400, text_sigma=0.8
+        ),
+        "clip": ClipDist(
+            duration_median_s=6,
+            duration_sigma=0.5,
+            duration_max_s=30,
+            frame_side_median=480,
+            frame_side_sigma=0.3,
+            text_median=60,
+            text_sigma=0.6,
+        ),
+        "longclip": ClipDist(
+            duration_median_s=60,
+            duration_sigma=0.8,
+            duration_max_s=600,
+            frame_side_median=720,
+            frame_side_sigma=0.3,
+            text_median=200,
+            text_sigma=0.8,
+        ),
+        "web": LengthDist(median=900, sigma=1.0, min=16),
+    },
+    patch=14,
+    merge=2,
+    min_pixels=3136,
+    max_pixels=1048576,
+    cost={"alpha": 1.0, "beta": 4096.0, "alpha_v": 1.0, "beta_v": 2048.0},
+    temporal_patch=2,
+    fps=2.0,
+    video_min_pixels=3136,
+    video_max_pixels=100352,  # 128 x 28 x 28 per frame: long clips fit 16k
+    max_frames={8192: 96, 16384: 224},
+)
+
+FRAME_SIDE_MIN, FRAME_SIDE_MAX = 64, 1920
+
+
+def video_docs(workload: VideoWorkload, name: str, n: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
+    """int64 [3, n]: each document's length in tokens, its encoder blocks (an image: 1; a clip: its temporal
+    patches; text: 0) and the patches of each block (a clip's h * w), as the vlm transform would make them."""
+    from msdata_server.transforms import smart_resize
+    from msdata_server.video import frame_count
+
+    dist = workload.sources[name]
+    if not isinstance(dist, ClipDist):
+        length, patches = vlm_docs(workload, name, n, seq_len, rng)
+        return np.stack([length, (patches > 0).astype(np.int64), patches])
+    dur = np.clip(rng.lognormal(np.log(dist.duration_median_s), dist.duration_sigma, n), 1.0, dist.duration_max_s)
+    side = np.clip(rng.lognormal(np.log(dist.frame_side_median), dist.frame_side_sigma, n), 64, 1920)
+    aspect = np.exp(rng.normal(0.0, 0.2, n))
+    h = np.maximum(1, np.rint(side / np.sqrt(aspect))).astype(np.int64)
+    w = np.maximum(1, np.rint(side * np.sqrt(aspect))).astype(np.int64)
+    text = np.maximum(4, np.rint(rng.lognormal(np.log(dist.text_median), dist.text_sigma, n))).astype(np.int64)
+    f, tp = workload.patch * workload.merge, workload.temporal_patch
+    max_frames = workload.max_frames[seq_len]
+    blocks, per = np.empty(n, np.int64), np.empty(n, np.int64)
+    for i, (d, hh, ww) in enumerate(zip(dur.tolist(), h.tolist(), w.tolist())):
+        frames = frame_count(d, round(d * 30), fps=workload.fps, min_frames=4, max_frames=max_frames, temporal_patch=tp)
+        th, tw = smart_resize(
+            hh, ww, factor=f, min_pixels=workload.video_min_pixels, max_pixels=workload.video_max_pixels
+        )
+        blocks[i], per[i] = frames // tp, (th // workload.patch) * (tw // workload.patch)
+    return np.stack([blocks * per // workload.merge**2 + text, blocks, per])
+
+
+def doc_moments(workload: VlmWorkload, name: str, n: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
+    """int64 [3, n]: each document's length, and the sum over its encoder blocks of their patches and of their
+    squares (what the two-stage cost needs)."""
+    if isinstance(workload, VideoWorkload):
+        length, blocks, per = video_docs(workload, name, n, seq_len, rng)
+        return np.stack([length, blocks * per, blocks * per * per])
+    length, patches = vlm_docs(workload, name, n, seq_len, rng)
+    return np.stack([length, patches, patches * patches])
+
+
+class SyntheticVideo(SyntheticLengths):
+    """A MetadataView with `vision` over a VideoWorkload: a pure function of (seed, source, ordinal)."""
+
+    def __init__(self, workload: VideoWorkload, seq_len: int, *, seed: int = 0):
+        super().__init__(workload, seq_len, seed=seed)  # type: ignore[arg-type]  # the same shape: name, sources
+
+    def _draw(self, name: str, rng: np.random.Generator) -> np.ndarray:
+        assert isinstance(self.workload, VideoWorkload)
+        return video_docs(self.workload, name, BLOCK, self.seq_len, rng)
+
+    def lengths(self, source: int, start: int, count: int) -> np.ndarray:
+        return self._range(source, start, count)[0].copy()
+
+    def vision(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(encoder blocks per sample, patches per block): an image is one block, a clip one per temporal patch."""
+        _, blocks, per = self._range(source, start, count)
+        return blocks.copy(), np.repeat(per, blocks)

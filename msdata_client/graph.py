@@ -19,7 +19,16 @@ from msdata_client.errors import ConfigError
 from msdata_client.mesh import AXES, ClientPlaceTree
 from msdata_client.mix import schedule_points
 from msdata_client.source import SYNTHETIC_DEFAULTS, synthetic_only
-from msdata_client.spec import IMAGE_TOKEN_ID, VISION_ALPHA, VISION_BETA, BalanceSpec, JobSpec, MixSpec, SourceSpec
+from msdata_client.spec import (
+    IMAGE_TOKEN_ID,
+    VIDEO_TOKEN_ID,
+    VISION_ALPHA,
+    VISION_BETA,
+    BalanceSpec,
+    JobSpec,
+    MixSpec,
+    SourceSpec,
+)
 
 __all__ = ["BalanceSpec", "DGraph", "JobSpec", "MixSpec", "SourceFormat", "SourceSpec"]
 
@@ -125,11 +134,17 @@ class DGraph:
         pad_id: int | None = None,
         long_docs: str = "split",
         image_token_id: int = IMAGE_TOKEN_ID,
+        video_token_id: int = VIDEO_TOKEN_ID,
     ) -> DGraph:
-        """Pack documents into `rows` rows of `seq_len` tokens per micro-batch (`image_token_id`: the id of a
-        picture document's image placeholders)."""
+        """Pack documents into `rows` rows of `seq_len` tokens per micro-batch (`image_token_id`, `video_token_id`:
+        the ids of a picture document's image and video placeholders)."""
         self._job.update(
-            seq_len=seq_len, rows=rows, micro_batches=micro_batches, long_docs=long_docs, image_token_id=image_token_id
+            seq_len=seq_len,
+            rows=rows,
+            micro_batches=micro_batches,
+            long_docs=long_docs,
+            image_token_id=image_token_id,
+            video_token_id=video_token_id,
         )
         if pad_id is not None:  # None: the tokenizer's pad token when it has one, else 257
             self._job["pad_id"] = pad_id
@@ -199,6 +214,7 @@ class DGraph:
             prefetch_steps=spec.prefetch_steps,
             pp_fields=spec.pp_fields,
             image_token_id=spec.image_token_id,
+            video_token_id=spec.video_token_id,
             shadow_loaders=spec.shadow_loaders,
         )
         g._sources = list(spec.sources)

@@ -36,11 +36,13 @@ __all__ = [
     "MAX_PREFETCH_STEPS",
     "MixSpec",
     "SourceSpec",
+    "VIDEO_TOKEN_ID",
     "VISION_ALPHA",
     "VISION_BETA",
 ]
 
 IMAGE_TOKEN_ID = 258  # [job] image_token_id by default (byte tokens are 0..255, EOS 256, padding 257)
+VIDEO_TOKEN_ID = 259  # [job] video_token_id by default
 VISION_ALPHA, VISION_BETA = 1.0, 2048.0  # [balance] alpha_v, beta_v by default
 
 
@@ -63,6 +65,7 @@ _JOB_TABLE_KEYS = (
     "prefetch_steps",
     "pp_fields",
     "image_token_id",
+    "video_token_id",
     "shadow_loaders",
     "on_data_change",
 )
@@ -143,6 +146,8 @@ class JobSpec:
     pp_fields: Mapping[str, tuple[str, ...]] | None = None
     # the id of image placeholder tokens (a picture document's tokens: one per merge x merge patches, then its text)
     image_token_id: int = IMAGE_TOKEN_ID
+    # the id of video placeholder tokens (one per merge x merge patches of one temporal patch of a clip)
+    video_token_id: int = VIDEO_TOKEN_ID
     # hot standbys per source partition on other nodes (cluster layout only: never changes the data)
     shadow_loaders: int = 0
     # a resume over a source whose files changed: refuse ("error") or go on over the new files ("continue");
@@ -166,6 +171,13 @@ class JobSpec:
         check_int("job image_token_id", self.image_token_id, low=0, fix=fix)
         if self.image_token_id == self.pad_id:
             raise ConfigError(f"job image_token_id={self.image_token_id} equals pad_id; {fix}")
+        vfix = (
+            f"use a non-negative token id ({VIDEO_TOKEN_ID} by default) that is neither pad_id={self.pad_id} nor "
+            f"image_token_id={self.image_token_id}"
+        )
+        check_int("job video_token_id", self.video_token_id, low=0, fix=vfix)
+        if self.video_token_id in (self.pad_id, self.image_token_id):
+            raise ConfigError(f"job video_token_id={self.video_token_id} equals pad_id or image_token_id; {vfix}")
         LongDocs.parse(self.long_docs, "job long_docs")
         Distribute.parse(self.distribute, "job distribute")
         OnDataChange.parse(self.on_data_change, "job on_data_change")
@@ -293,6 +305,8 @@ class JobSpec:
             job["pp_fields"] = {k: list(v) for k, v in self.pp_fields.items()}
         if self.image_token_id != IMAGE_TOKEN_ID:  # written only when set: text jobs' digests stay as they were
             job["image_token_id"] = self.image_token_id
+        if self.video_token_id != VIDEO_TOKEN_ID:  # likewise: digests of jobs that keep the default stay
+            job["video_token_id"] = self.video_token_id
         if self.shadow_loaders:  # written only when set: digests of jobs without standbys stay as they were
             job["shadow_loaders"] = self.shadow_loaders
         if self.on_data_change != OnDataChange.ERROR.value:  # written only when set: digests stay as they were
@@ -355,6 +369,8 @@ class JobSpec:
         }
         if self.image_token_id != IMAGE_TOKEN_ID:
             identity["image_token_id"] = self.image_token_id
+        if self.video_token_id != VIDEO_TOKEN_ID:
+            identity["video_token_id"] = self.video_token_id
         return _sha256(identity)
 
 

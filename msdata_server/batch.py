@@ -1,6 +1,7 @@
 """Data constructors' batch-level work, as pure numpy: pack document pieces into rows, then derive labels,
 loss mask, position ids and cu_seqlens, and slice rows for context parallelism (zig-zag). A job with pictures
-adds the image keys: every image of the micro-batch's pieces, in order of appearance (IMAGE_FIELDS).
+adds the image keys: every image of the micro-batch's pieces, in order of appearance (IMAGE_FIELDS); a job with
+video the video keys likewise (VIDEO_FIELDS).
 
 ``build_micro_batch`` writes straight into the arrays it is given (views of a ring slot), so a micro-batch
 is built once, in place, and never copied again on its way to the ranks.
@@ -18,10 +19,13 @@ __all__ = [
     "ImageShape",
     "MicroBatchPieces",
     "ROW_FIELDS",
+    "VIDEO_FIELDS",
+    "VideoShape",
     "build_micro_batch",
     "count_segments",
     "field_specs",
     "image_shape",
+    "video_shape",
     "zigzag_index",
 ]
 
@@ -41,12 +45,22 @@ BATCH_FIELDS = (
     "image_grid_thw",
     "image_cu_seqlens",
     "image_sample_ids",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "video_cu_seqlens",
+    "video_sample_ids",
 )
 # The image keys of a job with pictures: pixel_values uint8 [n_patches, 3*patch*patch] (all images in order of
 # appearance), image_grid_thw int64 [n_images, 3] (t, h, w in patches), image_cu_seqlens int32 [n_images + 1]
 # (patch boundaries per image, from 0), image_sample_ids int64 [n_images] (the sample of each image).
 # Not row fields: every CP rank reads them whole; under PP only the first stage (mesh.default_stage_fields).
 IMAGE_FIELDS = ("pixel_values", "image_grid_thw", "image_cu_seqlens", "image_sample_ids")
+# The video keys of a job with video (Hugging Face Qwen2-VL naming): pixel_values_videos uint8
+# [n_rows, 3*temporal_patch*patch*patch] (all clips in order of appearance; a clip's rows are its temporal patches in
+# time order, h*w rows each), video_grid_thw int64 [n_videos, 3] (t in temporal patches, h, w in patches),
+# video_cu_seqlens int32 [n_temporal_patches + 1] (row boundaries of every temporal patch: the encoder attends
+# within each), video_sample_ids int64 [n_videos]. Routed as the image keys.
+VIDEO_FIELDS = ("pixel_values_videos", "video_grid_thw", "video_cu_seqlens", "video_sample_ids")
 # cu_seqlens has one segment per document piece, then one for each row's padding tail (a row that is not full):
 # len(cu_seqlens) - 1 == len(sample_ids) + (rows with padding). doc_counts int64 [rows] says how many of each
 # row's segments are document pieces (the row's padding tail, if any, follows them), so a trainer need not guess.
@@ -65,6 +79,10 @@ _DTYPES = {
     "image_grid_thw": np.int64,
     "image_cu_seqlens": np.int32,
     "image_sample_ids": np.int64,
+    "pixel_values_videos": np.uint8,
+    "video_grid_thw": np.int64,
+    "video_cu_seqlens": np.int32,
+    "video_sample_ids": np.int64,
 }
 
 
@@ -74,6 +92,16 @@ class ImageShape:
 
     patches: int
     images: int
+    row: int
+
+
+@dataclass(frozen=True, slots=True)
+class VideoShape:
+    """How much a micro-batch's video keys hold: rows, clips, temporal patches, and bytes per row."""
+
+    rows: int
+    videos: int
+    blocks: int
     row: int
 
 
@@ -88,6 +116,9 @@ class MicroBatchPieces:
     # per piece (a job with pictures): its images' pixel_values uint8 [p, row] and image_grid_thw int64 [k, 3],
     # or None for a piece without images
     images: list | None = None
+    # per piece (a job with video): its clips' pixel_values_videos uint8 [r, row] and video_grid_thw int64 [k, 3],
+    # or None for a piece without clips
+    videos: list | None = None
 
 
 def image_shape(pieces: MicroBatchPieces, row: int) -> ImageShape:
@@ -101,6 +132,22 @@ def image_shape(pieces: MicroBatchPieces, row: int) -> ImageShape:
             patches += pv.shape[0]
             images += grid.shape[0]
     return ImageShape(patches, images, row)
+
+
+def video_shape(pieces: MicroBatchPieces, row: int) -> VideoShape:
+    """The video keys' sizes for these pieces (row: bytes per pixel_values_videos row of the job's clips)."""
+    rows = videos = blocks = 0
+    for v in pieces.videos or ():
+        if v is not None:
+            pv, grid = v
+            if pv.ndim != 2 or pv.shape[1] != row:
+                raise ValueError(
+                    f"a piece's pixel_values_videos {pv.shape} do not have rows of {row} bytes (the job's)"
+                )
+            rows += pv.shape[0]
+            videos += grid.shape[0]
+            blocks += int(grid[:, 0].sum())
+    return VideoShape(rows, videos, blocks, row)
 
 
 def zigzag_index(seq_len: int, cp: int) -> np.ndarray:
@@ -117,9 +164,17 @@ def zigzag_index(seq_len: int, cp: int) -> np.ndarray:
 
 
 def field_specs(
-    *, rows: int, seq_len: int, n_pieces: int, n_segments: int, cp: int = 1, images: ImageShape | None = None
+    *,
+    rows: int,
+    seq_len: int,
+    n_pieces: int,
+    n_segments: int,
+    cp: int = 1,
+    images: ImageShape | None = None,
+    videos: VideoShape | None = None,
 ) -> list[tuple[str, str, tuple]]:
-    """(name, dtype, shape) of every array a micro-batch needs in its slot (the image keys with ``images``).
+    """(name, dtype, shape) of every array a micro-batch needs in its slot (the image keys with ``images``, the
+    video keys with ``videos``).
 
     With cp > 1 each row field is stored once per CP rank, as ``{name}@{i}`` of shape [rows, seq_len/cp],
     so every CP rank maps one contiguous array and nothing is copied on the reader's side.
@@ -145,6 +200,14 @@ def field_specs(
             "image_sample_ids": (images.images,),
         }
         specs += [(name, np.dtype(_DTYPES[name]).str, shapes[name]) for name in IMAGE_FIELDS]
+    if videos is not None:
+        shapes = {
+            "pixel_values_videos": (videos.rows, videos.row),
+            "video_grid_thw": (videos.videos, 3),
+            "video_cu_seqlens": (videos.blocks + 1,),
+            "video_sample_ids": (videos.videos,),
+        }
+        specs += [(name, np.dtype(_DTYPES[name]).str, shapes[name]) for name in VIDEO_FIELDS]
     return specs
 
 
@@ -217,6 +280,8 @@ def build_micro_batch(
     out["micro"][...] = micro
     if "pixel_values" in out:
         _fill_images(out, pieces)
+    if "pixel_values_videos" in out:
+        _fill_videos(out, pieces)
     if cp > 1:
         idx = zigzag_index(seq_len, cp)
         for name, full in (("tokens", tok), ("labels", lab), ("loss_mask", msk), ("position_ids", pos)):
@@ -243,6 +308,32 @@ def _fill_images(out: dict[str, np.ndarray], pieces: MicroBatchPieces) -> None:
         raise ValueError(f"images fill {p} of {pv.shape[0]} patch rows and {k} of {grid.shape[0]} images (layout)")
     if k and int(cus[k]) != p:
         raise ValueError(f"image_grid_thw covers {int(cus[k])} patches but pixel_values has {p} (a bad picture)")
+
+
+def _fill_videos(out: dict[str, np.ndarray], pieces: MicroBatchPieces) -> None:
+    """The video keys: each piece's clips in order, their grids, temporal-patch boundaries and sample ids."""
+    pv, grid = out["pixel_values_videos"], out["video_grid_thw"]
+    cus, ids = out["video_cu_seqlens"], out["video_sample_ids"]
+    p = k = b = 0
+    cus[0] = 0
+    for v, sid in zip(pieces.videos or (), pieces.sample_ids.tolist()):
+        if v is None:
+            continue
+        values, thw = v
+        n, m = values.shape[0], thw.shape[0]
+        pv[p : p + n] = values
+        grid[k : k + m] = thw
+        per = np.repeat(thw[:, 1] * thw[:, 2], thw[:, 0])  # rows of each temporal patch, clip by clip
+        cus[b + 1 : b + 1 + len(per)] = p + np.cumsum(per)
+        ids[k : k + m] = sid
+        p, k, b = p + n, k + m, b + len(per)
+    if p != pv.shape[0] or k != grid.shape[0] or b + 1 != len(cus):
+        raise ValueError(
+            f"clips fill {p} of {pv.shape[0]} rows, {k} of {grid.shape[0]} clips and {b} of {len(cus) - 1} "
+            f"temporal patches (layout)"
+        )
+    if b and int(cus[b]) != p:
+        raise ValueError(f"video_grid_thw covers {int(cus[b])} rows but pixel_values_videos has {p} (a bad clip)")
 
 
 def _scratch(scratch: dict, name: str, shape, dtype) -> np.ndarray:

@@ -293,6 +293,10 @@ def _cmd_cleanup(args) -> int:
 def _cmd_demo(args) -> int:
     _lean_memory()
     configure_logging(args.log_level or "WARNING", "text")
+    if args.video:  # captions, pages and clips in one job (generated clips; needs PyAV and Pillow)
+        from .demo_video import run_video_demo
+
+        return run_video_demo(steps=args.steps if args.steps is not None else 20)
     if args.vlm:  # a small image-text job (generated images; needs Pillow)
         from .demo_vlm import run_vlm_demo
 
@@ -303,6 +307,7 @@ def _cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `msdata-server` command line: one subcommand per verb (ARCHITECTURE §4.1), each with its options."""
     from . import __version__
 
     p = argparse.ArgumentParser(prog="msdata-server", description="msdata node data server")
@@ -315,9 +320,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_serve)
     d = sub.add_parser("demo", help="run the embedded default job end to end and print a summary")
     d.add_argument(
-        "--steps", type=_at_least_one, default=None, help="training steps to run (default 200; 30 with --vlm)"
+        "--steps",
+        type=_at_least_one,
+        default=None,
+        help="training steps to run (default 200; 30 with --vlm, 20 with --video)",
     )
     d.add_argument("--vlm", action="store_true", help="an image-text job instead (generated images; needs Pillow)")
+    d.add_argument(
+        "--video",
+        action="store_true",
+        help="captions, pages, short and long clips in one job (generated clips; needs PyAV and Pillow)",
+    )
     d.add_argument("--ranks", type=_at_least_one, default=4, help="simulated trainer ranks")
     d.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, help="log level (default WARNING)")
     d.set_defaults(fn=_cmd_demo)

@@ -22,13 +22,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from msdata_client.choices import TRANSFORM_NAME
-from msdata_client.spec import IMAGE_TOKEN_ID
+from msdata_client.spec import IMAGE_TOKEN_ID, VIDEO_TOKEN_ID
 
 from ._imports import import_callable
 from .document import VlmSample
 from .errors import BadSampleError, ConfigError
 from .sources.base import BadSample
 from .sources.order import make_rng
+from .video import decode_clip, default_max_frames
 
 __all__ = [
     "EOS",
@@ -36,12 +37,14 @@ __all__ = [
     "MAX_IMAGE_PIXELS_ENV",
     "byte_tokens",
     "check_image_fits",
+    "check_video_fits",
     "hf_tokenizer",
     "identity",
     "image_patches",
     "load_transform",
     "max_image_pixels",
     "max_image_tokens",
+    "max_video_tokens",
     "parse_transform_name",
     "run_transform",
     "smart_resize",
@@ -51,6 +54,7 @@ __all__ = [
 
 EOS = 256
 IMAGE_TOKEN = IMAGE_TOKEN_ID  # the default image placeholder id ([job] image_token_id)
+VIDEO_TOKEN = VIDEO_TOKEN_ID  # the default video placeholder id ([job] video_token_id)
 _NAME = TRANSFORM_NAME
 
 
@@ -302,6 +306,14 @@ def vlm(
     tokenizer: str | None = None,
     eos: int | None = None,
     seq_len: int | None = None,
+    video_key: str | None = None,
+    fps: float = 2.0,
+    min_frames: int = 4,
+    max_frames: int | None = None,
+    temporal_patch: int = 2,
+    video_min_pixels: int = 128 * 28 * 28,
+    video_max_pixels: int = 768 * 28 * 28,
+    video_token_id: int = VIDEO_TOKEN,
 ) -> Callable:
     """A transform for image-text records (a dict: ``columns = [...]`` or a WebDataset sample) -> VlmSample.
 
@@ -317,6 +329,10 @@ def vlm(
     with its first piece, so a sample whose placeholders alone exceed seq_len is a bad sample
     (``image_tokens_exceed_seq_len``). A job refuses a max_pixels it sets whose one image could exceed it
     (``check_image_fits``).
+
+    Video (``video_key`` set, e.g. ``"mp4;webm;mkv"``): each clip is sampled and cut into temporal patches by
+    ``_VideoSide`` (see ``video.py``); its placeholders ``video_token_id`` follow the images'. A record may then
+    have images, clips, both or neither; without ``video_key`` the image field is required as before.
     """
     try:
         from PIL import Image
@@ -327,6 +343,19 @@ def vlm(
             raise ConfigError(f"vlm: {name}={v!r} must be an integer >= 1")
     if isinstance(image_token_id, bool) or not isinstance(image_token_id, int) or image_token_id < 0:
         raise ConfigError(f"vlm: {image_token_id=} must be an integer >= 0")
+    video = _video_setup(
+        video_key,
+        patch=patch,
+        merge=merge,
+        seq_len=seq_len,
+        fps=fps,
+        min_frames=min_frames,
+        max_frames=max_frames,
+        temporal_patch=temporal_patch,
+        video_min_pixels=video_min_pixels,
+        video_max_pixels=video_max_pixels,
+        video_token_id=video_token_id,
+    )
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
         raise ConfigError(f"vlm: {seq_len=} must be an integer >= 1 (the job's seq_len) or None")
     factor = patch * merge
@@ -350,6 +379,8 @@ def vlm(
                 f"set columns = [...] in the source (or use format = 'webdataset')",
             )
         images, text = _lookup(record, image_keys), _lookup(record, text_keys)
+        if video is not None and images is None:
+            images = ()  # with video a record need not have images
         if images is None or text is None:
             which = [k for k, v in ((image_key, images), (text_key, text)) if v is None]
             raise _Bad("missing_field", f"the record has no {which} (fields: {sorted(record)[:10]})")
@@ -370,15 +401,172 @@ def vlm(
                     f"seq_len={seq_len}; a document's images go in one row with their placeholders: raise "
                     f"[job] seq_len or lower the vlm transform's max_pixels (now {max_pixels})",
                 )
+        clips = video.clips(record, room - n_ph) if video is not None else None
         ids = text_tokens(text)
         grid = np.array(grids, dtype=np.int64).reshape(-1, 3)
-        tokens = np.empty(n_ph + len(ids), dtype=np.int32)
+        n_v = clips.placeholders if clips is not None else 0
+        tokens = np.empty(n_ph + n_v + len(ids), dtype=np.int32)
         tokens[:n_ph] = image_token_id
-        tokens[n_ph:] = ids
+        tokens[n_ph : n_ph + n_v] = video_token_id
+        tokens[n_ph + n_v :] = ids
         pv = np.concatenate([p.values for p in pixels]) if pixels else np.zeros((0, row), dtype=np.uint8)
-        return VlmSample(tokens, pv, grid)
+        return VlmSample(tokens, pv, grid, *((clips.values, clips.grid) if clips is not None and n_v else ()))
 
     return transform
+
+
+def max_video_tokens(*, patch: int, merge: int, temporal_patch: int, max_frames: int, video_max_pixels: int) -> int:
+    """The most placeholder tokens one clip can take: max_frames // temporal_patch temporal patches, each at most
+    video_max_pixels in blocks of ``patch * merge`` pixels squared."""
+    return max_frames // temporal_patch * (video_max_pixels // (patch * merge) ** 2)
+
+
+def check_video_fits(
+    *, patch: int, merge: int, temporal_patch: int, max_frames: int, video_max_pixels: int, seq_len: int, where: str
+) -> None:
+    """ConfigError when one clip at max_frames and video_max_pixels takes more placeholder tokens than seq_len (a
+    document's clips go with its first piece, at most seq_len tokens), naming both ways out."""
+    n = max_video_tokens(
+        patch=patch,
+        merge=merge,
+        temporal_patch=temporal_patch,
+        max_frames=max_frames,
+        video_max_pixels=video_max_pixels,
+    )
+    if n > seq_len:
+        per = video_max_pixels // (patch * merge) ** 2
+        raise ConfigError(
+            f"{where}: max_frames={max_frames} at video_max_pixels={video_max_pixels} lets one clip take up to {n} "
+            f"placeholder tokens ({max_frames // temporal_patch} temporal patches x {per}), more than "
+            f"seq_len={seq_len}; a clip must fit in one row, so lower max_frames to at most "
+            f"{max(seq_len // max(per, 1), 0) * temporal_patch} (or video_max_pixels), or raise [job] seq_len to "
+            f"at least {n}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Clips:
+    values: np.ndarray  # uint8 [rows, 3 * temporal_patch * patch * patch], clips in order
+    grid: np.ndarray  # int64 [n_videos, 3]
+    placeholders: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _VideoSide:
+    """The video half of a ``vlm`` transform: where clips are in a record and how each becomes patches. Each
+    clip (bytes, or a list) is decoded by ``video.decode_clip``: ``clamp(round(duration * fps), min_frames,
+    max_frames)`` frames (at most the clip's, rounded down to a multiple of ``temporal_patch``, at least it)
+    evenly over the clip, all resized to one size by ``smart_resize`` within [min_pixels, max_pixels] (the
+    video bounds); ``max_frames`` defaults to as many as fit seq_len at video_max_pixels (at most 768). A clip
+    that does not decode is a bad sample (``video_decode_error``); a document whose placeholders pass seq_len
+    too (``video_tokens_exceed_seq_len``)."""
+
+    keys: tuple[str, ...]
+    patch: int
+    merge: int
+    temporal_patch: int
+    fps: float
+    min_frames: int
+    max_frames: int
+    min_pixels: int
+    max_pixels: int
+    seq_len: int | None
+
+    def clips(self, record: Mapping, room: float) -> _Clips:
+        """The record's clips decoded (none when it has no video field); ``room``: placeholders left in the row."""
+        blobs = _lookup(record, self.keys)
+        row = 3 * self.temporal_patch * self.patch * self.patch
+        if blobs is None:
+            return _Clips(np.zeros((0, row), np.uint8), np.zeros((0, 3), np.int64), 0)
+        if isinstance(blobs, (bytes, bytearray, memoryview)):
+            blobs = [blobs]
+        elif not isinstance(blobs, (list, tuple, np.ndarray)):
+            raise _Bad("video_decode_error", f"field {self.keys[0]!r} holds a {type(blobs).__name__}, not clip bytes")
+        size = functools.partial(
+            smart_resize, factor=self.patch * self.merge, min_pixels=self.min_pixels, max_pixels=self.max_pixels
+        )
+        values, grids, n = [], [], 0
+        for i, blob in enumerate(blobs):
+            clip = decode_clip(
+                blob,
+                f"video {i}",
+                patch=self.patch,
+                merge=self.merge,
+                temporal_patch=self.temporal_patch,
+                fps=self.fps,
+                min_frames=self.min_frames,
+                max_frames=self.max_frames,
+                size=size,
+            )
+            n += math.prod(clip.grid) // (self.merge * self.merge)
+            if n > room:  # the rest need not be decoded
+                raise _Bad(
+                    "video_tokens_exceed_seq_len",
+                    f"video {i}: the document's placeholders reach {n} video tokens with {room:.0f} left of "
+                    f"seq_len={self.seq_len} after its images; lower the vlm transform's max_frames (now "
+                    f"{self.max_frames}) or video_max_pixels (now {self.max_pixels}), or raise [job] seq_len",
+                )
+            values.append(clip.values)
+            grids.append(clip.grid)
+        pv = values[0] if len(values) == 1 else np.concatenate(values) if values else np.zeros((0, row), np.uint8)
+        return _Clips(pv, np.array(grids, dtype=np.int64).reshape(-1, 3), n)
+
+
+def _video_setup(
+    video_key: str | None,
+    *,
+    patch: int,
+    merge: int,
+    seq_len: int | None,
+    fps,
+    min_frames,
+    max_frames,
+    temporal_patch,
+    video_min_pixels,
+    video_max_pixels,
+    video_token_id,
+) -> _VideoSide | None:
+    """The checked video arguments of ``vlm`` (ConfigError naming a bad one), or None without ``video_key``."""
+    for name, v in (
+        ("temporal_patch", temporal_patch),
+        ("min_frames", min_frames),
+        ("video_min_pixels", video_min_pixels),
+        ("video_max_pixels", video_max_pixels),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"vlm: {name}={v!r} must be an integer >= 1")
+    if isinstance(video_token_id, bool) or not isinstance(video_token_id, int) or video_token_id < 0:
+        raise ConfigError(f"vlm: {video_token_id=} must be an integer >= 0")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
+        raise ConfigError(f"vlm: {fps=} must be a number > 0 (frames sampled per second of a clip)")
+    if max_frames is None:
+        max_frames = default_max_frames(
+            seq_len=seq_len, patch=patch, merge=merge, temporal_patch=temporal_patch, video_max_pixels=video_max_pixels
+        )
+    elif isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < temporal_patch:
+        raise ConfigError(f"vlm: {max_frames=} must be an integer >= temporal_patch={temporal_patch}")
+    elif min_frames > max_frames:
+        raise ConfigError(f"vlm: {min_frames=} is more than {max_frames=}; lower min_frames")
+    factor = patch * merge
+    if -(-video_min_pixels // factor**2) > video_max_pixels // factor**2:
+        raise ConfigError(
+            f"vlm: no frame of whole {factor}x{factor} blocks has an area in [{video_min_pixels=}, "
+            f"{video_max_pixels=}]; raise video_max_pixels to at least {-(-video_min_pixels // factor**2) * factor**2}"
+        )
+    if video_key is None:
+        return None
+    return _VideoSide(
+        keys=_keys(video_key),
+        patch=patch,
+        merge=merge,
+        temporal_patch=temporal_patch,
+        fps=float(fps),
+        min_frames=min_frames,
+        max_frames=max_frames,
+        min_pixels=video_min_pixels,
+        max_pixels=video_max_pixels,
+        seq_len=seq_len,
+    )
 
 
 def _counted(k: int, n: int) -> str:

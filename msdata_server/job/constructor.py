@@ -18,7 +18,16 @@ import numpy as np
 from msdata_client.ring import FieldLayout, layout_fields
 from msdata_client.spec import JobSpec
 
-from ..batch import ImageShape, MicroBatchPieces, build_micro_batch, count_segments, field_specs, image_shape
+from ..batch import (
+    ImageShape,
+    MicroBatchPieces,
+    VideoShape,
+    build_micro_batch,
+    count_segments,
+    field_specs,
+    image_shape,
+    video_shape,
+)
 from ..document import VlmSample
 from ..planner import StepPlan
 from ..tasks import TaskSet
@@ -39,16 +48,27 @@ _Staged = tuple[StepPlan, list[tuple[int, slice]], list[np.ndarray]]
 
 def estimate_slot(spec: JobSpec, cp: int) -> int:
     """Slot size for a typical micro-batch: row fields exactly, per-document ids for docs of >= 64 tokens; with
-    pictures, pixels for half the tokens as image placeholders (a fuller micro-batch grows the ring)."""
+    pictures, pixels for half the tokens as image placeholders; with video, for a quarter as image and a quarter
+    as video placeholders (a fuller micro-batch grows the ring)."""
     tokens = spec.rows * spec.seq_len
     docs = tokens // 64 + spec.rows + 1
     keys = image_keys(spec)
-    images = None
+    images = videos = None
     if keys is not None:
-        images = ImageShape(patches=tokens // 2 * keys.merge**2, images=docs, row=keys.row)
+        share = 2 if keys.video is None else 4
+        images = ImageShape(patches=tokens // share * keys.merge**2, images=docs, row=keys.row)
+        if keys.video is not None:
+            rows = tokens // share * keys.merge**2
+            videos = VideoShape(rows=rows, videos=docs, blocks=rows // keys.merge**2, row=keys.video_row)
     _, nbytes = layout_fields(
         field_specs(
-            rows=spec.rows, seq_len=spec.seq_len, n_pieces=docs, n_segments=docs + spec.rows, cp=cp, images=images
+            rows=spec.rows,
+            seq_len=spec.seq_len,
+            n_pieces=docs,
+            n_segments=docs + spec.rows,
+            cp=cp,
+            images=images,
+            videos=videos,
         )
     )
     return round_slot(nbytes)
@@ -136,12 +156,21 @@ class Constructor:
         for s in np.unique(src).tolist():
             sel = src == s
             sids[sel] = self.payloads.sample_ids(s, ords[sel])
-        pieces = _pieces(plan.row[sl], toks, sids, src.astype(np.int64), pictures=self.images is not None)
+        keys = self.images
+        video = keys is not None and keys.video is not None
+        pieces = _pieces(plan.row[sl], toks, sids, src.astype(np.int64), pictures=keys is not None, video=video)
         nseg = count_segments(pieces, spec.rows, spec.seq_len)
-        images = None if self.images is None else image_shape(pieces, self.images.row)
+        images = None if keys is None else image_shape(pieces, keys.row)
+        videos = video_shape(pieces, keys.video_row) if keys is not None and video else None
         layouts, nbytes = layout_fields(
             field_specs(
-                rows=spec.rows, seq_len=spec.seq_len, n_pieces=len(toks), n_segments=nseg, cp=self.cp, images=images
+                rows=spec.rows,
+                seq_len=spec.seq_len,
+                n_pieces=len(toks),
+                n_segments=nseg,
+                cp=self.cp,
+                images=images,
+                videos=videos,
             )
         )
         ring, slot = await self.rings.acquire(nbytes)
@@ -201,10 +230,13 @@ class Constructor:
         self.group.bytes_published += nbytes
 
 
-def _pieces(row: np.ndarray, docs: list, sids: np.ndarray, srcs: np.ndarray, *, pictures: bool) -> MicroBatchPieces:
+def _pieces(
+    row: np.ndarray, docs: list, sids: np.ndarray, srcs: np.ndarray, *, pictures: bool, video: bool = False
+) -> MicroBatchPieces:
     """MicroBatchPieces of fetched pieces: token arrays, or picture pieces (``VlmSample``) whose images go to
-    the image keys (a job without pictures refuses them: its batches have no image keys)."""
-    tokens, images = [], []
+    the image keys and clips to the video keys (a job without pictures refuses them: its batches have no image
+    keys; one without video refuses clips)."""
+    tokens, images, videos = [], [], []
     for d in docs:
         if isinstance(d, VlmSample):
             if not pictures:
@@ -212,13 +244,22 @@ def _pieces(row: np.ndarray, docs: list, sids: np.ndarray, srcs: np.ndarray, *, 
                     "a transform returned a picture document in a job without pictures; use the "
                     "msdata_server.transforms:vlm transform or cost = 'vlm'"
                 )
+            if len(d.video_grid_thw) and not video:
+                raise ValueError("a transform returned a clip in a job without video; set video_key in its vlm")
             tokens.append(d.tokens)
             images.append((d.pixel_values, d.image_grid_thw) if len(d.image_grid_thw) else None)
+            videos.append((d.pixel_values_videos, d.video_grid_thw) if len(d.video_grid_thw) else None)
         else:
             tokens.append(d)
             images.append(None)
+            videos.append(None)
     return MicroBatchPieces(
-        row=row, tokens=tokens, sample_ids=sids, source_ids=srcs, images=images if pictures else None
+        row=row,
+        tokens=tokens,
+        sample_ids=sids,
+        source_ids=srcs,
+        images=images if pictures else None,
+        videos=videos if video else None,
     )
 
 

@@ -57,7 +57,8 @@ class ReadBatch:
         self.start = start
         self.event = asyncio.Event()
         self.lengths: np.ndarray | None = None
-        # the vision figures, kept like the lengths: images per sample, and the patches (t*h*w) of every image
+        # the vision figures, kept like the lengths: encoder blocks per sample, and the patches of every block (an
+        # image's t*h*w, or h*w for each temporal patch of a clip: the encoder attends within each)
         self.images: np.ndarray | None = None
         self.patches: np.ndarray | None = None
         self.payloads: list | None = None
@@ -106,9 +107,10 @@ class ReadBuffer:
                 bs.released[i] = True
                 continue
             lengths[i] = len(r)
-            if isinstance(r, VlmSample) and len(r.image_grid_thw):
-                images[i] = len(r.image_grid_thw)
-                patches.append(np.asarray(r.image_grid_thw, dtype=np.int64).reshape(-1, 3).prod(axis=1))
+            if isinstance(r, VlmSample) and (len(r.image_grid_thw) or len(r.video_grid_thw)):
+                blocks = r.encoder_blocks()  # each image, and each temporal patch of each clip
+                images[i] = len(blocks)
+                patches.append(blocks)
             if not bs.released[i]:
                 payloads[i] = r = _compact(r)
                 held += 1

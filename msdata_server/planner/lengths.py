@@ -5,8 +5,9 @@ chunks sized by a running mean length, keeping what it read beyond as a look-ahe
 the view returns. Neither is planner state: both are pure values of the view, safe to drop.
 
 With the two-stage cost ("vlm") the reader also asks a view that has it for `vision`: the patches
-of each document's images, as a flat per-image list with a count per document (the encoder cost is
-quadratic per image, so a document's total alone would price two 500-patch images like one of
+of each document's encoder blocks (an image; or one temporal patch of a clip, h*w patches each, since the
+encoder attends within it), as a flat per-block list with a count per document (the encoder cost is
+quadratic per block, so a document's total alone would price two 500-patch images like one of
 1000). It keeps each document's first two moments, patches and patches squared, which is all
 ``alpha_v * p**2 + beta_v * p`` summed over images needs, in two int64 columns beside the lengths.
 A view without `vision` (text only) has 0 patches everywhere.
@@ -46,8 +47,9 @@ class VisionView(MetadataView, Protocol):
     """A MetadataView that also knows the images of its samples (needed by the "vlm" cost only)."""
 
     def vision(self, source: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """(images, patches) of ordinals [start, start+count) of `source`: int64 images per sample
-        ([count]; 0 for text and bad samples) and int64 patches (t*h*w) of every image, samples in order."""
+        """(images, patches) of ordinals [start, start+count) of `source`: int64 encoder blocks per sample
+        ([count]; 0 for text and bad samples) and int64 patches of every block (an image's t*h*w, a clip's h*w
+        per temporal patch), samples in order."""
         ...
 
 

@@ -1,9 +1,11 @@
 """The cost of vision-language documents in two stages, and how unevenly an assignment loads each stage.
 
 The backbone costs ``alpha * L**2 + beta * L`` per sequence of L tokens (image placeholders and text alike);
-the vision encoder ``alpha_v * p**2 + beta_v * p`` per image of p patches, so a document costs the encoder the
-sum over its images. The two stages run one after the other on every rank, so a rank that is light in one
-and heavy in the other still waits: balance wants both imbalances (max / mean over ranks) near 1.
+the vision encoder ``alpha_v * p**2 + beta_v * p`` per block of p patches it attends within (an image; or one
+temporal patch of a clip, so a clip of t temporal patches of h x w costs ``alpha_v * t * (h*w)**2 + beta_v *
+t*h*w``), and a document costs the encoder the sum over its blocks. The two stages run one after the other
+on every rank, so a rank that is light in one and heavy in the other still waits: balance wants both
+imbalances (max / mean over ranks) near 1.
 Pure numpy, vectorised; no Python loop per document.
 """
 

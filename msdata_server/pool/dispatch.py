@@ -186,12 +186,14 @@ class Dispatcher:
             self.idle.remove(w)
 
     def fail_all(self, err: BaseException) -> None:
-        """Fail every queued task."""
+        """Fail every queued task (at close: a task whose reader was cancelled already is not logged as an
+        exception nobody retrieved; a reader still waiting gets the error as before)."""
         for q in self.queues.values():
             while q:
                 t = q.popleft()
                 if not t.future.done():
                     t.future.set_exception(err)
+                    t.future.exception()  # marks it retrieved
 
     def answered(self, w: Worker, msg: tuple) -> None:
         """A worker's reply ``(task_id, items, cpu_s, wall_s)``: resolve its task and count its cost;

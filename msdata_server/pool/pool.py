@@ -261,6 +261,7 @@ class WorkerPool:
         if self._closed:
             if task is not None and not task.future.done():
                 task.future.set_exception(ClosedError("worker pool closed"))
+                task.future.exception()  # marks it retrieved: its reader may be gone (see fail_all)
             return
         if task is not None:
             self._jobs.rerun(task)

@@ -98,7 +98,10 @@ def worker_main(conn, seg_fd: int, seg_size: int, data_start: int) -> None:
         items = pack_results(results, mm, data_start)
         del results
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-        conn.send_bytes(pickle.dumps((tid, items, cpu, wall), protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            conn.send_bytes(pickle.dumps((tid, items, cpu, wall), protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:  # the pool closed while this task ran (a long clip): nobody waits for it
+            break
     if mm is not None:
         mm.close()
     conn.close()

@@ -49,6 +49,8 @@ BAD_REASONS = (
     "oversize",  # larger than max_sample_bytes
     "read_error",  # an I/O error that persisted through the retries
     "transform_error",  # the transform raised on this sample
+    "video_decode_error",  # a clip that does not decode: not a video, no video stream, past the give-up limits (vlm)
+    "video_tokens_exceed_seq_len",  # a document whose image and video placeholders together exceed seq_len (vlm)
     "worker_crash",  # the sample killed transform workers repeatedly
 )
 

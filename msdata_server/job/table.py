@@ -96,12 +96,12 @@ class JobTable:
             nxt = self.pending.pop(job.name, None)
             if nxt is not None:
                 self.jobs[job.name] = nxt
-            await job.aclose()
+            await job.aclose(why="every rank left")
             if nxt is not None:
                 nxt.may_start.set()
         elif self.pending.get(job.name) is job:
             del self.pending[job.name]
-            await job.aclose()
+            await job.aclose(why="every rank left")
 
     def forget(self, job: Job) -> None:
         """A job closes: it no longer takes ranks (the starter hears of it: a cluster reports it)."""

@@ -60,7 +60,7 @@ def test_bad_samples_are_summed_with_their_dominant_reason():
         "name": "j",
         "steps_planned": 9,
         "imbalance": 1.0421,
-        "ranks_detail": {"0": {"delivered": 16}, "1": {"delivered": 12}},
+        "ranks_detail": {"0": {"micro_batches_delivered": 16}, "1": {"micro_batches_delivered": 12}},
         "accounting": {"web": {"tokens_delivered": 700}, "code": {"tokens_delivered": 300}},
         "mixture": {"web": {"delivered": 0.7, "target": 0.75}, "code": {"delivered": 0.3, "target": 0.25}},
         "sources": {"web": {"bad_samples": {"decode_error": 3, "oversize": 1}}, "code": {"bad_samples": {}}},

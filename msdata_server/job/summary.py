@@ -19,7 +19,7 @@ def run_summary(status: Mapping[str, Any], *, why: str, wall_s: float, micro_bat
     ``wall_s``, rates, the mean ``imbalance`` and per source ``tokens_delivered``, the delivered and target
     mixture and ``bad_samples`` (read here) with the reason most of them had."""
     ranks = status.get("ranks_detail") or {}
-    delivered = [int(r.get("delivered") or 0) for r in ranks.values()]
+    delivered = [int(r.get("micro_batches_delivered") or 0) for r in ranks.values()]
     sources: dict[str, dict[str, Any]] = {}
     acct, mix, read = status.get("accounting") or {}, status.get("mixture") or {}, status.get("sources") or {}
     for name in acct or mix:

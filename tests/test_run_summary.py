@@ -7,6 +7,7 @@ import re
 
 import orjson
 
+import msdata_client as msd
 from msdata_server.job.summary import run_summary, summary_text
 
 from .e2e_util import run_ranks, small_job
@@ -30,6 +31,21 @@ def test_a_run_that_ends_leaves_its_summary_in_the_log(server_factory):
     for name in ("a", "b"):
         assert re.search(rf"; {name}: \d+ tokens, \d+\.\d% of the tokens \(target \d+\.\d%\), 0 bad", line), line
     assert "imbalance 1." in line
+
+
+def test_a_server_that_drains_logs_the_summary_of_each_running_job(server_factory):
+    srv = server_factory().start()
+    spec = small_job("drained", dp=1, samples=300)
+    dc = msd.DataClient(spec, endpoint=srv.socket, rank=0, world_size=1, connect_timeout=1)
+    try:
+        for _ in range(spec.micro_batches * 3):
+            dc.release(next(dc))  # flushes the waits: the server counts what this rank received
+        assert srv.stop() == 0
+    finally:
+        dc.close()
+    line = next((x for x in srv.log().splitlines() if "job drained run ended" in x), None)
+    assert line is not None, srv.log()[-3000:]
+    assert "(the server is shutting down): 3 steps delivered" in line, line
 
 
 def test_json_logs_carry_the_summary_as_fields(server_factory):

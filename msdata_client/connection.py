@@ -208,6 +208,7 @@ class Connection:
         """Say bye and disconnect; the server frees every slot this rank still held. Idempotent."""
         if self.closed:
             return
+        self.flush_releases()  # the last waits first: the server's count of micro-batches delivered is exact
         self.closed = True
         if self.sock is not None:
             try:
@@ -398,7 +399,7 @@ class Connection:
     def flush_releases(self) -> None:
         """Send the queued releases and waits now."""
         # A finalizer may run inside another send on this thread: never block on the lock, the holder flushes.
-        while self._releases:
+        while self._releases or self._waits:
             if not self._send_lock.acquire(blocking=False):
                 return
             try:

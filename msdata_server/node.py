@@ -336,7 +336,7 @@ class NodeServer:
         try:
             async with asyncio.timeout(timeout):
                 for job in list(self.jobs.values()) + list(self.pending.values()):
-                    await job.aclose()
+                    await job.aclose(why="the server is shutting down")
         except TimeoutError:
             log.warning("jobs did not close within %.1fs", timeout)
         finally:

@@ -10,6 +10,7 @@ def _source(samples: int, bad: dict) -> dict:
         "samples_per_s": 812.5,
         "samples_done": samples,
         "bytes_read": 7 * samples,
+        "tokens_read": 90 * samples,
         "ready": 40,
         "buffer_fill": 0.625,
         "memory_bytes": 1 << 20,
@@ -66,6 +67,22 @@ SAMPLE = {
             "plan_ms": 2.5,
             "last_step": {"imbalance": 1.05, "padding_fraction": 0.01, "tokens": {"web": 100}},
             "tokens_per_source": {"web": 9_000_000, "code": 3_000_000},
+            "tokens_planned": {"web": 9_000_000, "code": 3_000_000},
+            "accounting": {
+                name: {
+                    "tokens_delivered": tokens,
+                    "docs_delivered": tokens // 1000,
+                    "docs_skipped": 2,
+                    "tokens_skipped": 2000,
+                    "bad_samples": 4,
+                    "epochs_completed": 1,
+                }
+                for name, tokens in (("web", 8_998_000), ("code", 2_998_000))
+            },
+            "mixture": {
+                "web": {"target": 0.75, "delivered": 0.7501, "epochs_completed": 1, "epoch_progress": 0.25},
+                "code": {"target": 0.25, "delivered": 0.2499, "epochs_completed": 1, "epoch_progress": 0.5},
+            },
             "rings": [
                 {"group": 0, "ring": 0, "slots": 8, "in_use": 3, "slot_size": 1 << 20},
                 {"group": 0, "ring": 1, "slots": 8, "in_use": 2, "slot_size": 1 << 20},
@@ -75,6 +92,7 @@ SAMPLE = {
             "ranks_detail": {
                 str(r): {
                     "delivered": 1200,
+                    "micro_batches_delivered": 1200,
                     "wait_s": 3.25 + r,
                     "wait_p50_s": 0.0011,
                     "wait_p99_s": 0.015,

@@ -49,7 +49,7 @@ def test_metrics_of_a_running_job_move(server_factory):
     src = [
         v
         for (name, lab), v in first.items()
-        if name == "msdata_source_samples_total" and dict(lab).get("job") == "metrics"
+        if name == "msdata_source_samples_done_total" and dict(lab).get("job") == "metrics"
     ]
     assert src
     assert all(v > 0 for v in src)

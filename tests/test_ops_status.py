@@ -74,7 +74,8 @@ def test_scrape_over_http_parses_with_the_status_values(arun):
         (("job", "pretrain"), ("rank", "1")),
         (("group", "0"), ("job", "pretrain")),
     )
-    assert v[("msdata_source_samples_total", web)] == 50_000
+    assert v[("msdata_source_samples_done_total", web)] == 50_000
+    assert v[("msdata_source_tokens_read_total", web)] == 4_500_000
     assert v[("msdata_source_read_bytes_total", web)] == 350_000
     assert v[("msdata_source_bad_samples_total", (*web[:1], ("kind", "decode"), web[1]))] == 3
     assert v[("msdata_source_held_payloads", web)] == 40
@@ -82,8 +83,12 @@ def test_scrape_over_http_parses_with_the_status_values(arun):
     assert v[("msdata_source_workers", web)] == 3
     assert v[("msdata_job_steps_planned_total", (("job", "pretrain"),))] == 1200
     assert v[("msdata_job_plan_seconds_total", (("job", "pretrain"),))] == pytest.approx(3.0)
-    assert v[("msdata_job_tokens_total", (("job", "pretrain"), ("source", "code")))] == 3_000_000
-    assert v[("msdata_rank_data_wait_seconds_total", rank1)] == 4.25
+    assert v[("msdata_job_tokens_planned_total", (("job", "pretrain"), ("source", "code")))] == 3_000_000
+    assert v[("msdata_job_tokens_delivered_total", web)] == 8_998_000
+    assert v[("msdata_job_bad_samples_total", web)] == 4
+    assert v[("msdata_job_mixture_target_ratio", web)] == 0.75
+    assert v[("msdata_job_epoch_progress_ratio", web)] == 0.25
+    assert v[("msdata_rank_wait_seconds_total", rank1)] == 4.25
     assert v[("msdata_rank_micro_batches_delivered_total", rank1)] == 1200
     assert v[("msdata_ring_slots_in_use", g0)] == 5  # two rings of group 0 summed: one series per group
     assert v[("msdata_role", (("role", "leader"),))] == 1
@@ -124,7 +129,7 @@ def test_each_scrape_reflects_the_status_of_that_moment():
     after = {f.name: f for f in families(st)}
 
     def pick(fams: dict) -> float:
-        return next(s.value for s in fams["msdata_source_samples"].samples if s.labels["source"] == "web")
+        return next(s.value for s in fams["msdata_source_samples_done"].samples if s.labels["source"] == "web")
 
     assert pick(after) - pick(before) == 7
 

@@ -61,7 +61,14 @@ def test_snapshot_is_json_ready_sorted_by_rank_and_forgets():
         ws.record(r, [])
     snap = ws.snapshot()
     assert list(snap) == ["0", "2", "10"]
-    assert snap["2"] == {"delivered": 0, "wait_s": 0.0, "wait_p50_s": None, "wait_p99_s": None, "wait_frac": None}
+    assert snap["2"] == {
+        "delivered": 0,
+        "micro_batches_delivered": 0,
+        "wait_s": 0.0,
+        "wait_p50_s": None,
+        "wait_p99_s": None,
+        "wait_frac": None,
+    }
     assert orjson.loads(orjson.dumps(snap)) == snap
     ws.forget(2)
     ws.forget(99)

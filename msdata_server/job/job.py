@@ -34,6 +34,7 @@ from .rings import RingConfig, RingSet
 from .seams import PayloadSource, PlanFeed
 from .status import PlanLog, job_status
 from .steps import Group, StepQueue
+from .summary import run_summary, summary_text
 
 __all__ = ["Job"]
 
@@ -324,12 +325,17 @@ class Job:
             list(self.ranks.conns), {"t": "error", "kind": kind, "message": f"job {self.name!r} stopped: {message}"}
         )
         self._forget(self)
-        self._closing = asyncio.get_running_loop().create_task(self.aclose(), name=f"{self.name}-close")
+        self._closing = asyncio.get_running_loop().create_task(
+            self.aclose(why=f"failed: {message}"), name=f"{self.name}-close"
+        )
 
-    async def aclose(self) -> None:
-        """Cancel the job's tasks, close its rings and payload source. Idempotent."""
+    async def aclose(self, why: str = "closed") -> None:
+        """Log the run's summary (``why`` it ended), cancel the job's tasks, close its rings and payload source.
+        Idempotent."""
         if self.state == "closed":
             return
+        if self.started_at is not None:
+            self._log_summary(why)
         self.state = "closed"
         if self.feed is not None:
             self.feed.close()
@@ -339,6 +345,17 @@ class Job:
             await self.payloads.aclose()
         self.close_rings()
         collect_soon()  # the run's graph holds cycles: free it now, not at some later full collection
+
+    def _log_summary(self, why: str) -> None:
+        """One INFO line with what this run delivered (``job.summary``); never stops the close."""
+        try:
+            assert self.started_at is not None
+            wall = time.monotonic() - self.started_at
+            s = run_summary(self.status(), why=why, wall_s=wall, micro_batches=self.spec.micro_batches)
+        except Exception:
+            log.exception("job %s: its end-of-run summary could not be made", self.name)
+            return
+        log.info("%s", summary_text(s), extra={"fields": {"run_summary": s}})
 
     def close_rings(self) -> None:
         """Close (and unlink) every ring of the job; idempotent, safe after a failed or timed-out close."""

@@ -62,6 +62,7 @@ class PlanLog:
             "backbone_imbalance": self._stages[1] / self._staged if self._staged else None,
             "last_step": last.to_dict() if last is not None else None,
             "tokens_per_source": dict(self._tokens),
+            "tokens_planned": dict(self._tokens),  # the same, by the name the metrics and README use
         }
 
 

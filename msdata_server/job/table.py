@@ -57,7 +57,7 @@ class JobTable:
                     "another name"
                 )
             self.forget(job)
-            await job.aclose()
+            await job.aclose(why="a new run of the job registered")
             job = None
         if job is not None and job.state == "running" and not resume:
             # a new run of this job (it brings a state or none): never join the old run's stream
@@ -66,7 +66,7 @@ class JobTable:
                 job.ranks.check_rank(rank, world)  # the same rank of the old run is still there: refuse clearly
             if not live:
                 self.forget(job)
-                await job.aclose()
+                await job.aclose(why="a new run of the job registered")
                 job = self.jobs.get(spec.name)  # another rank of the new run may have registered it meanwhile
                 if job is not None and (job.digest != digest or job.state != "waiting"):
                     job = None
@@ -96,12 +96,12 @@ class JobTable:
             nxt = self.pending.pop(job.name, None)
             if nxt is not None:
                 self.jobs[job.name] = nxt
-            await job.aclose()
+            await job.aclose(why="every rank left")
             if nxt is not None:
                 nxt.may_start.set()
         elif self.pending.get(job.name) is job:
             del self.pending[job.name]
-            await job.aclose()
+            await job.aclose(why="every rank left")
 
     def forget(self, job: Job) -> None:
         """A job closes: it no longer takes ranks (the starter hears of it: a cluster reports it)."""

@@ -1,7 +1,9 @@
 """Log output of the `msdata-server` CLI: human text, or one JSON object per line for log collectors.
 
 Only the CLI calls ``configure_logging`` (library code never configures logging). The JSON lines carry
-``time`` (UTC, ISO 8601), ``level``, ``logger``, ``message`` and, when present, ``exc_info``/``stack_info`` text.
+``time`` (UTC, ISO 8601), ``level``, ``logger``, ``message`` and, when present, ``exc_info``/``stack_info`` text
+and ``fields``: the structured figures a record was logged with (``log.info(..., extra={"fields": {...}})``,
+e.g. a job's end-of-run summary); text lines carry them only in their message.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per record, on one line (a message's own newlines are escaped by JSON)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        doc = {
+        doc: dict[str, object] = {
             "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
@@ -38,6 +40,9 @@ class JsonFormatter(logging.Formatter):
             doc["exc_info"] = record.exc_text
         if record.stack_info:
             doc["stack_info"] = self.formatStack(record.stack_info)
+        fields = record.__dict__.get("fields")
+        if isinstance(fields, dict):
+            doc["fields"] = fields
         return orjson.dumps(doc, default=str).decode()
 
 

@@ -3,14 +3,18 @@
 Every scrape renders the node's status dict (what ``msdata-server status --json`` prints) through a custom
 collector: the status stays the one source of truth, nothing is counted twice or kept in sync by hand.
 Counters end in ``_total``, units are seconds, bytes or ratios, and labels come from bounded sets (jobs,
-sources, ranks, ring groups, bad-sample kinds, the three roles).
+sources, ranks, ring groups, bad-sample kinds, the three roles). A figure's name is its status name: ``msdata_``,
+its scope (``job``: the job's planner, for the whole job; ``source``: this node's loaders; ``rank``), the status
+key with a unit word (bytes, seconds; ``_s`` is seconds, a fraction a ratio) moved to the end, ``_total`` on
+counters (README, Operations, has the table; tests/test_names.py holds it to the code).
 
 Status keys read (absent keys are skipped): ``node``, ``role``, ``uptime_s``, ``workers``, ``memory``;
 ``jobs[]``: ``name``, ``digest``, ``state``, ``world_size``, ``ranks``, ``steps_planned``,
 ``micro_batches_published``, ``imbalance``, ``padding_fraction``, ``plan_ms`` (mean per step),
-``last_step.imbalance``, ``tokens_per_source``, ``rings[]`` (``group``, ``slots``, ``in_use``, ``slot_size``),
-``sources{}`` (``samples_done``, ``bytes_read``, ``bad_samples{kind: n}``, ``errors``, ``held`` or ``ready``,
-``held_bound``, ``held_pinned``, ``memory_bytes``, ``buffer_fill``, ``readahead``, ``inflight``, ``workers``),
+``last_step.imbalance``, ``tokens_planned``, ``accounting{}``, ``mixture{}``, ``rings[]`` (``group``, ``slots``,
+``in_use``, ``slot_size``), ``sources{}`` (``samples_done``, ``bytes_read``, ``tokens_read``,
+``bad_samples{kind: n}``, ``errors``, ``held`` or ``ready``, ``held_bound``, ``held_pinned``, ``memory_bytes``,
+``buffer_fill``, ``readahead``, ``inflight``, ``workers``),
 ``ranks_detail`` (the shape of ``msdata_server.ops.waits``); ``autoscale`` (ARCHITECTURE §4.6); ``cluster``
 (``leader``, ``leader_token``, ``members``, ``links``, ``incoming``, ``lease_alive``, ``traffic``, ``runs``).
 
@@ -54,9 +58,19 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "msdata_job_last_step_imbalance": ("gauge", "max/mean DP rank cost of the newest planned step", _J),
     "msdata_job_padding_ratio": ("gauge", "Mean share of each step's token capacity left as padding", _J),
     "msdata_job_plan_seconds_total": ("counter", "Planner compute time over all planned steps", _J),
-    "msdata_job_tokens_total": ("counter", "Tokens planned, per source", _S),
-    "msdata_source_samples_total": ("counter", "Samples read", _S),
+    "msdata_job_tokens_planned_total": ("counter", "Tokens planned, per source", _S),
+    "msdata_job_tokens_delivered_total": ("counter", "Tokens delivered (planned less skipped steps), per source", _S),
+    "msdata_job_docs_delivered_total": ("counter", "Documents whose every piece was delivered, per source", _S),
+    "msdata_job_tokens_skipped_total": ("counter", "Tokens of steps loader.skip dropped, per source", _S),
+    "msdata_job_docs_skipped_total": ("counter", "Documents whose first piece was in a skipped step", _S),
+    "msdata_job_bad_samples_total": ("counter", "Bad samples the planner passed over, per source", _S),
+    "msdata_job_epochs_completed": ("gauge", "Whole passes over the source", _S),
+    "msdata_job_epoch_progress_ratio": ("gauge", "Share of the source's current epoch read", _S),
+    "msdata_job_mixture_target_ratio": ("gauge", "Share of tokens the mixture asks for at the newest step", _S),
+    "msdata_job_mixture_delivered_ratio": ("gauge", "Share of the tokens delivered so far", _S),
+    "msdata_source_samples_done_total": ("counter", "Samples read", _S),
     "msdata_source_read_bytes_total": ("counter", "Bytes read from storage", _S),
+    "msdata_source_tokens_read_total": ("counter", "Tokens of the samples read", _S),
     "msdata_source_bad_samples_total": ("counter", "Samples skipped as bad, by kind", ("job", "source", "kind")),
     "msdata_source_errors_total": ("counter", "Read errors", _S),
     "msdata_source_held_payloads": ("gauge", "Sample payloads held in memory (read, not yet released)", _S),
@@ -68,10 +82,10 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "msdata_source_inflight_reads": ("gauge", "Reads in flight", _S),
     "msdata_source_workers": ("gauge", "Workers assigned to the source", _S),
     "msdata_rank_micro_batches_delivered_total": ("counter", "Micro-batches delivered to the rank", _R),
-    "msdata_rank_data_wait_seconds_total": ("counter", "Seconds the rank waited for data", _R),
-    "msdata_rank_data_wait_p50_seconds": ("gauge", "Median data wait over the rank's recent batches", _R),
-    "msdata_rank_data_wait_p99_seconds": ("gauge", "99th percentile data wait over recent batches", _R),
-    "msdata_rank_data_wait_ratio": ("gauge", "Share of wall time the rank spent waiting for data", _R),
+    "msdata_rank_wait_seconds_total": ("counter", "Seconds the rank waited for data", _R),
+    "msdata_rank_wait_p50_seconds": ("gauge", "Median data wait over the rank's recent batches", _R),
+    "msdata_rank_wait_p99_seconds": ("gauge", "99th percentile data wait over recent batches", _R),
+    "msdata_rank_wait_ratio": ("gauge", "Share of wall time the rank spent waiting for data", _R),
     "msdata_rank_step": ("gauge", "The rank's step at its newest report", _R),
     "msdata_ring_slots": ("gauge", "Ring slots of the group", ("job", "group")),
     "msdata_ring_slots_in_use": ("gauge", "Ring slots holding a batch not yet released", ("job", "group")),
@@ -98,8 +112,9 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 # per-source status key -> metric
 _SOURCE_KEYS = {
-    "samples_done": "msdata_source_samples_total",
+    "samples_done": "msdata_source_samples_done_total",
     "bytes_read": "msdata_source_read_bytes_total",
+    "tokens_read": "msdata_source_tokens_read_total",
     "errors": "msdata_source_errors_total",
     "held_bound": "msdata_source_held_payloads_bound",
     "held_pinned": "msdata_source_pinned_payloads",
@@ -110,12 +125,26 @@ _SOURCE_KEYS = {
     "workers": "msdata_source_workers",
 }
 _RANK_KEYS = {
-    "delivered": "msdata_rank_micro_batches_delivered_total",
-    "wait_s": "msdata_rank_data_wait_seconds_total",
-    "wait_p50_s": "msdata_rank_data_wait_p50_seconds",
-    "wait_p99_s": "msdata_rank_data_wait_p99_seconds",
-    "wait_frac": "msdata_rank_data_wait_ratio",
+    "micro_batches_delivered": "msdata_rank_micro_batches_delivered_total",
+    "wait_s": "msdata_rank_wait_seconds_total",
+    "wait_p50_s": "msdata_rank_wait_p50_seconds",
+    "wait_p99_s": "msdata_rank_wait_p99_seconds",
+    "wait_frac": "msdata_rank_wait_ratio",
     "step": "msdata_rank_step",
+}
+# per-source accounting and mixture keys (the job's planner) -> metric
+_ACCOUNTING_KEYS = {
+    "tokens_delivered": "msdata_job_tokens_delivered_total",
+    "docs_delivered": "msdata_job_docs_delivered_total",
+    "tokens_skipped": "msdata_job_tokens_skipped_total",
+    "docs_skipped": "msdata_job_docs_skipped_total",
+    "bad_samples": "msdata_job_bad_samples_total",
+}
+_MIXTURE_KEYS = {
+    "target": "msdata_job_mixture_target_ratio",
+    "delivered": "msdata_job_mixture_delivered_ratio",
+    "epochs_completed": "msdata_job_epochs_completed",
+    "epoch_progress": "msdata_job_epoch_progress_ratio",
 }
 _AUTOSCALE_KEYS = {
     "workers": "msdata_autoscale_workers",
@@ -194,8 +223,12 @@ def _job(out: _Samples, j: Mapping[str, Any]) -> None:
     plan_ms = _num(j.get("plan_ms"))
     if plan_ms is not None and isinstance(steps, int):
         out.add("msdata_job_plan_seconds_total", (job,), plan_ms * steps / 1000.0)  # status has the mean
-    for src, n in (j.get("tokens_per_source") or {}).items():
-        out.add("msdata_job_tokens_total", (job, src), n)
+    for src, n in (j.get("tokens_planned") or {}).items():
+        out.add("msdata_job_tokens_planned_total", (job, src), n)
+    for table, keys in (("accounting", _ACCOUNTING_KEYS), ("mixture", _MIXTURE_KEYS)):
+        for src, figs in (j.get(table) or {}).items():
+            for key, name in keys.items():
+                out.add(name, (job, src), figs.get(key))
     for src, s in (j.get("sources") or {}).items():
         for key, name in _SOURCE_KEYS.items():
             out.add(name, (job, src), s.get(key))

@@ -7,6 +7,7 @@ time spent waiting. Pure: the clock is injected, nothing here does I/O.
 ``snapshot()`` is the job status key ``ranks_detail`` (rank keys are strings, as JSON needs)::
 
     {"0": {"delivered": 1200,      # micro-batches delivered (waits reported) to this rank
+           "micro_batches_delivered": 1200,  # the same: its name in the summary and the metrics
            "wait_s": 3.25,         # total seconds spent waiting for data
            "wait_p50_s": 0.0011,   # median of the newest `window` waits (None before any)
            "wait_p99_s": 0.0150,   # 99th percentile of them, nearest rank (None before any)
@@ -93,6 +94,7 @@ class WaitStats:
             span = r.last - r.first
             fig: dict[str, Any] = {
                 "delivered": r.count,
+                "micro_batches_delivered": r.count,
                 "wait_s": r.total,
                 "wait_p50_s": _quantile(ordered, 0.50) if ordered else None,
                 "wait_p99_s": _quantile(ordered, 0.99) if ordered else None,

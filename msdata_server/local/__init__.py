@@ -2,8 +2,8 @@
 loaders and a source's partitions. The cluster mode implements the same seams in ``cluster/``."""
 
 from .feed import LocalPlanFeed
-from .parts import SourceParts
 from .payloads import LocalPayloads
+from .sourceparts import SourceParts
 from .starter import LocalStarter
 
 __all__ = ["LocalPayloads", "LocalPlanFeed", "LocalStarter", "SourceParts"]

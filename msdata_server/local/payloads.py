@@ -11,7 +11,7 @@ from ..document import cut_piece
 from ..job.pieces import PieceRefs, hold_figures
 from ..loader import SourceLoader
 from ..planner import StepPlan
-from .parts import SourceParts
+from .sourceparts import SourceParts
 
 __all__ = ["LocalPayloads", "merged_figures"]
 

@@ -6,6 +6,10 @@ when ranks resume, else the beginning). A run that nodes report as already runni
 resumes from the etcd state at or before the lowest step any node still lacks; plans are deterministic, so
 re-sent ones equal the old ones and nodes ignore them. The planner state of each step goes to etcd, fenced.
 
+Plan slices: every node receives only its slice of each step (the pieces its groups build and those of the
+partitions it reads or stands by for, with the step's figures; ``slices``, ``planwire.encode_slices``), so the
+leader's bytes per step stay near one plan's whatever the node count. Re-sends and re-plans slice again.
+
 Catching up: links break and nodes restart; frames sent meanwhile are lost. The leader keeps the encoded plans
 of the steps not yet fed on every live node and re-sends them; a step it no longer holds (or that an earlier
 leader planned) is planned again from the etcd state at or before it (deterministic: the same plans). A node
@@ -38,7 +42,7 @@ from ...datachange import data_start
 from ...errors import CheckpointError, ClosedError, ConfigError, MsdataError, PeerLostError
 from ...job.view import ThreadView
 from ...lineage.skip import skip_ahead
-from ...planner import Planner
+from ...planner import Planner, StepPlan
 from ...planner.history import StateHistory
 from ...planner.spec import planner_config
 from ...tasks import TaskSet
@@ -46,7 +50,8 @@ from ..context import ClusterContext
 from ..net.rpc import error_reply
 from ..parts import PartsTable, RunParts, longest
 from ..placement import PartitionLayout, partition_costs, place_split
-from ..planwire import encode_plan
+from ..planwire import encode_plan, encode_slices
+from .slices import PlanSlicer
 from .statestore import EtcdStateStore
 
 __all__ = ["Coordinator", "HeldRun", "JobCoordinator", "LocalRuns"]
@@ -320,7 +325,9 @@ class JobCoordinator:
         self.start_frame: dict | None = None
         self.stopped = False
         self.planned = 0  # the next step the main planner will send
-        self.sent: dict[int, tuple[dict, bytes]] = {}  # encoded plans not yet fed on every live node (to re-send)
+        # plans not yet fed on every live node (to re-send), with their frames' extra header and partition table
+        self.sent: dict[int, tuple[StepPlan, dict, PartsTable]] = {}
+        self.slicer = PlanSlicer(spec.group_of)  # which pieces go to which node (maps cached by the layout)
         self._resending: dict[str, asyncio.Task] = {}  # node -> the re-send under way to it (one at a time)
         self.planner: Planner | None = None
         self._plan_lock = asyncio.Lock()  # one step planned and sent, or one mixture change, at a time
@@ -534,18 +541,44 @@ class JobCoordinator:
         if not await saving:
             log.warning("job %s: no longer leader at step %d; planning stops", self.spec.name, step)
             return False
-        header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
         parts = self.parts.at(step, state.get("cursor"))  # splits and merges from this step (cluster.parts)
-        header.update(state=state, gen=self.gen, run=self.run_id, cut=self.last_cut, parts=parts)
-        self.sent[step] = (header, buf)
+        extra = {"state": state, "gen": self.gen, "run": self.run_id, "cut": self.last_cut, "parts": parts}
+        self.sent[step] = (plan, extra, self.parts.table)
         self.states.record(step, state)
         low = self.low_ack()
         for old in [s for s in self.sent if s <= low]:
             del self.sent[old]
         self.planned = step + 1
-        for nid in self.ctx.live_nodes():
+        for nid, (header, buf) in self.frames(plan, extra, self.parts.table, self.ctx.live_nodes()).items():
             await self.ctx.rpc.quiet_send(nid, header, buf)
         return True
+
+    def frames(
+        self, plan: StepPlan, extra: dict, table: PartsTable, nodes: list[str], only: str | None = None
+    ) -> dict[str, tuple[dict, bytes]]:
+        """The plan frame of every node in ``nodes`` (``only``: of that one): its slice, with ``extra`` in the
+        header. Without this node's run of the job (no layout to slice by) every node gets the whole plan."""
+        run = self.runs.held(self.digest, self.run_id)
+        if run is None:
+            whole = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
+            whole[0].update(extra)
+            return {nid: whole for nid in nodes if only in (None, nid)}
+        cuts = self.slicer.cuts(
+            plan.source,
+            plan.ordinal,
+            plan.group,
+            dp=int(plan.stats.micro_cost.shape[0]),
+            nodes=sorted(set(nodes) | ({only} if only else set())),
+            rank_nodes=self.rank_nodes,
+            layout=run.layout,
+            table=table,
+        )
+        if only is not None:
+            cuts = {only: cuts[only]}
+        out = encode_slices(plan, cuts, job=self.spec.name, digest=self.digest, token=self.token)
+        for header, _ in out.values():
+            header.update(extra)
+        return out
 
     async def set_mixture(self, weights: dict) -> int:
         """Change the mixture from the first step no constructor on any node has taken up (returned): hold every
@@ -694,7 +727,9 @@ class JobCoordinator:
             if kept is None:  # no longer in memory (or planned by an earlier leader): re-plan from etcd
                 await self.replay(nid, s)
                 return
-            await self.ctx.rpc.quiet_send(nid, *kept)
+            plan, extra, table = kept
+            for header, buf in self.frames(plan, extra, table, self.ctx.live_nodes(), only=nid).values():
+                await self.ctx.rpc.quiet_send(nid, header, buf)
 
     async def replay(self, nid: str, low: int) -> None:
         """Re-plan steps [low, now) for a node that rejoined (deterministic: the same plans)."""
@@ -714,8 +749,9 @@ class JobCoordinator:
                     planner = Planner(planner_config(self.spec), state=self.mix_states[planner.step])
                 st = planner.state_dict()
                 plan = await asyncio.to_thread(planner.plan_step, view)
-                header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
-                header.update(state=st, gen=gen, run=self.run_id, cut=last_cut, parts=self.parts.table.wire())
-                await self.ctx.rpc.quiet_send(nid, header, buf)
+                table = self.parts.table
+                extra = {"state": st, "gen": gen, "run": self.run_id, "cut": last_cut, "parts": table.wire()}
+                for header, buf in self.frames(plan, extra, table, self.ctx.live_nodes(), only=nid).values():
+                    await self.ctx.rpc.quiet_send(nid, header, buf)
         finally:
             self.views.discard(view)

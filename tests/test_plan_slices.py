@@ -117,4 +117,4 @@ def test_leader_bytes_stay_near_one_plan_as_nodes_grow():
         sent = sum(len(b) for _, b, _ in got.values())
         assert sent <= 2.2 * len(whole), (n, sent, len(whole))
         if n >= 16:  # a node's slice is a fraction of the plan (it was the whole plan)
-            assert max(len(b) for _, b, _ in got.values()) <= len(whole) / 2, n
+            assert max(len(b) for _, b, _ in got.values()) <= 0.7 * len(whole), n

@@ -81,7 +81,7 @@ def _figures(plan: StepPlan) -> dict:
 
 
 def encode_slices(
-    plan: StepPlan, cuts: dict[str, tuple[np.ndarray, np.ndarray]], *, job: str, digest: str, token: int
+    plan: StepPlan, cuts: dict[str, tuple[np.ndarray, list[int]]], *, job: str, digest: str, token: int
 ) -> dict[str, tuple[dict, bytes]]:
     """Per node, (header, buffer) of its slice of ``plan``. ``cuts[node]`` = (the indices of its pieces,
     ascending; the groups it builds). The columns are gathered once for all nodes (``leader.slices`` hands
@@ -110,17 +110,19 @@ def encode_slices(
     for nid, (idx, groups) in cuts.items():
         n = len(idx)
         g = np.asarray(groups, dtype=np.int64)
-        parts, arrays, off = [], [], 0
-        for name, dt in _PIECES:
+        parts: list[Buffer] = []
+        arrays: list[list] = []
+        off = 0
+        for name, _dt in _PIECES:
             b = cols[name][at : at + n].data
             arrays.append([name, [n], off, b.nbytes])
             parts.append(b)
             off += b.nbytes
         for name, a in (("cost", cost[g] if dp else cost[:0]), ("micro_cost", micro_cost[g] if dp else micro_cost)):
-            b = np.ascontiguousarray(a, dtype="<f8").tobytes()
-            arrays.append([name, list(a.shape), off, len(b)])
-            parts.append(b)
-            off += len(b)
+            c = np.ascontiguousarray(a, dtype="<f8").tobytes()
+            arrays.append([name, list(a.shape), off, len(c)])
+            parts.append(c)
+            off += len(c)
         at += n
         out[nid] = ({**base, "arrays": arrays, "groups": g.tolist()}, b"".join(parts))
     return out

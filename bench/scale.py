@@ -31,7 +31,6 @@ import os
 import resource
 import secrets
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -100,7 +99,7 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
     """N PeerServers registered under one lease; each decodes its slices and acknowledges them."""
     from msdata_server.cluster import Etcd
     from msdata_server.cluster.net.peers import PeerServer
-    from msdata_server.cluster.planwire import decode_plan
+    from msdata_server.cluster.planwire import decode_plan, plan_state
     from msdata_server.errors import PeerLostError, ProtocolError
 
     token = Path(token_file).read_text().strip()
@@ -114,6 +113,7 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
                 return
             try:
                 plan = decode_plan(frame, payload)
+                plan_state(frame, payload)
             except ProtocolError:
                 return
             got = time.monotonic()
@@ -216,7 +216,14 @@ class Probe:
             if only is None and plan.step not in probe.ready:
                 now = probe.ready[plan.step] = time.monotonic()
                 out = probe.traffic.bytes_out if probe.traffic is not None else 0
-                probe.snap[plan.step] = (now, time.process_time(), out, probe.etcd_bytes, probe.etcd_writes, probe.plan_cpu)
+                probe.snap[plan.step] = (
+                    now,
+                    time.process_time(),
+                    out,
+                    probe.etcd_bytes,
+                    probe.etcd_writes,
+                    probe.plan_cpu,
+                )
                 probe.last_plan = plan
             return frames0(self, plan, extra, table, nodes, only)
 
@@ -421,7 +428,8 @@ def run_leader(cases: list[tuple[int, int, int]]) -> list[dict]:
                 f"leader {r['leader_bytes_per_step'] / 1e6:.2f} MB/step (x{r['leader_fanout_ratio']:.2f}), "
                 f"largest node {r['node_bytes_max'] / 1e3:.1f} kB (x{r['node_bytes_ratio']:.2f} of plan/N); "
                 f"plan->all p50 {r['plan_to_all_ms_p50']:.1f} p99 {r['plan_to_all_ms_p99']:.1f} ms; "
-                f"leader CPU {r['leader_cpu_s_per_step'] * 1e3:.0f} ms/step (planner {r['planner_cpu_s_per_step'] * 1e3:.0f}); "
+                f"leader CPU {r['leader_cpu_s_per_step'] * 1e3:.0f} ms/step "
+                f"(planner {r['planner_cpu_s_per_step'] * 1e3:.0f}); "
                 f"etcd {r['etcd_bytes_per_step'] / 1e3:.1f} kB, {r['etcd_writes_per_step']:.1f} writes/step; "
                 f"{r['steps_per_s']:.2f} steps/s"
             )

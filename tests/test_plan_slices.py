@@ -8,7 +8,7 @@ import pytest
 from msdata_server.cluster.leader.slices import PlanSlicer, partitions_of
 from msdata_server.cluster.parts import PartsTable
 from msdata_server.cluster.placement import PartitionLayout, partition_costs
-from msdata_server.cluster.planwire import decode_plan, encode_plan, encode_slices
+from msdata_server.cluster.planwire import decode_plan, encode_plan, encode_slices, plan_state
 from msdata_server.planner import Mixture, Planner, PlannerConfig
 
 SOURCES = ("a", "b", "c")
@@ -44,7 +44,7 @@ def _slices(plan, nodes, rank_nodes, layout, table):
         plan.source, plan.ordinal, plan.group, dp=len(plan.stats.cost), nodes=nodes, rank_nodes=rank_nodes,
         layout=layout, table=table,
     )  # fmt: skip
-    frames = encode_slices(plan, cuts, job="j", digest="d" * 64, token=3)
+    frames = encode_slices(plan, cuts, job="j", digest="d" * 64, token=3, state={"step": 5, "cursor": [1, 2, 3]})
     return {n: (h, b, decode_plan(orjson.loads(orjson.dumps(h)), memoryview(b))) for n, (h, b) in frames.items()}
 
 
@@ -74,13 +74,15 @@ def test_each_node_gets_its_groups_and_its_partitions_pieces(n_shadows):
                 a, b = plan.micro_batch(g, m), sl.micro_batch(g, m)
                 for f in ("source", "ordinal", "offset", "length", "row", "last"):
                     assert np.array_equal(getattr(a, f), getattr(b, f)), (nid, g, m, f)
+        cols = ("source", "ordinal", "group", "last")  # what counting references reads
         mine = {
-            (int(s), int(o), int(g), int(m), int(r))
-            for s, o, g, m, r, k in zip(plan.source, plan.ordinal, plan.group, plan.micro, plan.row, part)
+            tuple(int(getattr(plan, f)[i]) for f in cols)
+            for i, (s, k) in enumerate(zip(plan.source, part))
             if pl[s][k] == nid or nid in sh[s][k]
         }
-        have = set(zip(*(getattr(sl, f).tolist() for f in ("source", "ordinal", "group", "micro", "row"))))
+        have = set(zip(*(getattr(sl, f).tolist() for f in cols)))
         assert mine <= have  # every piece of its partitions (owned or stood by for) to count
+        assert plan_state(*got[nid][:2]) == {"step": 5, "cursor": [1, 2, 3]}
         assert sl.stats.imbalance == plan.stats.imbalance and sl.stats.tokens == plan.stats.tokens
         assert sl.stats.to_dict()["max_cost"] == pytest.approx(plan.stats.to_dict()["max_cost"])
         assert sl.stats.to_dict()["mean_cost"] == pytest.approx(plan.stats.to_dict()["mean_cost"])

@@ -5,26 +5,32 @@ The header carries the job, digest, step and the leader's fencing token (receive
 
 A node receives a *slice* of each step (``encode_slices``): the pieces it needs (those of the groups it builds
 and those of the partitions it reads or stands by for; ``leader.slices``), in plan order, with the per-rank
-costs of its own groups and the step's figures; ``bounds`` is not sent (the receiver derives it from the
-group and micro columns). A slice decodes to a StepPlan of the full plan's shape: ``micro_cost`` rows of
-groups built elsewhere are zero, ``cost`` keeps the step's maximum and mean (what ``PlanStats`` reports), and
-every figure is the whole step's.
+costs of its own groups, the step's figures and the planner state (compact, a ``planner.delta`` record).
+``bounds`` is not sent (the receiver derives it from the group and micro columns), and the pieces of groups
+built elsewhere (sent only for their payload references) travel without their offset, length, micro and row
+(zeros on arrival). A slice decodes to a StepPlan of the full plan's shape whose ``micro_batch`` answers for
+the node's own groups: ``micro_cost`` rows of other groups are zero, ``cost`` keeps the step's maximum and
+mean (what ``PlanStats`` reports), and every figure is the whole step's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ProtocolError
+from ..errors import CheckpointError, ProtocolError
 from ..planner import StepPlan
+from ..planner.delta import decode, encode_base
 from ..planner.planner import PlanStats
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["decode_plan", "encode_plan", "encode_slices"]
+    from .leader.slices import Cut
+
+__all__ = ["decode_plan", "encode_plan", "encode_slices", "plan_state"]
 
 _ARRAYS = (
     ("source", "<i4"),
@@ -69,6 +75,7 @@ def encode_plan(plan: StepPlan, *, job: str, digest: str, token: int) -> tuple[d
 
 
 _PIECES = _ARRAYS[:8]  # the per-piece columns (a slice sends a subset of them)
+_BUILT = ("offset", "length", "micro", "row")  # only for the pieces of the groups a slice's node builds
 
 
 def _figures(plan: StepPlan) -> dict:
@@ -81,11 +88,11 @@ def _figures(plan: StepPlan) -> dict:
 
 
 def encode_slices(
-    plan: StepPlan, cuts: dict[str, tuple[np.ndarray, list[int]]], *, job: str, digest: str, token: int
+    plan: StepPlan, cuts: Mapping[str, Cut], *, job: str, digest: str, token: int, state: dict | None = None
 ) -> dict[str, tuple[dict, bytes]]:
-    """Per node, (header, buffer) of its slice of ``plan``. ``cuts[node]`` = (the indices of its pieces,
-    ascending; the groups it builds). The columns are gathered once for all nodes (``leader.slices`` hands
-    the indices node after node), then cut per node."""
+    """Per node, (header, buffer) of its slice of ``plan`` (``cuts[node]``: its pieces, those it builds, its
+    groups; ``leader.slices``). ``state``: the planner state at the step's start, sent compact (a
+    ``planner.delta`` base record, encoded once) at the payload's end; ``plan_state`` reads it back."""
     st = plan.stats
     cost = np.asarray(st.cost, dtype="<f8")
     micro_cost = np.asarray(st.micro_cost, dtype="<f8")
@@ -102,20 +109,26 @@ def encode_slices(
         "dp": dp,
         "micro_batches": mb,
     }
-    order = [idx for idx, _ in cuts.values()]
-    every = np.concatenate(order) if order else np.zeros(0, np.int64)
-    cols = {name: np.ascontiguousarray(np.asarray(getattr(plan, name))[every], dtype=dt) for name, dt in _PIECES}
+    record = encode_base(plan.step, state) if state is not None else None
+    cuts_ = list(cuts.items())
+    every = np.concatenate([c.idx for _, c in cuts_]) if cuts_ else np.zeros(0, np.int64)
+    built = np.concatenate([c.idx[c.built] for _, c in cuts_]) if cuts_ else np.zeros(0, np.int64)
+    cols = {  # gathered once for all nodes (their pieces node after node), then cut per node
+        name: np.ascontiguousarray(np.asarray(getattr(plan, name))[built if name in _BUILT else every], dtype=dt)
+        for name, dt in _PIECES
+    }
     out: dict[str, tuple[dict, bytes]] = {}
-    at = 0
-    for nid, (idx, groups) in cuts.items():
-        n = len(idx)
-        g = np.asarray(groups, dtype=np.int64)
+    at = at_built = 0
+    for nid, cut in cuts_:
+        g = np.asarray(cut.groups, dtype=np.int64)
+        n, nb = len(cut.idx), int(np.count_nonzero(cut.built))
         parts: list[Buffer] = []
         arrays: list[list] = []
         off = 0
         for name, _dt in _PIECES:
-            b = cols[name][at : at + n].data
-            arrays.append([name, [n], off, b.nbytes])
+            lo, k = (at_built, nb) if name in _BUILT else (at, n)
+            b = cols[name][lo : lo + k].data
+            arrays.append([name, [k], off, b.nbytes])
             parts.append(b)
             off += b.nbytes
         for name, a in (("cost", cost[g] if dp else cost[:0]), ("micro_cost", micro_cost[g] if dp else micro_cost)):
@@ -123,8 +136,12 @@ def encode_slices(
             arrays.append([name, list(a.shape), off, len(c)])
             parts.append(c)
             off += len(c)
-        at += n
-        out[nid] = ({**base, "arrays": arrays, "groups": g.tolist()}, b"".join(parts))
+        at, at_built = at + n, at_built + nb
+        head = {**base, "arrays": arrays, "groups": g.tolist()}
+        if record is not None:
+            head["state_rec"] = [off, len(record)]
+            parts.append(record)
+        out[nid] = (head, b"".join(parts))
     return out
 
 
@@ -139,16 +156,42 @@ def _from_slice(header: dict, got: dict[str, np.ndarray]) -> tuple[np.ndarray, n
     cost = np.zeros(dp)
     cost[groups] = got["cost"]
     top, mean = float(header["max_cost"]), float(header["mean_cost"])
-    rest = np.setdiff1d(np.arange(dp), groups)
+    own = np.zeros(dp, dtype=bool)
+    own[groups] = True
+    rest = np.flatnonzero(~own)
     if rest.size:  # groups built elsewhere: the step's maximum and mean kept (PlanStats reports those)
         left = mean * dp - float(got["cost"].sum())
         if top > float(got["cost"].max(initial=0.0)):
             cost[rest[0]], left, rest = top, left - top, rest[1:]
         if rest.size:
             cost[rest] = left / rest.size
+    built = np.flatnonzero(own[got["group"]]) if dp else np.zeros(0, np.int64)
+    for name in _BUILT:  # the pieces of groups built elsewhere (only counted there): zeros
+        if got[name].shape != built.shape:
+            raise ValueError(f"slice column {name} has {got[name].size} entries for {built.size} pieces built here")
+        full = np.zeros(got["source"].shape, dtype=got[name].dtype)
+        full[built] = got[name]
+        got[name] = full
     key = got["group"].astype(np.int64) * mb + got["micro"]
-    bounds = np.searchsorted(key, np.arange(dp * mb + 1, dtype=np.int64)).astype(np.int64)
+    bounds = np.zeros(dp * mb + 1, dtype=np.int64)
+    np.cumsum(np.bincount(key, minlength=dp * mb), out=bounds[1:])
     return cost, micro_cost, bounds
+
+
+def plan_state(header: dict, payload: Buffer | None) -> dict | None:
+    """The planner state a plan frame carries (at its step's start; None: none), from a slice's compact record
+    or a whole plan's header. ProtocolError if the record is malformed."""
+    at = header.get("state_rec")
+    if at is None:
+        return header.get("state")
+    buf = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
+    try:
+        off, n = int(at[0]), int(at[1])
+        if off < 0 or n < 0 or off + n > len(buf):
+            raise ValueError(f"state record at {off}+{n} does not fit a {len(buf)}-byte payload")
+        return decode(bytes(buf[off : off + n]), f"the plan frame of step {header.get('step')!r}").state
+    except (CheckpointError, TypeError, ValueError, IndexError) as e:
+        raise ProtocolError(f"malformed plan frame for step {header.get('step')!r}: {e}") from None
 
 
 def _stages(header: dict) -> dict[str, Any]:
@@ -171,11 +214,11 @@ def decode_plan(header: dict, payload: Buffer | None) -> StepPlan:
             if off < 0 or n < 0 or off + n > len(buf) or n != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
                 raise ValueError(f"array {name} {shape} at {off}+{n} does not fit a {len(buf)}-byte payload")
             got[name] = np.frombuffer(buf[off : off + n], dtype=dtype).reshape(shape)
+        if sliced:
+            got["cost"], got["micro_cost"], got["bounds"] = _from_slice(header, got)
         n = got["source"].shape[0]
         if any(got[k].shape != (n,) for k in ("ordinal", "offset", "length", "group", "micro", "row", "last")):
             raise ValueError("plan columns differ in length")
-        if sliced:
-            got["cost"], got["micro_cost"], got["bounds"] = _from_slice(header, got)
         stats = PlanStats(
             cost=got["cost"],
             micro_cost=got["micro_cost"],

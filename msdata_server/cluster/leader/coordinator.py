@@ -575,9 +575,12 @@ class JobCoordinator:
         )
         if only is not None:
             cuts = {only: cuts[only]}
-        out = encode_slices(plan, cuts, job=self.spec.name, digest=self.digest, token=self.token)
+        rest = {k: v for k, v in extra.items() if k != "state"}
+        out = encode_slices(
+            plan, cuts, job=self.spec.name, digest=self.digest, token=self.token, state=extra.get("state")
+        )
         for header, _ in out.values():
-            header.update(extra)
+            header.update(rest)
         return out
 
     async def set_mixture(self, weights: dict) -> int:

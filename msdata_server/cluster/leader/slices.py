@@ -13,13 +13,24 @@ less than a node needs.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from ..parts import BLOCK, PartsTable
 
-__all__ = ["PlanSlicer", "Placed"]
+__all__ = ["Cut", "PlanSlicer", "Placed"]
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """One node's slice of a step: the indices of its pieces (ascending), which of them it builds (the others
+    it only counts references of), and the groups it builds."""
+
+    idx: np.ndarray
+    built: np.ndarray
+    groups: list[int]
 
 
 class Placed(Protocol):
@@ -61,6 +72,7 @@ class PlanSlicer:
         self.group_of = group_of
         self._builders: tuple[object, np.ndarray, dict[int, list[int]]] | None = None
         self._owners: tuple[object, np.ndarray, np.ndarray] | None = None
+        self._everywhere = False  # some partition's owner is gone (its pieces go to every node)
 
     def _builder_map(self, nodes: Sequence[str], rank_nodes: Mapping[int, str], dp: int) -> tuple[np.ndarray, dict]:
         """([dp, B] node index of each group's builders, -1 padded; node index -> its groups)."""
@@ -109,6 +121,7 @@ class PlanSlicer:
                     gen, k, _ = table.slot(s, pid)
                     row[0] = at.get((gen.owners or ("",) * (k + 1))[k], -2)
         self._owners = (key, off[:-1], flat)
+        self._everywhere = bool((flat[:, 0] == -2).any())
         return off[:-1], flat
 
     def cuts(
@@ -122,30 +135,34 @@ class PlanSlicer:
         rank_nodes: Mapping[int, str],
         layout: Placed,
         table: PartsTable,
-    ) -> dict[str, tuple[np.ndarray, list[int]]]:
-        """node -> (indices of its pieces, ascending; the groups it builds), for every node in ``nodes``."""
+    ) -> dict[str, Cut]:
+        """node -> its ``Cut``, for every node in ``nodes``."""
         nodes = sorted(nodes)
         n_nodes = len(nodes)
         builders, groups = self._builder_map(nodes, rank_nodes, dp)
         off, owners = self._owner_map(nodes, layout, table)
         flat = off[np.asarray(src, dtype=np.int64)] + partitions_of(table, src, ords)
         who = np.concatenate([builders[np.asarray(group, dtype=np.int64)], owners[flat]], axis=1)  # [pieces, R]
-        everywhere = np.flatnonzero((who == -2).any(axis=1))
-        who = np.where(who < 0, n_nodes, who)  # none: a bucket past the last node, dropped
         r = who.shape[1]
-        node = who.reshape(-1).astype(np.int16 if n_nodes < 32767 else np.int32)
-        order = np.argsort(node, kind="stable")  # radix: piece order kept within each node
+        flat_who = who.reshape(-1)
+        everywhere = np.unique(np.flatnonzero(flat_who == -2) // r) if self._everywhere else None
+        node = np.where(flat_who < 0, n_nodes, flat_who).astype(np.int16 if n_nodes < 32767 else np.int32)
+        order = np.argsort(node, kind="stable")  # radix: piece order kept within each node, builders first
         sorted_nodes = node[order]
         piece = order // r
-        dup = np.zeros(len(order), dtype=bool)
-        dup[1:] = (piece[1:] == piece[:-1]) & (sorted_nodes[1:] == sorted_nodes[:-1])
-        keep = ~dup
-        piece, sorted_nodes = piece[keep], sorted_nodes[keep]
+        keep = np.ones(len(order), dtype=bool)
+        keep[1:] = (piece[1:] != piece[:-1]) | (sorted_nodes[1:] != sorted_nodes[:-1])
+        piece, sorted_nodes, built = piece[keep], sorted_nodes[keep], (order % r < builders.shape[1])[keep]
         bounds = np.searchsorted(sorted_nodes, np.arange(n_nodes + 1))
         out = {}
         for i, nid in enumerate(nodes):
-            idx = piece[bounds[i] : bounds[i + 1]].astype(np.int64)
-            if everywhere.size:
-                idx = np.union1d(idx, everywhere)
-            out[nid] = (idx, groups.get(i, []))
+            lo, hi = int(bounds[i]), int(bounds[i + 1])
+            idx, mask = piece[lo:hi], built[lo:hi]
+            if everywhere is not None and everywhere.size:
+                extra = np.setdiff1d(everywhere, idx)
+                idx = np.concatenate([idx, extra])
+                mask = np.concatenate([mask, np.zeros(len(extra), dtype=bool)])
+                o = np.argsort(idx, kind="stable")
+                idx, mask = idx[o], mask[o]
+            out[nid] = Cut(idx, mask, groups.get(i, []))
         return out

@@ -111,12 +111,14 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
         async def handle(peer: str, frame: dict, payload: memoryview | None) -> None:
             if frame.get("t") != "plan":
                 return
+            t0 = time.perf_counter()
             try:
                 plan = decode_plan(frame, payload)
                 plan_state(frame, payload)
             except ProtocolError:
                 return
             got = time.monotonic()
+            decode_ms = (time.perf_counter() - t0) * 1e3
             size = len(orjson.dumps(frame)) + (0 if payload is None else len(payload))
             link = servers[i - first].links.get(peer)
             if link is None:
@@ -128,6 +130,7 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
                 "node": nid,
                 "step": plan.step,
                 "at": got,
+                "decode_ms": decode_ms,
                 "bytes": size,
                 "pieces": len(plan),
             }
@@ -191,11 +194,28 @@ class BenchRuns:
         return run if run is not None and digest == self.digest and run.id == run_id else None
 
 
+def timed_rpc():
+    from msdata_server.cluster.net.rpc import PeerRpc
+
+    class TimedRpc(PeerRpc):
+        """The leader's PeerRpc, noting when each step's plan frames leave (the last one per step)."""
+
+        sent: dict[int, float]
+
+        async def quiet_send(self, nid, frame, payload=None):
+            await super().quiet_send(nid, frame, payload)
+            if frame.get("t") == "plan":
+                self.sent[int(frame["step"])] = time.monotonic()
+
+    return TimedRpc
+
+
 class Probe:
     """Measurement wrappers: when each step's plan was ready, the planner thread's CPU, etcd requests."""
 
     def __init__(self) -> None:
         self.ready: dict[int, float] = {}
+        self.sent: dict[int, float] = {}  # step -> when the leader handed its last slice to the kernel
         self.snap: dict[int, tuple[float, float, int, int, int, float]] = {}  # step -> counters when ready
         self.plan_cpu = 0.0  # the planner thread's CPU seconds so far
         self.traffic = None
@@ -258,7 +278,6 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
     from msdata_client.spec import JobSpec
     from msdata_server.cluster.context import ClusterContext
     from msdata_server.cluster.leader.coordinator import Coordinator
-    from msdata_server.cluster.net.rpc import PeerRpc
     from msdata_server.cluster.net.runtime import ClusterNode
     from msdata_server.cluster.placement import PartitionLayout, partition_costs
     from msdata_server.cluster.planwire import encode_plan
@@ -298,7 +317,9 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     probe = Probe()
+    TimedRpc = timed_rpc()
     acks: dict[int, dict[str, tuple[float, int]]] = {}
+    decode_ms: list[float] = []
     runs = BenchRuns()
     coord: Coordinator | None = None
     node: ClusterNode | None = None
@@ -312,6 +333,7 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
             t = frame.get("t")
             if t == "ack" and "at" in frame:
                 acks.setdefault(int(frame["step"]), {})[str(frame["node"])] = (float(frame["at"]), int(frame["bytes"]))
+                decode_ms.append(float(frame["decode_ms"]))
             if coord is not None and t in ("ack", "need", "jobs"):
                 coord.on_frame(frame)
 
@@ -321,7 +343,8 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
 
         node = ClusterNode(cfg, handler=on_frame)
         tasks = TaskSet("bench")
-        rpc = PeerRpc(node, "leader", local, timeout=30.0)
+        rpc = TimedRpc(node, "leader", local, timeout=30.0)
+        rpc.sent = probe.sent
         ctx = ClusterContext(
             node_id="leader", config=cfg.cluster, autoscale=AutoscaleConfig(), rpc=rpc, tasks=tasks, cluster=node
         )
@@ -372,7 +395,10 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
         wall, cpu, out = b[0] - a[0], b[1] - a[1], b[2] - a[2]
         etcd_b, etcd_w, plan_cpu = b[3] - a[3], b[4] - a[4], b[5] - a[5]
         timed = range(first + 1, end + 1)
-        lat = [(max(t for t, _ in acks[s].values()) - probe.ready[s]) * 1e3 for s in timed if s in probe.ready]
+        sim = [(max(t for t, _ in acks[s].values()) - probe.ready[s]) * 1e3 for s in timed if s in probe.ready]
+        out_ms = [(probe.sent[s] - probe.ready[s]) * 1e3 for s in timed if s in probe.sent and s in probe.ready]
+        dec = float(np.percentile(decode_ms, 99)) if decode_ms else 0.0
+        lat = [x + dec for x in out_ms]  # the last slice handed to the kernel, then one node's decode
         node_bytes = max(b for s in timed for _, b in acks[s].values())
         plan = probe.last_plan
         h, b = encode_plan(plan, job=spec.name, digest=runs.digest, token=1)
@@ -389,6 +415,10 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
             "node_bytes_ratio": node_bytes * n / full,
             "plan_to_all_ms_p50": float(np.percentile(lat, 50)),
             "plan_to_all_ms_p99": float(np.percentile(lat, 99)),
+            "send_all_ms_p99": float(np.percentile(out_ms, 99)),
+            "node_decode_ms_p99": dec,
+            "plan_to_all_ms_sim_p50": float(np.percentile(sim, 50)),
+            "plan_to_all_ms_sim_p99": float(np.percentile(sim, 99)),
             "leader_cpu_s_per_step": cpu / k,
             "planner_cpu_s_per_step": plan_cpu / k,
             "leader_overhead_ms": (cpu - plan_cpu) / k * 1e3,
@@ -427,7 +457,9 @@ def run_leader(cases: list[tuple[int, int, int]]) -> list[dict]:
                 f"N={n:>4} dp={r['dp']:>5} S={s:>5}: plan {r['plan_bytes'] / 1e6:.2f} MB ({r['pieces']} pieces); "
                 f"leader {r['leader_bytes_per_step'] / 1e6:.2f} MB/step (x{r['leader_fanout_ratio']:.2f}), "
                 f"largest node {r['node_bytes_max'] / 1e3:.1f} kB (x{r['node_bytes_ratio']:.2f} of plan/N); "
-                f"plan->all p50 {r['plan_to_all_ms_p50']:.1f} p99 {r['plan_to_all_ms_p99']:.1f} ms; "
+                f"plan->all p50 {r['plan_to_all_ms_p50']:.1f} p99 {r['plan_to_all_ms_p99']:.1f} ms "
+                f"(sent {r['send_all_ms_p99']:.1f} + decode {r['node_decode_ms_p99']:.2f}; all {n} in one process: "
+                f"p99 {r['plan_to_all_ms_sim_p99']:.0f}); "
                 f"leader CPU {r['leader_cpu_s_per_step'] * 1e3:.0f} ms/step "
                 f"(planner {r['planner_cpu_s_per_step'] * 1e3:.0f}); "
                 f"etcd {r['etcd_bytes_per_step'] / 1e3:.1f} kB, {r['etcd_writes_per_step']:.1f} writes/step; "

@@ -40,7 +40,7 @@ def _layout(nodes, n_shadows=0, table=None):
 
 
 def _slices(plan, nodes, rank_nodes, layout, table):
-    cuts = PlanSlicer(lambda r: r).cuts(
+    cuts = PlanSlicer(lambda r: r, lambda g: (g,)).cuts(
         plan.source, plan.ordinal, plan.group, dp=len(plan.stats.cost), nodes=nodes, rank_nodes=rank_nodes,
         layout=layout, table=table,
     )  # fmt: skip
@@ -120,3 +120,22 @@ def test_leader_bytes_stay_near_one_plan_as_nodes_grow():
         assert sent <= 2.2 * len(whole), (n, sent, len(whole))
         if n >= 16:  # a node's slice is a fraction of the plan (it was the whole plan)
             assert max(len(b) for _, b, _ in got.values()) <= 0.7 * len(whole), n
+
+
+def test_a_group_with_a_reader_nowhere_goes_to_every_node_whole():
+    """A rank not registered anywhere (its node server restarted; a new leader has not heard of it) may come
+    back on any node, which then builds its group from the plans it holds (job.late): every node gets it."""
+    dp, nodes = 8, ["n0", "n1", "n2", "n3"]
+    plan = _plan(dp)
+    rank_nodes = {r: nodes[r // 2] for r in range(dp) if r != 5}  # rank 5 (group 5) is nowhere yet
+    table = PartsTable.base(len(SOURCES), len(nodes))
+    got = _slices(plan, nodes, rank_nodes, _layout(nodes, 0, table), table)
+    for nid in nodes:
+        sl = got[nid][2]
+        for m in range(2):
+            a, b = plan.micro_batch(5, m), sl.micro_batch(5, m)
+            for f in ("source", "ordinal", "offset", "length", "row", "last"):
+                assert np.array_equal(getattr(a, f), getattr(b, f)), (nid, m, f)
+    # once placed, only its node gets it
+    got = _slices(plan, nodes, {r: nodes[r // 2] for r in range(dp)}, _layout(nodes, 0, table), table)
+    assert 5 not in got["n0"][0]["groups"] and 5 in got["n2"][0]["groups"]

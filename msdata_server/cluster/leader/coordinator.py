@@ -322,12 +322,16 @@ class JobCoordinator:
         self.acks: dict[str, int] = {}
         self.acked = asyncio.Event()
         self.rank_nodes: dict[int, str] = {}
+        self._ranks_moved = 0  # changes to rank_nodes after the start (the cached node set below follows them)
+        self._rank_set: tuple[int, int, frozenset[str]] = (-1, -1, frozenset())  # (size, moves, its nodes)
         self.start_frame: dict | None = None
         self.stopped = False
         self.planned = 0  # the next step the main planner will send
         # plans not yet fed on every live node (to re-send), with their frames' extra header and partition table
         self.sent: dict[int, tuple[StepPlan, dict, PartsTable]] = {}
-        self.slicer = PlanSlicer(spec.group_of)  # which pieces go to which node (maps cached by the layout)
+        self.slicer = PlanSlicer(
+            spec.group_of, spec.readers
+        )  # which pieces go to which node (maps cached by the layout)
         self._resending: dict[str, asyncio.Task] = {}  # node -> the re-send under way to it (one at a time)
         self.planner: Planner | None = None
         self._plan_lock = asyncio.Lock()  # one step planned and sent, or one mixture change, at a time
@@ -434,6 +438,7 @@ class JobCoordinator:
         planner = Planner(cfg, state=state)
         planner.set_listing(listing)
         self.rank_nodes = {int(r): nid for nid, j in per.items() for r in j["ranks"]}
+        self._ranks_moved += 1
         live = self.ctx.live_nodes()
         self.start_frame = {
             "t": "jstart",
@@ -648,7 +653,9 @@ class JobCoordinator:
     def low_ack(self) -> int:
         """The lowest step fed on a live node that has ranks of the job (a dead node never holds planning back)."""
         live = set(self.ctx.live_nodes())
-        nodes = {n for n in self.rank_nodes.values() if n in live}
+        if self._rank_set[0] != len(self.rank_nodes) or self._rank_set[1] != self._ranks_moved:
+            self._rank_set = (len(self.rank_nodes), self._ranks_moved, frozenset(self.rank_nodes.values()))
+        nodes = self._rank_set[2] & live
         return min((self.acks.get(n, -1) for n in nodes), default=-(1 << 62))
 
     # ---- catching up (a node that lacks plans, ranks that rejoin) -------------------------------------------
@@ -661,6 +668,7 @@ class JobCoordinator:
             for r in j["ranks"]:
                 if self.rank_nodes.get(int(r)) != nid:
                     self.rank_nodes[int(r)] = nid
+                    self._ranks_moved += 1
                     changed = True
             if j["ranks"] and not j["running"]:
                 changed = True

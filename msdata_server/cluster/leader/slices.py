@@ -48,11 +48,10 @@ class Placed(Protocol):
 
 def partitions_of(table: PartsTable, src: np.ndarray, ords: np.ndarray) -> np.ndarray:
     """``table.part`` of every (source, ordinal), vectorised."""
-    src = np.asarray(src, dtype=np.int64)
+    src = np.asarray(src)
     block = np.asarray(ords, dtype=np.int64) // BLOCK
-    first = np.array([row[0].first for row in table.gens], dtype=np.int64)
     n = np.array([row[0].n for row in table.gens], dtype=np.int64)
-    out = first[src] + block % n[src]
+    out = block % n[src]  # the first generation's ids start at 0
     for s, row in enumerate(table.gens):
         if len(row) < 2:
             continue
@@ -68,15 +67,21 @@ def partitions_of(table: PartsTable, src: np.ndarray, ords: np.ndarray) -> np.nd
 class PlanSlicer:
     """Per-node piece indices of the steps of one run (``cuts``); the maps behind them cached."""
 
-    def __init__(self, group_of: Callable[[int], int]) -> None:
+    def __init__(self, group_of: Callable[[int], int], readers: Callable[[int], Sequence[int]]) -> None:
         self.group_of = group_of
+        self.readers = readers  # the ranks that read a group (all must be placed for it to go to its nodes only)
         self._builders: tuple[object, np.ndarray, dict[int, list[int]]] | None = None
         self._owners: tuple[object, np.ndarray, np.ndarray] | None = None
         self._everywhere = False  # some partition's owner is gone (its pieces go to every node)
 
     def _builder_map(self, nodes: Sequence[str], rank_nodes: Mapping[int, str], dp: int) -> tuple[np.ndarray, dict]:
-        """([dp, B] node index of each group's builders, -1 padded; node index -> its groups)."""
-        key = (tuple(nodes), tuple(sorted(rank_nodes.items())), dp)
+        """([dp, B] node index of each group's builders, -1 padded, -2: every node; node index -> its groups).
+
+        A group some of whose readers are not registered on a live node goes to every node, as if built there:
+        such a rank may come back on any node (its server restarted; a new leader has not heard of it yet), and
+        the node it comes to builds its group from the plans it already holds (``job.late``). Transient: once
+        every reader is placed, only its nodes get it."""
+        key = (tuple(nodes), tuple(rank_nodes.items()), dp)
         if self._builders is not None and self._builders[0] == key:
             return self._builders[1], self._builders[2]
         at = {n: i for i, n in enumerate(nodes)}
@@ -85,6 +90,8 @@ class PlanSlicer:
             g = self.group_of(int(r))
             if nid in at and 0 <= g < dp:
                 per.setdefault(g, set()).add(at[nid])
+        placed = {int(r) for r, nid in rank_nodes.items() if nid in at}
+        loose = [g for g in range(dp) if not placed.issuperset(self.readers(g))]
         width = max((len(v) for v in per.values()), default=1)
         table = np.full((dp, width), -1, dtype=np.int32)
         groups: dict[int, list[int]] = {}
@@ -92,7 +99,9 @@ class PlanSlicer:
             for j, i in enumerate(sorted(ns)):
                 table[g, j] = i
                 groups.setdefault(i, []).append(g)
-        groups = {i: sorted(v) for i, v in groups.items()}
+        table[loose] = -1
+        table[loose, 0] = -2
+        groups = {i: sorted(set(groups.get(i, [])) | set(loose)) for i in range(len(nodes))}
         self._builders = (key, table, groups)
         return table, groups
 
@@ -106,7 +115,8 @@ class PlanSlicer:
         if layout.n_shadows:
             pl, sh = layout.layout()
         else:
-            pl, sh = layout.placement(), [[() for _ in row] for row in layout.placement()]
+            pl = layout.placement()
+            sh = [[() for _ in row] for row in pl]
         counts = [table.count(s) for s in range(len(table.gens))]
         off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         flat = np.full((int(off[-1]), 1 + int(layout.n_shadows)), -1, dtype=np.int32)
@@ -145,24 +155,30 @@ class PlanSlicer:
         who = np.concatenate([builders[np.asarray(group, dtype=np.int64)], owners[flat]], axis=1)  # [pieces, R]
         r = who.shape[1]
         flat_who = who.reshape(-1)
-        everywhere = np.unique(np.flatnonzero(flat_who == -2) // r) if self._everywhere else None
+        b = builders.shape[1]
+        anywhere = np.flatnonzero(who[:, 0] == -2) if (builders[:, 0] == -2).any() else np.zeros(0, np.int64)
+        everywhere = (
+            np.unique(np.flatnonzero(who[:, b:] == -2) // (r - b)) if self._everywhere else np.zeros(0, np.int64)
+        )
+        extra_all = np.union1d(anywhere, everywhere)
         node = np.where(flat_who < 0, n_nodes, flat_who).astype(np.int16 if n_nodes < 32767 else np.int32)
         order = np.argsort(node, kind="stable")  # radix: piece order kept within each node, builders first
         sorted_nodes = node[order]
         piece = order // r
         keep = np.ones(len(order), dtype=bool)
         keep[1:] = (piece[1:] != piece[:-1]) | (sorted_nodes[1:] != sorted_nodes[:-1])
-        piece, sorted_nodes, built = piece[keep], sorted_nodes[keep], (order % r < builders.shape[1])[keep]
+        piece, sorted_nodes, built = piece[keep], sorted_nodes[keep], (order % r < b)[keep]
         bounds = np.searchsorted(sorted_nodes, np.arange(n_nodes + 1))
         out = {}
         for i, nid in enumerate(nodes):
             lo, hi = int(bounds[i]), int(bounds[i + 1])
             idx, mask = piece[lo:hi], built[lo:hi]
-            if everywhere is not None and everywhere.size:
-                extra = np.setdiff1d(everywhere, idx)
+            if extra_all.size:  # pieces every node gets (loose groups: as built; a gone owner's: to count)
+                extra = np.setdiff1d(extra_all, idx)
                 idx = np.concatenate([idx, extra])
                 mask = np.concatenate([mask, np.zeros(len(extra), dtype=bool)])
                 o = np.argsort(idx, kind="stable")
                 idx, mask = idx[o], mask[o]
+                mask |= np.isin(idx, anywhere)
             out[nid] = Cut(idx, mask, groups.get(i, []))
         return out

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import os
 import resource
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -395,7 +397,7 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
         wall, cpu, out = b[0] - a[0], b[1] - a[1], b[2] - a[2]
         etcd_b, etcd_w, plan_cpu = b[3] - a[3], b[4] - a[4], b[5] - a[5]
         timed = range(first + 1, end + 1)
-        sim = [(max(t for t, _ in acks[s].values()) - probe.ready[s]) * 1e3 for s in timed if s in probe.ready]
+        arrive = [(max(t for t, _ in acks[s].values()) - probe.ready[s]) * 1e3 for s in timed if s in probe.ready]
         out_ms = [(probe.sent[s] - probe.ready[s]) * 1e3 for s in timed if s in probe.sent and s in probe.ready]
         dec = float(np.percentile(decode_ms, 99)) if decode_ms else 0.0
         lat = [x + dec for x in out_ms]  # the last slice handed to the kernel, then one node's decode
@@ -417,8 +419,8 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
             "plan_to_all_ms_p99": float(np.percentile(lat, 99)),
             "send_all_ms_p99": float(np.percentile(out_ms, 99)),
             "node_decode_ms_p99": dec,
-            "plan_to_all_ms_sim_p50": float(np.percentile(sim, 50)),
-            "plan_to_all_ms_sim_p99": float(np.percentile(sim, 99)),
+            "plan_to_all_ms_sim_p50": float(np.percentile(arrive, 50)),
+            "plan_to_all_ms_sim_p99": float(np.percentile(arrive, 99)),
             "leader_cpu_s_per_step": cpu / k,
             "planner_cpu_s_per_step": plan_cpu / k,
             "leader_overhead_ms": (cpu - plan_cpu) / k * 1e3,
@@ -485,6 +487,7 @@ def main() -> None:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 PID: where a stuck run waits
     _raise_fd_limit()
     if args.sim:
         asyncio.run(sim_nodes(args.sim, 0, args.etcd, args.prefix, args.token_file, 10.0))

@@ -16,6 +16,7 @@ mean (what ``PlanStats`` reports), and every figure is the whole step's.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,9 +29,18 @@ from ..planner.planner import PlanStats
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from .leader.slices import Cut
+__all__ = ["Cut", "decode_plan", "encode_plan", "encode_slices", "plan_state"]
 
-__all__ = ["decode_plan", "encode_plan", "encode_slices", "plan_state"]
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """One node's slice of a step (``leader.slices``): the indices of its pieces (ascending), which of them it
+    builds (the others it only counts references of), and the groups it builds."""
+
+    idx: np.ndarray
+    built: np.ndarray
+    groups: list[int]
+
 
 _ARRAYS = (
     ("source", "<i4"),

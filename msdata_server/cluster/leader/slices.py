@@ -13,24 +13,14 @@ less than a node needs.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
 from ..parts import BLOCK, PartsTable
+from ..planwire import Cut
 
 __all__ = ["Cut", "PlanSlicer", "Placed"]
-
-
-@dataclass(frozen=True, slots=True)
-class Cut:
-    """One node's slice of a step: the indices of its pieces (ascending), which of them it builds (the others
-    it only counts references of), and the groups it builds."""
-
-    idx: np.ndarray
-    built: np.ndarray
-    groups: list[int]
 
 
 class Placed(Protocol):

@@ -145,6 +145,17 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
 
     async with Etcd([etcd_url]) as etcd:
         lease = await etcd.lease_grant(ttl)
+        stop = asyncio.Event()
+
+        async def keep_alive() -> None:  # from the grant on: 512 registrations may outlast one TTL under load
+            while not stop.is_set():
+                await etcd.lease_keepalive_once(lease)
+                try:
+                    await asyncio.wait_for(stop.wait(), ttl / 4)
+                except TimeoutError:
+                    pass
+
+        keeper = asyncio.ensure_future(keep_alive())
         for i in range(first, first + n):
             srv = PeerServer(token=token, node_id=f"sim{i:04d}", handler=handler_of(i))
             port = await srv.start("127.0.0.1", 0)
@@ -152,15 +163,9 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
             rec = {"id": f"sim{i:04d}", "listen": f"127.0.0.1:{port}", "pid": os.getpid()}
             await etcd.put(f"{prefix}/nodes/sim{i:04d}", orjson.dumps(rec), lease=lease)
         print("ready", flush=True)
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        loop.add_reader(sys.stdin.fileno(), stop.set)
-        while not stop.is_set():
-            await etcd.lease_keepalive_once(lease)
-            try:
-                await asyncio.wait_for(stop.wait(), ttl / 3)
-            except TimeoutError:
-                pass
+        asyncio.get_running_loop().add_reader(sys.stdin.fileno(), stop.set)
+        await stop.wait()
+        await keeper
         await etcd.lease_revoke(lease)
         for srv in servers:
             await srv.aclose()
@@ -291,7 +296,7 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
     if not token_file.exists():
         token_file.write_text(secrets.token_hex(16))
         token_file.chmod(0o600)
-    ttl = 10.0
+    ttl = 30.0  # the leader's own lease: a loaded machine must not cost it the lead mid-run
     cfg = parse_config(
         {
             "node": {"id": "leader", "listen": "127.0.0.1:0", "socket": str(base / "l.sock")},
@@ -343,6 +348,7 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
             if frame.get("t") == "jstart" and runs.run is not None:
                 runs.run.id = str(frame["run"])
 
+        say(f"  N={n}: {n} simulated nodes registered; the leader joins")
         node = ClusterNode(cfg, handler=on_frame)
         tasks = TaskSet("bench")
         rpc = TimedRpc(node, "leader", local, timeout=30.0)
@@ -352,12 +358,14 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
         )
         await node.start()
         await ctx.wait_leader()
+        say(f"  N={n}: leading ({ctx.token}); linking")
         want = {f"sim{i:04d}" for i in range(n)}
         t0 = time.monotonic()
         while not want <= set(node.links):
             if time.monotonic() - t0 > 120:
                 raise RuntimeError(f"linked to {len(node.links)} of {n} simulated nodes in 120 s")
             await asyncio.sleep(0.05)  # polling a counter in a benchmark harness, not synchronisation
+        say(f"  N={n}: linked to every simulated node; the run starts")
         live = ctx.live_nodes()
         layout = PartitionLayout(
             spec.name,
@@ -382,6 +390,8 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
             coord.on_frame({"t": "jobs", "node": nid, "jobs": [entry]})
         t0 = time.monotonic()
         while len([s for s in acks if len(acks[s]) == n]) < 1:  # warm-up: the first step everywhere
+            if not want <= set(node.members) or not coord.leading:
+                raise RuntimeError("the leader lost its lead or simulated nodes left the cluster (a lease expired)")
             if time.monotonic() - t0 > 600:
                 raise RuntimeError("no step reached every simulated node in 600 s")
             await asyncio.sleep(0.01)
@@ -490,7 +500,7 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1)  # kill -USR1 PID: where a stuck run waits
     _raise_fd_limit()
     if args.sim:
-        asyncio.run(sim_nodes(args.sim, 0, args.etcd, args.prefix, args.token_file, 10.0))
+        asyncio.run(sim_nodes(args.sim, 0, args.etcd, args.prefix, args.token_file, 30.0))
         return
     say(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} (1/5/15 min)")
     if args.smoke:

@@ -324,6 +324,7 @@ class JobCoordinator:
         self.rank_nodes: dict[int, str] = {}
         self._ranks_moved = 0  # changes to rank_nodes after the start (the cached node set below follows them)
         self._rank_set: tuple[int, int, frozenset[str]] = (-1, -1, frozenset())  # (size, moves, its nodes)
+        self._low: tuple[int, int] = (1 << 62, 0)  # (the lowest ack last found, nodes at it): ack() wakes at 0
         self.start_frame: dict | None = None
         self.stopped = False
         self.planned = 0  # the next step the main planner will send
@@ -373,9 +374,15 @@ class JobCoordinator:
         return _pick(entries, lambda n, j: j.get("run") == self.run_id or str(j.get("inst")) in self.insts.get(n, ()))
 
     def ack(self, nid: str, step: int) -> None:
-        if step > self.acks.get(nid, -1):
+        """A node fed up to ``step``. Planning waits for the lowest ack: it is woken only when the last node at
+        that lowest step moves on (``_at_low``), not by every ack (N acks per step, each O(N) to re-check)."""
+        old = self.acks.get(nid, -1)
+        if step > old:
             self.acks[nid] = step
-            self.acked.set()
+            if old <= self._low[0]:
+                self._low = (self._low[0], self._low[1] - 1)
+                if self._low[1] <= 0:
+                    self.acked.set()
 
     @property
     def token(self) -> int:
@@ -656,7 +663,9 @@ class JobCoordinator:
         if self._rank_set[0] != len(self.rank_nodes) or self._rank_set[1] != self._ranks_moved:
             self._rank_set = (len(self.rank_nodes), self._ranks_moved, frozenset(self.rank_nodes.values()))
         nodes = self._rank_set[2] & live
-        return min((self.acks.get(n, -1) for n in nodes), default=-(1 << 62))
+        low = min((self.acks.get(n, -1) for n in nodes), default=-(1 << 62))
+        self._low = (low, sum(1 for n in nodes if self.acks.get(n, -1) <= low))
+        return low
 
     # ---- catching up (a node that lacks plans, ranks that rejoin) -------------------------------------------
     def update_ranks(self, per: dict[str, dict]) -> None:

@@ -40,6 +40,7 @@ BENCHES = (
     "order",
     "tls",
     "tokenize",
+    "scale",
 )
 MICRO_DUMP = "train_e2e_micro.json"  # predicted vs measured seconds per micro-batch (the cost-model plot)
 
@@ -380,7 +381,41 @@ def plot_traces(results: Path, written: list[str]) -> None:
             _save(fig, results / f"{p.stem}_{key}.png", written)
 
 
-PLOTS = (plot_gain, plot_vlm, plot_cost_model, plot_planning, plot_memory, plot_transport, plot_failover, plot_traces)
+def plot_scale(results: Path, written: list[str]) -> None:
+    """The leader's bytes per step vs nodes (per-node slices, measured; every node the whole plan, as before),
+    and the largest node's bytes per step (bench/scale.py, text4 sources)."""
+    import matplotlib.pyplot as plt
+
+    rows = sorted(
+        (r for r in (_load(results, "scale") or {}).get("cases", []) if r.get("sources") == 4), key=lambda r: r["nodes"]
+    )
+    if not rows:
+        return
+    n = [r["nodes"] for r in rows]
+    fig, ax = plt.subplots(figsize=(4.6, 3.3))
+    ax.plot(n, [r["leader_bytes_per_step"] / 1e6 for r in rows], "-o", ms=4, label="leader, slices (measured)")
+    ax.plot(n, [r["plan_bytes"] * r["nodes"] / 1e6 for r in rows], "--", label="leader, whole plan to every node")
+    ax.plot(n, [r["node_bytes_max"] / 1e6 for r in rows], "-s", ms=4, label="largest node (measured)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(n, [f"{x}\n(dp {r['dp']})" for x, r in zip(n, rows)])
+    ax.set_xlabel("nodes (8 ranks each)")
+    ax.set_ylabel("MB per step")
+    ax.legend(fontsize=7)
+    _save(fig, results / "scale.png", written)
+
+
+PLOTS = (
+    plot_gain,
+    plot_vlm,
+    plot_cost_model,
+    plot_planning,
+    plot_memory,
+    plot_transport,
+    plot_failover,
+    plot_traces,
+    plot_scale,
+)
 
 
 def draw(results: Path) -> list[str]:

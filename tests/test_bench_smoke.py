@@ -38,7 +38,7 @@ EXEMPT = {
     "suite": "the runner of every benchmark and the plots (tests/test_bench_suite.py)",
 }
 BENCHES = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in EXEMPT)
-NEEDS_ETCD = {"cluster", "chaos"}
+NEEDS_ETCD = {"cluster", "chaos", "scale"}
 SMOKE_TIMEOUT = 300.0  # seconds one smoke may take (they take 1-45 s on 2 idle cores)
 # keys each benchmark's JSON must hold, not null: what bench/suite.py plots and the docs quote, and for the A/Bs
 # a figure that needs both arms (a ratio, the baseline's figure). A benchmark not named here: any JSON object.
@@ -70,6 +70,13 @@ KEYS = {
     "memgrowth": {"uss_growth_pct", "baseline_growth_kib_per_10k_steps"},
     "memory": {"R", "W", "rows", "method"},
     "resume": {"resume_first_batch_s", "state_bytes", "identical"},
+    "scale": {
+        "leader_fanout_ratio_n512",
+        "node_bytes_ratio_n512",
+        "plan_to_all_ms_p99_n512",
+        "leader_overhead_ms_n512",
+        "cases",
+    },
     "soak": {"pss_growth_pct_per_hour", "fd_growth", "shm_growth_bytes", "restarts"},
     "statebytes": {"bytes_per_step_full", "bytes_per_step_delta", "ratio", "exact"},
     "tokenize": {

@@ -61,6 +61,19 @@ CANNED = {
         "data_wait_frac_autoscale": 0.01,
         "trace": [{"t": float(t), "workers": 2 + t // 5, "wait": 0.0} for t in range(20)],
     },
+    "scale": {
+        "cases": [
+            {
+                "nodes": n,
+                "dp": 8 * n,
+                "sources": 4,
+                "plan_bytes": 19_000 * n,
+                "leader_bytes_per_step": 36_000 * n,
+                "node_bytes_max": 130_000,
+            }
+            for n in (8, 64, 512)
+        ]
+    },
 }
 PLOTS = {
     "gain.png",
@@ -71,6 +84,7 @@ PLOTS = {
     "transport.png",
     "failover.png",
     "autoscale_trace.png",
+    "scale.png",
 }
 
 

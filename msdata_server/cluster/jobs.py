@@ -53,7 +53,7 @@ from ..ops.logs import Once
 from ..tasks import TaskSet
 from .context import ClusterContext
 from .net.rpc import PeerRpc, error_reply
-from .planwire import decode_plan
+from .planwire import decode_plan, plan_state
 from .report import LeaderReports
 from .run import Run, RunTable
 from .shard import ShardPayloads
@@ -246,7 +246,7 @@ class ClusterJobs:
             cut = frame.get("cut")
             run.add_plan(
                 decode_plan(frame, payload),
-                frame.get("state"),
+                plan_state(frame, payload),
                 (int(frame.get("token") or 0), int(frame.get("gen", 0))),
                 None if cut is None else int(cut),
                 frame.get("parts"),

@@ -2,22 +2,45 @@
 
 The header carries the job, digest, step and the leader's fencing token (receivers drop older tokens with a
 ``Fence``); the arrays travel as one contiguous buffer, never pickled, and are viewed (not copied) on arrival.
+
+A node receives a *slice* of each step (``encode_slices``): the pieces it needs (those of the groups it builds
+and those of the partitions it reads or stands by for; ``leader.slices``), in plan order, with the per-rank
+costs of its own groups, the step's figures and the planner state (compact, a ``planner.delta`` record).
+``bounds`` is not sent (the receiver derives it from the group and micro columns), and the pieces of groups
+built elsewhere (sent only for their payload references) travel without their offset, length, micro and row
+(zeros on arrival). A slice decodes to a StepPlan of the full plan's shape whose ``micro_batch`` answers for
+the node's own groups: ``micro_cost`` rows of other groups are zero, ``cost`` keeps the step's maximum and
+mean (what ``PlanStats`` reports), and every figure is the whole step's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ProtocolError
+from ..errors import CheckpointError, ProtocolError
 from ..planner import StepPlan
+from ..planner.delta import decode, encode_base
 from ..planner.planner import PlanStats
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["decode_plan", "encode_plan"]
+__all__ = ["Cut", "decode_plan", "encode_plan", "encode_slices", "plan_state"]
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """One node's slice of a step (``leader.slices``): the indices of its pieces (ascending), which of them it
+    builds (the others it only counts references of), and the groups it builds."""
+
+    idx: np.ndarray
+    built: np.ndarray
+    groups: list[int]
+
 
 _ARRAYS = (
     ("source", "<i4"),
@@ -61,6 +84,126 @@ def encode_plan(plan: StepPlan, *, job: str, digest: str, token: int) -> tuple[d
     return header, b"".join(parts)
 
 
+_PIECES = _ARRAYS[:8]  # the per-piece columns (a slice sends a subset of them)
+_BUILT = ("offset", "length", "micro", "row")  # only for the pieces of the groups a slice's node builds
+
+
+def _figures(plan: StepPlan) -> dict:
+    st = plan.stats
+    return {
+        "tokens": {k: int(v) for k, v in st.tokens.items()},
+        **{k: getattr(st, k) for k in _SCALARS},
+        **{k: float(v) for k in _STAGES if (v := getattr(st, k)) is not None},
+    }
+
+
+def encode_slices(
+    plan: StepPlan, cuts: Mapping[str, Cut], *, job: str, digest: str, token: int, state: dict | None = None
+) -> dict[str, tuple[dict, bytes]]:
+    """Per node, (header, buffer) of its slice of ``plan`` (``cuts[node]``: its pieces, those it builds, its
+    groups; ``leader.slices``). ``state``: the planner state at the step's start, sent compact (a
+    ``planner.delta`` base record, encoded once) at the payload's end; ``plan_state`` reads it back."""
+    st = plan.stats
+    cost = np.asarray(st.cost, dtype="<f8")
+    micro_cost = np.asarray(st.micro_cost, dtype="<f8")
+    dp, mb = (int(micro_cost.shape[0]), int(micro_cost.shape[1])) if micro_cost.ndim == 2 else (0, 0)
+    base = {
+        "t": "plan",
+        "job": job,
+        "digest": digest,
+        "step": int(plan.step),
+        "token": int(token),
+        **_figures(plan),
+        "max_cost": float(cost.max()) if cost.size else 0.0,
+        "mean_cost": float(cost.mean()) if cost.size else 0.0,
+        "dp": dp,
+        "micro_batches": mb,
+    }
+    record = encode_base(plan.step, state) if state is not None else None
+    cuts_ = list(cuts.items())
+    every = np.concatenate([c.idx for _, c in cuts_]) if cuts_ else np.zeros(0, np.int64)
+    built = np.concatenate([c.idx[c.built] for _, c in cuts_]) if cuts_ else np.zeros(0, np.int64)
+    cols = {  # gathered once for all nodes (their pieces node after node), then cut per node
+        name: np.ascontiguousarray(np.asarray(getattr(plan, name))[built if name in _BUILT else every], dtype=dt)
+        for name, dt in _PIECES
+    }
+    out: dict[str, tuple[dict, bytes]] = {}
+    at = at_built = 0
+    for nid, cut in cuts_:
+        g = np.asarray(cut.groups, dtype=np.int64)
+        n, nb = len(cut.idx), int(np.count_nonzero(cut.built))
+        parts: list[Buffer] = []
+        arrays: list[list] = []
+        off = 0
+        for name, _dt in _PIECES:
+            lo, k = (at_built, nb) if name in _BUILT else (at, n)
+            b = cols[name][lo : lo + k].data
+            arrays.append([name, [k], off, b.nbytes])
+            parts.append(b)
+            off += b.nbytes
+        for name, a in (("cost", cost[g] if dp else cost[:0]), ("micro_cost", micro_cost[g] if dp else micro_cost)):
+            c = np.ascontiguousarray(a, dtype="<f8").tobytes()
+            arrays.append([name, list(a.shape), off, len(c)])
+            parts.append(c)
+            off += len(c)
+        at, at_built = at + n, at_built + nb
+        head = {**base, "arrays": arrays, "groups": g.tolist()}
+        if record is not None:
+            head["state_rec"] = [off, len(record)]
+            parts.append(record)
+        out[nid] = (head, b"".join(parts))
+    return out
+
+
+def _from_slice(header: dict, got: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(cost, micro_cost, bounds) of the whole step from a slice's own groups (see the module docstring)."""
+    dp, mb = int(header["dp"]), int(header["micro_batches"])
+    groups = np.asarray(header["groups"], dtype=np.int64)
+    if (groups.size and (groups.min() < 0 or groups.max() >= dp)) or got["micro_cost"].shape != (groups.size, mb):
+        raise ValueError(f"slice groups {groups.size} do not fit {dp} groups x {mb} micro-batches")
+    micro_cost = np.zeros((dp, mb))
+    micro_cost[groups] = got["micro_cost"]
+    cost = np.zeros(dp)
+    cost[groups] = got["cost"]
+    top, mean = float(header["max_cost"]), float(header["mean_cost"])
+    own = np.zeros(dp, dtype=bool)
+    own[groups] = True
+    rest = np.flatnonzero(~own)
+    if rest.size:  # groups built elsewhere: the step's maximum and mean kept (PlanStats reports those)
+        left = mean * dp - float(got["cost"].sum())
+        if top > float(got["cost"].max(initial=0.0)):
+            cost[rest[0]], left, rest = top, left - top, rest[1:]
+        if rest.size:
+            cost[rest] = left / rest.size
+    built = np.flatnonzero(own[got["group"]]) if dp else np.zeros(0, np.int64)
+    for name in _BUILT:  # the pieces of groups built elsewhere (only counted there): zeros
+        if got[name].shape != built.shape:
+            raise ValueError(f"slice column {name} has {got[name].size} entries for {built.size} pieces built here")
+        full = np.zeros(got["source"].shape, dtype=got[name].dtype)
+        full[built] = got[name]
+        got[name] = full
+    key = got["group"].astype(np.int64) * mb + got["micro"]
+    bounds = np.zeros(dp * mb + 1, dtype=np.int64)
+    np.cumsum(np.bincount(key, minlength=dp * mb), out=bounds[1:])
+    return cost, micro_cost, bounds
+
+
+def plan_state(header: dict, payload: Buffer | None) -> dict | None:
+    """The planner state a plan frame carries (at its step's start; None: none), from a slice's compact record
+    or a whole plan's header. ProtocolError if the record is malformed."""
+    at = header.get("state_rec")
+    if at is None:
+        return header.get("state")
+    buf = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
+    try:
+        off, n = int(at[0]), int(at[1])
+        if off < 0 or n < 0 or off + n > len(buf):
+            raise ValueError(f"state record at {off}+{n} does not fit a {len(buf)}-byte payload")
+        return decode(bytes(buf[off : off + n]), f"the plan frame of step {header.get('step')!r}").state
+    except (CheckpointError, TypeError, ValueError, IndexError) as e:
+        raise ProtocolError(f"malformed plan frame for step {header.get('step')!r}: {e}") from None
+
+
 def _stages(header: dict) -> dict[str, Any]:
     """The two-stage figures a plan header carries (none for a one-stage plan)."""
     return {k: float(header[k]) for k in _STAGES if header.get(k) is not None}
@@ -72,12 +215,17 @@ def decode_plan(header: dict, payload: Buffer | None) -> StepPlan:
     try:
         specs = {name: (tuple(int(x) for x in shape), int(off), int(n)) for name, shape, off, n in header["arrays"]}
         got = {}
+        sliced = "groups" in header
         for name, dt in _ARRAYS:
+            if sliced and name == "bounds":
+                continue
             shape, off, n = specs[name]
             dtype = np.dtype(dt)
             if off < 0 or n < 0 or off + n > len(buf) or n != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
                 raise ValueError(f"array {name} {shape} at {off}+{n} does not fit a {len(buf)}-byte payload")
             got[name] = np.frombuffer(buf[off : off + n], dtype=dtype).reshape(shape)
+        if sliced:
+            got["cost"], got["micro_cost"], got["bounds"] = _from_slice(header, got)
         n = got["source"].shape[0]
         if any(got[k].shape != (n,) for k in ("ordinal", "offset", "length", "group", "micro", "row", "last")):
             raise ValueError("plan columns differ in length")

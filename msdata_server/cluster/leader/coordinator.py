@@ -6,6 +6,10 @@ when ranks resume, else the beginning). A run that nodes report as already runni
 resumes from the etcd state at or before the lowest step any node still lacks; plans are deterministic, so
 re-sent ones equal the old ones and nodes ignore them. The planner state of each step goes to etcd, fenced.
 
+Plan slices: every node receives only its slice of each step (the pieces its groups build and those of the
+partitions it reads or stands by for, with the step's figures; ``slices``, ``planwire.encode_slices``), so the
+leader's bytes per step stay near one plan's whatever the node count. Re-sends and re-plans slice again.
+
 Catching up: links break and nodes restart; frames sent meanwhile are lost. The leader keeps the encoded plans
 of the steps not yet fed on every live node and re-sends them; a step it no longer holds (or that an earlier
 leader planned) is planned again from the etcd state at or before it (deterministic: the same plans). A node
@@ -38,7 +42,7 @@ from ...datachange import data_start
 from ...errors import CheckpointError, ClosedError, ConfigError, MsdataError, PeerLostError
 from ...job.view import ThreadView
 from ...lineage.skip import skip_ahead, skip_pending, source_sizes
-from ...planner import Planner
+from ...planner import Planner, StepPlan
 from ...planner.history import StateHistory
 from ...planner.spec import planner_config
 from ...tasks import TaskSet
@@ -46,7 +50,8 @@ from ..context import ClusterContext
 from ..net.rpc import error_reply
 from ..parts import PartsTable, RunParts, longest
 from ..placement import PartitionLayout, partition_costs, place_split
-from ..planwire import encode_plan
+from ..planwire import encode_plan, encode_slices
+from .slices import PlanSlicer
 from .statestore import EtcdStateStore
 
 __all__ = ["Coordinator", "HeldRun", "JobCoordinator", "LocalRuns"]
@@ -317,10 +322,17 @@ class JobCoordinator:
         self.acks: dict[str, int] = {}
         self.acked = asyncio.Event()
         self.rank_nodes: dict[int, str] = {}
+        self._ranks_moved = 0  # changes to rank_nodes after the start (the cached node set below follows them)
+        self._rank_set: tuple[int, int, frozenset[str]] = (-1, -1, frozenset())  # (size, moves, its nodes)
+        self._low: tuple[int, int] = (1 << 62, 0)  # (the lowest ack last found, nodes at it): ack() wakes at 0
         self.start_frame: dict | None = None
         self.stopped = False
         self.planned = 0  # the next step the main planner will send
-        self.sent: dict[int, tuple[dict, bytes]] = {}  # encoded plans not yet fed on every live node (to re-send)
+        # plans not yet fed on every live node (to re-send), with their frames' extra header and partition table
+        self.sent: dict[int, tuple[StepPlan, dict, PartsTable]] = {}
+        self.slicer = PlanSlicer(
+            spec.group_of, spec.readers
+        )  # which pieces go to which node (maps cached by the layout)
         self._resending: dict[str, asyncio.Task] = {}  # node -> the re-send under way to it (one at a time)
         self.planner: Planner | None = None
         self._plan_lock = asyncio.Lock()  # one step planned and sent, or one mixture change, at a time
@@ -362,9 +374,15 @@ class JobCoordinator:
         return _pick(entries, lambda n, j: j.get("run") == self.run_id or str(j.get("inst")) in self.insts.get(n, ()))
 
     def ack(self, nid: str, step: int) -> None:
-        if step > self.acks.get(nid, -1):
+        """A node fed up to ``step``. Planning waits for the lowest ack: it is woken only when the last node at
+        that lowest step moves on (``_at_low``), not by every ack (N acks per step, each O(N) to re-check)."""
+        old = self.acks.get(nid, -1)
+        if step > old:
             self.acks[nid] = step
-            self.acked.set()
+            if old <= self._low[0]:
+                self._low = (self._low[0], self._low[1] - 1)
+                if self._low[1] <= 0:
+                    self.acked.set()
 
     @property
     def token(self) -> int:
@@ -427,6 +445,7 @@ class JobCoordinator:
         planner = Planner(cfg, state=state)
         planner.set_listing(listing)
         self.rank_nodes = {int(r): nid for nid, j in per.items() for r in j["ranks"]}
+        self._ranks_moved += 1
         live = self.ctx.live_nodes()
         self.start_frame = {
             "t": "jstart",
@@ -536,16 +555,15 @@ class JobCoordinator:
         if not await saving:
             log.warning("job %s: no longer leader at step %d; planning stops", self.spec.name, step)
             return False
-        header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
         parts = self.parts.at(step, state.get("cursor"))  # splits and merges from this step (cluster.parts)
-        header.update(state=state, gen=self.gen, run=self.run_id, cut=self.last_cut, parts=parts)
-        self.sent[step] = (header, buf)
+        extra = {"state": state, "gen": self.gen, "run": self.run_id, "cut": self.last_cut, "parts": parts}
+        self.sent[step] = (plan, extra, self.parts.table)
         self.states.record(step, state)
         low = self.low_ack()
         for old in [s for s in self.sent if s <= low]:
             del self.sent[old]
         self.planned = step + 1
-        for nid in self.ctx.live_nodes():
+        for nid, (header, buf) in self.frames(plan, extra, self.parts.table, self.ctx.live_nodes()).items():
             await self.ctx.rpc.quiet_send(nid, header, buf)
         return True
 
@@ -560,17 +578,47 @@ class JobCoordinator:
             if not await self.store.save(plan.step, state):
                 log.warning("job %s: no longer leader at step %d; planning stops", self.spec.name, plan.step)
                 return False
-            header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
             parts = self.parts.at(plan.step, state.get("cursor"))
-            header.update(state=state, gen=self.gen, run=self.run_id, cut=self.last_cut, parts=parts, skipped=True)
-            self.sent[plan.step] = (header, buf)
+            extra = {"state": state, "gen": self.gen, "run": self.run_id, "cut": self.last_cut, "parts": parts}
+            extra["skipped"] = True  # nodes release the step's pieces and hand it to nobody
+            self.sent[plan.step] = (plan, extra, self.parts.table)
             self.states.record(plan.step, state)
             self.planned = plan.step + 1
-            for nid in self.ctx.live_nodes():
+            for nid, (header, buf) in self.frames(plan, extra, self.parts.table, self.ctx.live_nodes()).items():
                 await self.ctx.rpc.quiet_send(nid, header, buf)
         if skipped:
             log.info("job %s: skipped steps %d..%d (loader.skip)", self.spec.name, skipped[0].step, skipped[-1].step)
         return True
+
+    def frames(
+        self, plan: StepPlan, extra: dict, table: PartsTable, nodes: list[str], only: str | None = None
+    ) -> dict[str, tuple[dict, bytes]]:
+        """The plan frame of every node in ``nodes`` (``only``: of that one): its slice, with ``extra`` in the
+        header. Without this node's run of the job (no layout to slice by) every node gets the whole plan."""
+        run = self.runs.held(self.digest, self.run_id)
+        if run is None:
+            whole = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
+            whole[0].update(extra)
+            return {nid: whole for nid in nodes if only in (None, nid)}
+        cuts = self.slicer.cuts(
+            plan.source,
+            plan.ordinal,
+            plan.group,
+            dp=int(plan.stats.micro_cost.shape[0]),
+            nodes=sorted(set(nodes) | ({only} if only else set())),
+            rank_nodes=self.rank_nodes,
+            layout=run.layout,
+            table=table,
+        )
+        if only is not None:
+            cuts = {only: cuts[only]}
+        rest = {k: v for k, v in extra.items() if k != "state"}
+        out = encode_slices(
+            plan, cuts, job=self.spec.name, digest=self.digest, token=self.token, state=extra.get("state")
+        )
+        for header, _ in out.values():
+            header.update(rest)
+        return out
 
     async def set_mixture(self, weights: dict) -> int:
         """Change the mixture from the first step no constructor on any node has taken up (returned): hold every
@@ -637,8 +685,12 @@ class JobCoordinator:
     def low_ack(self) -> int:
         """The lowest step fed on a live node that has ranks of the job (a dead node never holds planning back)."""
         live = set(self.ctx.live_nodes())
-        nodes = {n for n in self.rank_nodes.values() if n in live}
-        return min((self.acks.get(n, -1) for n in nodes), default=-(1 << 62))
+        if self._rank_set[0] != len(self.rank_nodes) or self._rank_set[1] != self._ranks_moved:
+            self._rank_set = (len(self.rank_nodes), self._ranks_moved, frozenset(self.rank_nodes.values()))
+        nodes = self._rank_set[2] & live
+        low = min((self.acks.get(n, -1) for n in nodes), default=-(1 << 62))
+        self._low = (low, sum(1 for n in nodes if self.acks.get(n, -1) <= low))
+        return low
 
     # ---- catching up (a node that lacks plans, ranks that rejoin) -------------------------------------------
     def update_ranks(self, per: dict[str, dict]) -> None:
@@ -650,6 +702,7 @@ class JobCoordinator:
             for r in j["ranks"]:
                 if self.rank_nodes.get(int(r)) != nid:
                     self.rank_nodes[int(r)] = nid
+                    self._ranks_moved += 1
                     changed = True
             if j["ranks"] and not j["running"]:
                 changed = True
@@ -719,7 +772,9 @@ class JobCoordinator:
             if kept is None:  # no longer in memory (or planned by an earlier leader): re-plan from etcd
                 await self.replay(nid, s)
                 return
-            await self.ctx.rpc.quiet_send(nid, *kept)
+            plan, extra, table = kept
+            for header, buf in self.frames(plan, extra, table, self.ctx.live_nodes(), only=nid).values():
+                await self.ctx.rpc.quiet_send(nid, header, buf)
 
     async def replay(self, nid: str, low: int) -> None:
         """Re-plan steps [low, now) for a node that rejoined (deterministic: the same plans)."""
@@ -741,15 +796,18 @@ class JobCoordinator:
                 sizes = await source_sizes(self.spec) if pending is not None and pending.defer else []
                 skipped, states = await asyncio.to_thread(skip_pending, planner, view, sizes)  # loader.skip
                 for p in skipped:
-                    header, buf = encode_plan(p, job=self.spec.name, digest=self.digest, token=self.token)
-                    header.update(state=states[p.step], gen=gen, run=self.run_id, cut=last_cut, skipped=True)
-                    await self.ctx.rpc.quiet_send(nid, header, buf)
+                    table = self.parts.table
+                    extra = {"state": states[p.step], "gen": gen, "run": self.run_id, "cut": last_cut, "skipped": True}
+                    extra["parts"] = table.wire()
+                    for header, buf in self.frames(p, extra, table, self.ctx.live_nodes(), only=nid).values():
+                        await self.ctx.rpc.quiet_send(nid, header, buf)
                 if skipped:
                     continue
                 st = planner.state_dict()
                 plan = await asyncio.to_thread(planner.plan_step, view)
-                header, buf = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
-                header.update(state=st, gen=gen, run=self.run_id, cut=last_cut, parts=self.parts.table.wire())
-                await self.ctx.rpc.quiet_send(nid, header, buf)
+                table = self.parts.table
+                extra = {"state": st, "gen": gen, "run": self.run_id, "cut": last_cut, "parts": table.wire()}
+                for header, buf in self.frames(plan, extra, table, self.ctx.live_nodes(), only=nid).values():
+                    await self.ctx.rpc.quiet_send(nid, header, buf)
         finally:
             self.views.discard(view)

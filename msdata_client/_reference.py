@@ -95,6 +95,8 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("[balance]", "method"): "how documents are balanced across DP ranks and micro-batches",
     ("[balance]", "alpha_v"): 'cost = "vlm" only: the vision encoder\'s quadratic coefficient per image',
     ("[balance]", "beta_v"): 'cost = "vlm" only: the vision encoder\'s linear coefficient per image',
+    ("[balance]", "pad_cost"): "what a padded token costs a rank: beta when unset (fixed shapes run the padding "
+    "through the linear layers; 0 with a 'module:function' cost), 0 for an unpadded (varlen) trainer",
 }
 
 _REQUIRED = "required"
@@ -130,6 +132,7 @@ _TOML_TYPES = {
     "str": "string",
     "int": "integer",
     "float": "float",
+    "float | None": "float",
     "str | None": "string",
     "tuple[str, ...]": "array of strings",
     "tuple[str, ...] | None": "array of strings",

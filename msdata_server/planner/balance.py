@@ -18,6 +18,7 @@ import numpy as np
 
 from msdata_client.choices import Method
 
+from .cost import priced
 from .layout import Layout
 from .pack import next_fit
 from .refine import CONSOLIDATE_PASSES, consolidate, refine
@@ -57,6 +58,7 @@ def place(
     priority: int = 0,
     tolerance: float | None = 0.01,
     vision: np.ndarray | None = None,
+    pad_cost: float = 0.0,
 ) -> Placement:
     """Place pieces into the rows of `layout`; a piece that does not fit gets rank -1 (the caller carries it).
 
@@ -74,12 +76,16 @@ def place(
 
     `vision` (the "vlm" cost): each piece's vision-encoder cost, while `costs` are the backbone's; both
     stages are balanced at once by stages.place_stages. Placement.rank_cost and micro_cost stay the backbone's.
+
+    `pad_cost`: what a padded token costs (a fixed-shape trainer runs it through the linear layers). A rank
+    then costs pad_cost x its tokens plus its pieces' `cost.priced` costs, which every choice above balances,
+    so padding is traded against imbalance on one scale; rank_cost and micro_cost include the padding.
     """
     method = method_of(method) if isinstance(method, str) else method
     lengths = np.asarray(lengths, dtype=np.int64)
-    costs = np.asarray(costs, dtype=np.float64)
+    costs = priced(np.asarray(costs, dtype=np.float64), lengths, pad_cost)
     if method is Method.NONE:
-        return _arrival(lengths, costs, layout)
+        return _arrival(lengths, costs, layout, pad_cost)
     if vision is not None:
         budget = KK_BUDGET if method is Method.KARMARKAR_KARP else 0
         st = place_stages(
@@ -91,12 +97,13 @@ def place(
             tolerance=tolerance,
             kk_budget=budget,
             iters=STAGE_ITERS + layout.dp,
+            pad_base=pad_cost * layout.slots * layout.seq_len,
         )
-        return _result(st)
+        return _result(st, pad_cost)
     st = Rows(lengths, costs, layout)
     n = lengths.size
     desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
-    st.set_cap(desc, tolerance)
+    st.set_cap(desc, tolerance, pad_cost * layout.slots * layout.seq_len)
     st.monotone = bool(np.all(np.diff(costs[desc]) <= 0))
     # carry-over first, so that no piece is left over twice; best fit, which keeps whole rows free
     # for the long pieces that follow
@@ -124,15 +131,19 @@ def place(
     left = np.flatnonzero(st.rank < 0)
     if left.size:
         st.greedy(left[order_by(layout.seq_len - lengths[left], layout.seq_len + 1)])
-    return _result(st)
+    return _result(st, pad_cost)
 
 
-def _result(st: Rows) -> Placement:
+def _result(st: Rows, pad_cost: float) -> Placement:
     rank, slot, rank_cost, micro_cost = st.result()
+    lay = st.lay
+    if pad_cost:  # every token of a rank costs pad_cost besides its pieces' priced costs
+        rank_cost = rank_cost + pad_cost * lay.slots * lay.seq_len
+        micro_cost = micro_cost + pad_cost * lay.rows * lay.seq_len
     return Placement(rank=rank, slot=slot, rank_cost=rank_cost, micro_cost=micro_cost)
 
 
-def _arrival(lengths: np.ndarray, costs: np.ndarray, layout: Layout) -> Placement:
+def _arrival(lengths: np.ndarray, costs: np.ndarray, layout: Layout, pad_cost: float) -> Placement:
     """Method "none": next-fit in the given order over rank 0's rows, then rank 1's, and so on."""
     row = next_fit(lengths, layout.dp * layout.slots, layout.seq_len)
     ok = row >= 0
@@ -141,4 +152,7 @@ def _arrival(lengths: np.ndarray, costs: np.ndarray, layout: Layout) -> Placemen
     rank_cost = np.bincount(rank[ok], costs[ok], minlength=layout.dp)
     micro = rank[ok] * layout.micro + slot[ok] // layout.rows
     micro_cost = np.bincount(micro, costs[ok], minlength=layout.dp * layout.micro).reshape(layout.dp, layout.micro)
+    if pad_cost:
+        rank_cost = rank_cost + pad_cost * layout.slots * layout.seq_len
+        micro_cost = micro_cost + pad_cost * layout.rows * layout.seq_len
     return Placement(rank=rank, slot=slot, rank_cost=rank_cost, micro_cost=micro_cost)

@@ -26,7 +26,7 @@ from msdata_client.choices import CostKind
 from msdata_server.errors import ConfigError
 
 from .balance import method_of, place
-from .cost import check_cost_fn, make_cost
+from .cost import check_cost_fn, make_cost, priced
 from .deferred import Deferred, Insert
 from .layout import Layout
 from .lengths import LengthReader, MetadataView
@@ -70,6 +70,9 @@ class PlannerConfig:
     # a rank stops taking documents once its cost would pass (1 + this) x the mean, leaving padding
     # where that shortens the step (a rank holding a full-row document); None: never pad on purpose
     balance_tolerance: float | None = 0.01
+    # what a padded token costs a rank (cost.priced; a fixed-shape trainer pays the linear layers for it): the
+    # job's [balance] pad_cost, beta by default there (planner/spec.py); 0 here: padding is free
+    pad_cost: float = 0.0
     mixture: Mixture
 
     def __post_init__(self) -> None:
@@ -97,6 +100,11 @@ class PlannerConfig:
             isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0
         ):
             raise ConfigError(f"balance_tolerance={tol!r} must be None or a finite number >= 0")
+        pad = self.pad_cost
+        if isinstance(pad, bool) or not isinstance(pad, (int, float)) or not math.isfinite(pad) or pad < 0:
+            raise ConfigError(f"pad_cost={pad!r} must be a finite number >= 0 (0: padding is free)")
+        if self.cost_fn is None and pad > self.beta:
+            raise ConfigError(f"pad_cost={pad!r} is more than beta={self.beta!r}, what a real token costs; use <= beta")
         if not isinstance(self.mixture, Mixture):
             raise ConfigError(f"mixture must be a Mixture (Mixture.constant or Mixture.schedule), got {self.mixture!r}")
         unknown = self.mixture.names().difference(self.sources)
@@ -377,6 +385,7 @@ class Planner:
             priority=int(carry["length"].size),
             tolerance=cfg.balance_tolerance,
             vision=enc,
+            pad_cost=cfg.pad_cost,
         )
 
         left = p.rank < 0
@@ -389,6 +398,8 @@ class Planner:
         per_source = np.bincount(src[idx], weights=lens[idx], minlength=len(cfg.sources)).astype(np.int64)
         counts["started"] += np.bincount(src[idx][off[idx] == 0], minlength=n_src)
         rank_cost, micro_cost, stages = p.rank_cost, p.micro_cost, dict[str, Any]()
+        # a piece's least rank cost (the lower bound's): its priced cost plus the rank's priced tokens
+        costs = priced(costs, lens, cfg.pad_cost) + cfg.pad_cost * cfg.layout.slots * cfg.seq_len
         if enc is not None:
             rank_cost, micro_cost, stages = _two_stages(p.rank_cost, p.micro_cost, enc[idx], rank, micro)
             costs = costs + enc

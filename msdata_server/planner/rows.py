@@ -51,16 +51,18 @@ class Rows:
         self.spread = True
         self.monotone = True  # cost never decreases with length (set by `place`)
 
-    def set_cap(self, desc: np.ndarray, tolerance: float | None) -> None:
+    def set_cap(self, desc: np.ndarray, tolerance: float | None, base: float = 0.0) -> None:
         """Cap rank costs at (1 + tolerance) x the mean expected if the longest pieces fill the step.
 
-        (Pieces left over are the shortest, so the placed ones are the longest that fit.)
+        (Pieces left over are the shortest, so the placed ones are the longest that fit.) `base`: what every
+        rank costs besides its pieces (priced padding: pad_cost x its tokens; see cost.priced), which the
+        tolerance applies to as well.
         """
         if tolerance is None or desc.size == 0:
             return
         n = int(np.searchsorted(np.cumsum(self.L[desc]), self.lay.capacity, side="right"))
         mean = float(self.c[desc[: max(n, 1)]].sum()) / self.lay.dp
-        self.cap = max(mean * (1.0 + tolerance), float(self.c.max()))
+        self.cap = max((mean + base) * (1.0 + tolerance) - base, float(self.c.max()))
         self.capped = True
 
     def rate(self) -> float:

@@ -100,10 +100,37 @@ def place(
             pad_base=pad_cost * layout.slots * layout.seq_len,
         )
         return _result(st, pad_cost)
+    base = pad_cost * layout.slots * layout.seq_len
+    st = _fill(lengths, costs, layout, method, priority, tolerance, base)
+    if base > 0 and tolerance is not None and bool((st.rank < 0).any()):
+        # priced padding: the cap's padding is worth it only when it lowers the costliest rank by more than the
+        # tokens it leaves cost; fill again uncapped and keep the plan with more tokens per unit of step time
+        alt = _fill(lengths, costs, layout, method, priority, None, base)
+        if _throughput(alt, base) > _throughput(st, base):
+            st = alt
+    return _result(st, pad_cost)
+
+
+def _throughput(st: Rows, base: float) -> float:
+    """Tokens placed per unit of the costliest rank's cost (priced padding included)."""
+    placed = st.lay.capacity - int(st.rtok.sum())
+    return placed / (float(st.rcost.max()) + base)
+
+
+def _fill(
+    lengths: np.ndarray,
+    costs: np.ndarray,
+    layout: Layout,
+    method: Method,
+    priority: int,
+    tolerance: float | None,
+    base: float,
+) -> Rows:
+    """One placement of `place` (one-stage costs) under the cap of `tolerance`: the filled Rows."""
     st = Rows(lengths, costs, layout)
     n = lengths.size
     desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
-    st.set_cap(desc, tolerance, pad_cost * layout.slots * layout.seq_len)
+    st.set_cap(desc, tolerance, base)
     st.monotone = bool(np.all(np.diff(costs[desc]) <= 0))
     # carry-over first, so that no piece is left over twice; best fit, which keeps whole rows free
     # for the long pieces that follow
@@ -131,7 +158,7 @@ def place(
     left = np.flatnonzero(st.rank < 0)
     if left.size:
         st.greedy(left[order_by(layout.seq_len - lengths[left], layout.seq_len + 1)])
-    return _result(st, pad_cost)
+    return st
 
 
 def _result(st: Rows, pad_cost: float) -> Placement:

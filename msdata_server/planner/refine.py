@@ -117,7 +117,9 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     heavy_first = np.empty(st.lay.dp, np.int64)
     heavy_first[np.argsort(-st.rcost, kind="stable")] = np.arange(st.lay.dp)
     cand = cand[order_by(heavy_first[st.rank[cand]], st.lay.dp)]  # costliest ranks first
-    _, first = np.unique(st.rank[cand] * k + st.slot[cand], return_index=True)
+    key = st.rank[cand] * k + st.slot[cand]
+    o = order_by(key, st.lay.dp * k)  # stable: each row's first candidate leads its group
+    first = o[np.flatnonzero(np.diff(key[o], prepend=-1))]
     cand = cand[np.sort(first)]  # one per row, in the order above
     ends = np.cumsum(L[left])
     cost_ends = np.concatenate([[0.0], np.cumsum(c[left])])

@@ -222,7 +222,7 @@ class Rows:
         toks, cc = L[idx], c[idx]
         rem = self.rem.reshape(-1)
         rem -= np.bincount(rows, toks, minlength=rem.size).astype(np.int64)
-        touched = np.unique(ranks)
+        touched = np.flatnonzero(np.bincount(ranks, minlength=lay.dp))
         self.maxrem[touched] = self.rem[touched].max(axis=1)
         self.rtok -= np.bincount(ranks, toks, minlength=lay.dp).astype(np.int64)
         self.rcost += np.bincount(ranks, cc, minlength=lay.dp)
@@ -282,7 +282,7 @@ class Rows:
         np.add.at(self.rcost, r, dcost)
         np.add.at(self.mcost, (r, m), dcost)
         np.add.at(self.mtok, (r, m), dtok)
-        touched = np.unique(r)
+        touched = np.flatnonzero(np.bincount(r, minlength=self.lay.dp))
         self.maxrem[touched] = self.rem[touched].max(axis=1)
         self.rank[out] = self.slot[out] = -1
         self.rank[into] = np.repeat(r, counts)

@@ -390,31 +390,33 @@ class Planner:
 
         left = p.rank < 0
         idx = np.flatnonzero(~left)
-        idx = idx[order_by(p.slot[idx], cfg.layout.slots)]  # by rank, then row, then arrival
-        idx = idx[order_by(p.rank[idx], cfg.dp)]
+        idx = idx[order_by(p.rank[idx] * cfg.layout.slots + p.slot[idx], cfg.dp * cfg.layout.slots)]  # then arrival
         rank, slot = p.rank[idx], p.slot[idx]
         micro = slot // cfg.rows
-        bounds = np.searchsorted(rank * cfg.micro_batches + micro, np.arange(cfg.dp * cfg.micro_batches + 1))
-        per_source = np.bincount(src[idx], weights=lens[idx], minlength=len(cfg.sources)).astype(np.int64)
-        counts["started"] += np.bincount(src[idx][off[idx] == 0], minlength=n_src)
+        bounds = np.zeros(cfg.dp * cfg.micro_batches + 1, np.int64)
+        np.cumsum(np.bincount(rank * cfg.micro_batches + micro, minlength=cfg.dp * cfg.micro_batches), out=bounds[1:])
+        src_i, ords_i, off_i, lens_i = src[idx], ords[idx], off[idx], lens[idx]  # the placed pieces, in plan order
+        per_source = np.bincount(src_i, weights=lens_i, minlength=len(cfg.sources)).astype(np.int64)
+        counts["started"] += np.bincount(src_i[off_i == 0], minlength=n_src)
         rank_cost, micro_cost, stages = p.rank_cost, p.micro_cost, dict[str, Any]()
-        # a piece's least rank cost (the lower bound's): its priced cost plus the rank's priced tokens
-        costs = priced(costs, lens, cfg.pad_cost) + cfg.pad_cost * cfg.layout.slots * cfg.seq_len
+        # a placed piece's least rank cost (the lower bound's): its priced cost plus the rank's priced tokens
+        costs = priced(costs[idx], lens_i, cfg.pad_cost) + cfg.pad_cost * cfg.layout.slots * cfg.seq_len
         if enc is not None:
             rank_cost, micro_cost, stages = _two_stages(p.rank_cost, p.micro_cost, enc[idx], rank, micro)
-            costs = costs + enc
+            costs = costs + enc[idx]
         mean = float(rank_cost.sum()) / cfg.dp
-        doc_key = src.astype(np.int64) << 40 | ords.astype(np.int64)  # ordinals stay far below 2**40
-        gone = np.sort(doc_key[left])  # few (the carry-over): a binary search each beats np.isin's sort of all
-        at = np.minimum(np.searchsorted(gone, doc_key[idx]), max(gone.size - 1, 0))
-        last = gone[at] != doc_key[idx] if gone.size else np.ones(idx.size, bool)
-        lower = max(mean, float(costs[idx].max()) if idx.size else 0.0)
+        doc_key = src_i.astype(np.int64) << 40 | ords_i.astype(np.int64)  # ordinals stay far below 2**40
+        # few are left (the carry-over): a binary search each beats np.isin's sort of every piece
+        gone = np.sort(src[left].astype(np.int64) << 40 | ords[left].astype(np.int64))
+        at = np.minimum(np.searchsorted(gone, doc_key), max(gone.size - 1, 0))
+        last = gone[at] != doc_key if gone.size else np.ones(idx.size, bool)
+        lower = max(mean, float(costs.max()) if idx.size else 0.0)
         plan = StepPlan(
             step=pos.step,
-            source=src[idx].astype(np.int32),
-            ordinal=ords[idx].astype(np.int64),
-            offset=off[idx].astype(np.int32),
-            length=lens[idx].astype(np.int32),
+            source=src_i.astype(np.int32),
+            ordinal=ords_i.astype(np.int64),
+            offset=off_i.astype(np.int32),
+            length=lens_i.astype(np.int32),
             group=rank.astype(np.int32),
             micro=micro.astype(np.int32),
             row=(slot % cfg.rows).astype(np.int32),
@@ -424,7 +426,7 @@ class Planner:
                 micro_cost=micro_cost,
                 imbalance=float(rank_cost.max()) / mean if mean > 0 else 1.0,
                 lower_bound=lower,
-                padding_fraction=1.0 - float(lens[idx].sum()) / cfg.capacity,
+                padding_fraction=1.0 - float(lens_i.sum()) / cfg.capacity,
                 tokens={name: int(per_source[i]) for i, name in enumerate(cfg.sources)},
                 docs=int(idx.size),
                 carried=int(left.sum()),
@@ -432,7 +434,7 @@ class Planner:
                 ingest_ms=ingest[0],
                 **stages,
             ),
-            bounds=bounds.astype(np.int64),
+            bounds=bounds,
         )
         st = plan.stats
         log.debug("step %d: %d pieces, imbalance %.4f, padding %.4f, %d carried, %.1f ms (+%.1f ms metadata)",

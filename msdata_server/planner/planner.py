@@ -405,11 +405,14 @@ class Planner:
             rank_cost, micro_cost, stages = _two_stages(p.rank_cost, p.micro_cost, enc[idx], rank, micro)
             costs = costs + enc[idx]
         mean = float(rank_cost.sum()) / cfg.dp
-        doc_key = src_i.astype(np.int64) << 40 | ords_i.astype(np.int64)  # ordinals stay far below 2**40
-        # few are left (the carry-over): a binary search each beats np.isin's sort of every piece
-        gone = np.sort(src[left].astype(np.int64) << 40 | ords[left].astype(np.int64))
-        at = np.minimum(np.searchsorted(gone, doc_key), max(gone.size - 1, 0))
-        last = gone[at] != doc_key if gone.size else np.ones(idx.size, bool)
+        # a piece shares its document with another only when the document was split (all its pieces but the last
+        # fill a row; the last starts past 0): look those few up among the few left over, by binary search
+        last = np.ones(idx.size, bool)
+        split = np.flatnonzero((off_i > 0) | (lens_i == cfg.seq_len))
+        if split.size and left.any():
+            gone = np.sort(src[left].astype(np.int64) << 40 | ords[left].astype(np.int64))  # ordinals < 2**40
+            key = src_i[split].astype(np.int64) << 40 | ords_i[split].astype(np.int64)
+            last[split] = gone[np.minimum(np.searchsorted(gone, key), gone.size - 1)] != key
         lower = max(mean, float(costs.max()) if idx.size else 0.0)
         plan = StepPlan(
             step=pos.step,

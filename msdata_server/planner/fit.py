@@ -70,8 +70,8 @@ def match_tiny(
     size = int(lengths[0])
     full = rem // size
     part = rem % size >= lengths[-1]
-    if cap is not None:
-        allow = np.floor((cap - rcost) / max(float(costs.max()), 1e-300)).astype(np.int64)
+    if cap is not None and float(costs.max()) > 0:  # (free pieces, as priced padding makes them when alpha = 0)
+        allow = np.floor(np.minimum((cap - rcost) / float(costs.max()), 2.0**40)).astype(np.int64)
         room = allow[:, None] - (np.cumsum(full + part, axis=1) - (full + part))  # slots left in the rank
         full = np.clip(np.minimum(full, room), 0, None)
         part &= full < room

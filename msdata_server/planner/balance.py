@@ -101,11 +101,15 @@ def place(
         )
         return _result(st, pad_cost)
     base = pad_cost * layout.slots * layout.seq_len
-    st = _fill(lengths, costs, layout, method, priority, tolerance, base)
-    if base > 0 and tolerance is not None and bool((st.rank < 0).any()):
-        # priced padding: the cap's padding is worth it only when it lowers the costliest rank by more than the
-        # tokens it leaves cost; fill again uncapped and keep the plan with more tokens per unit of step time
-        alt = _fill(lengths, costs, layout, method, priority, None, base)
+    if base == 0:
+        return _result(_fill(lengths, costs, layout, method, priority, tolerance, base), pad_cost)
+    # priced padding: padding on purpose (the cap) pays only when it lowers the costliest rank by more than the
+    # tokens it leaves out cost, so fill uncapped first, and under the cap only when that fill's costliest rank
+    # passes the tolerance; keep the plan with more tokens per unit of step time
+    st = _fill(lengths, costs, layout, method, priority, None, base)
+    top, mean = float(st.rcost.max()) + base, float(st.rcost.mean()) + base
+    if tolerance is not None and layout.dp > 1 and top > mean * (1.0 + tolerance):
+        alt = _fill(lengths, costs, layout, method, priority, tolerance, base)
         if _throughput(alt, base) > _throughput(st, base):
             st = alt
     return _result(st, pad_cost)

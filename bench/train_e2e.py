@@ -293,8 +293,8 @@ def measure(args: argparse.Namespace, model: TinyLM, seq_len: int, dp: int, cal:
     }
     rng = np.random.default_rng([args.seed, seq_len, dp])
     acc = {
-        m: {"tokens": 0, "cpu": 0.0, "wall": 0.0, "pred": 0.0, "pred_free": 0.0, "pred_rows": 0.0, "timed": 0,
-            "top_hit": 0, "imb": []}  # fmt: skip
+        m: {"tokens": 0, "cpu": 0.0, "wall": 0.0, "pred": 0.0, "free": 0.0, "pred_rows": 0.0, "timed": 0, "top_hit": 0}
+        | {"imb": []}
         for m in placements
     }
     jobs: list[tuple[str, int, int, int, list[int]]] = []  # (method, step, rank, micro, lengths), in run order
@@ -310,7 +310,7 @@ def measure(args: argparse.Namespace, model: TinyLM, seq_len: int, dp: int, cal:
             tops[method, s] = set(np.argsort(-pred, kind="stable")[: args.top].tolist())
             acc[method]["tokens"] += tokens
             acc[method]["pred"] += float(pred.max())
-            acc[method]["pred_free"] += float(free.max())
+            acc[method]["free"] += float(free.max())
             # the same cost with every padding token charged beta, as a fixed-shape trainer pays it
             acc[method]["pred_rows"] += float((free + cal.beta * pads).max())
             acc[method]["timed"] += len(chosen[-1][1])
@@ -361,7 +361,7 @@ def measure(args: argparse.Namespace, model: TinyLM, seq_len: int, dp: int, cal:
             "tok_s_wall": a["tokens"] / a["wall"],
             "tok_s_pred": a["tokens"] / a["pred"],
             "tok_s_rows": a["tokens"] / a["pred_rows"],
-            "tok_s_free": a["tokens"] / a["pred_free"],
+            "tok_s_free": a["tokens"] / a["free"],
             "timed": a["timed"] / args.steps,
             "top_hit": a["top_hit"],
             "imbalance": float(np.mean(a["imb"])),
@@ -502,7 +502,8 @@ def main() -> None:
             say(
                 f"{seq_len:>7} {dp:>4} | {cal.alpha:8.2e} {cal.beta:8.2e} {cal.r2:6.3f} | "
                 f"{msd['timed'] + base['timed']:5.0f} {msd['top_hit'] + base['top_hit']:>3} | "
-                f"{msd['tok_s']:9.0f} {base['tok_s']:10.0f} | {pred:5.2f} {free:5.2f} {rows:5.2f} {gain:5.2f} {wall:5.2f} "
+                f"{msd['tok_s']:9.0f} {base['tok_s']:10.0f} | {pred:5.2f} {free:5.2f} {rows:5.2f} {gain:5.2f} "
+                f"{wall:5.2f} "
                 f"{gain / pred:8.3f} | {r_squared(out['micro'], 'cpu'):6.3f} "
                 f"{r_squared(out['micro'], 'cpu', calibrated=True):6.3f} "
                 f"{mean_abs_error(out['micro'], 'cpu'):5.3f} "
@@ -526,13 +527,13 @@ def main() -> None:
     res["micro_batches_timed"] = len(every)
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
     say(
-        f"tok/s: useful tokens of the whole step (all dp ranks) per second of its slowest rank, CPU clock. Gains "
-        f"over the baseline: pred = the planner's cost model (padding charged pad_cost per token), free = the "
-        f"cost model with padding free, rows = with padding charged beta per token, e2e = measured (CPU clock), wall = measured (wall clock). timed: ranks timed per step (both "
-        f"placements); top: steps whose slowest timed rank was a predicted-slowest one. R2: of measured CPU seconds "
-        f"per micro-batch against the cost alpha*L^2 + beta*L (a line from cost to seconds); R2cal and err (sum "
-        f"|measured - predicted| / sum predicted): against the calibrated seconds themselves; {len(every)} "
-        f"micro-batches in all; s: seconds this row took"
+        "tok/s: useful tokens of the whole step (all dp ranks) per second of its slowest rank, CPU clock. Gains over "
+        "the baseline: pred = the planner's cost model (padding charged pad_cost per token), free = the cost model "
+        "with padding free, rows = with padding charged beta per token, e2e = measured (CPU clock), wall = measured "
+        "(wall clock). timed: ranks timed per step (both placements); top: steps whose slowest timed rank was a "
+        "predicted-slowest one. R2: of measured CPU seconds per micro-batch against the cost alpha*L^2 + beta*L (a "
+        "line from cost to seconds); R2cal and err (sum |measured - predicted| / sum predicted): against the "
+        f"calibrated seconds themselves; {len(every)} micro-batches in all; s: seconds this row took"
     )
     say(json.dumps(res, sort_keys=True))
 

@@ -108,7 +108,7 @@ class BalanceSpec:
             fix = "use 0 (an unpadded trainer) up to beta (the default: padding runs through the linear layers)"
             pad = check_float("balance pad_cost", self.pad_cost, fix=fix)
             if self.cost in CostKind.values() and pad > beta:
-                raise ConfigError(f"balance pad_cost={pad!r} is more than beta={beta!r}, what a real token costs; {fix}")
+                raise ConfigError(f"balance pad_cost={pad!r} is more than beta={beta!r} (a real token's cost); {fix}")
             object.__setattr__(self, "pad_cost", pad)
         Method.parse(self.method, "balance method")
 

@@ -56,8 +56,8 @@ def _plans(cfg, steps, seed=0):
 def _priced_rank_costs(plan, cfg, pad):
     """Each rank's cost with its padding charged `pad` per token (the pieces' attention costs plus that)."""
     dp, tokens = cfg.dp, cfg.micro_batches * cfg.rows * cfg.seq_len
-    c = attention_cost(plan.length, alpha=cfg.alpha, beta=cfg.beta)
-    return np.bincount(plan.group, c, minlength=dp) + pad * (tokens - np.bincount(plan.group, plan.length, minlength=dp))
+    c = np.bincount(plan.group, attention_cost(plan.length, alpha=cfg.alpha, beta=cfg.beta), minlength=dp)
+    return c + pad * (tokens - np.bincount(plan.group, plan.length, minlength=dp))
 
 
 def test_priced_padding_pads_less_and_steps_pay_off():
@@ -68,7 +68,9 @@ def test_priced_padding_pads_less_and_steps_pay_off():
     a, b = _plans(free, 6)[1:], _plans(paid, 6)[1:]
     pad = [np.mean([p.stats.padding_fraction for p in x]) for x in (a, b)]
     assert pad[1] < pad[0]
-    thr = [sum(int(p.length.sum()) for p in x) / sum(_priced_rank_costs(p, free, 2048.0).max() for p in x) for x in (a, b)]
+    thr = [
+        sum(int(p.length.sum()) for p in x) / sum(_priced_rank_costs(p, free, 2048).max() for p in x) for x in (a, b)
+    ]
     assert thr[1] >= thr[0]
 
 
@@ -184,7 +186,7 @@ def test_pad_cost_defaults_to_beta_and_reaches_the_planner(tmp_path):
     assert planner_config(spec).pad_cost == 4096.0
     assert planner_config(_job(tmp_path, beta=100.0)).pad_cost == 100.0
     assert planner_config(_job(tmp_path, pad_cost=0.0)).pad_cost == 0.0  # an unpadded (varlen) trainer
-    assert BalanceSpec(cost="tests.test_planner_perf:_job").padding_cost == 0.0  # a function: its linear part is unknown
+    assert BalanceSpec(cost="tests.test_planner_perf:_job").padding_cost == 0.0  # a function's linear part: unknown
     assert BalanceSpec(cost="tests.test_planner_perf:_job", pad_cost=7.0).padding_cost == 7.0
 
 

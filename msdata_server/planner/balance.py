@@ -180,10 +180,10 @@ def _arrival(lengths: np.ndarray, costs: np.ndarray, layout: Layout, pad_cost: f
     ok = row >= 0
     rank = np.where(ok, row // layout.slots, -1)
     slot = np.where(ok, row % layout.slots, -1)
-    rank_cost = np.bincount(rank[ok], costs[ok], minlength=layout.dp)
+    pad = pad_cost * layout.rows * layout.seq_len  # each micro-batch's tokens at pad_cost (the pieces are priced)
+    rank_cost = np.bincount(rank[ok], costs[ok], minlength=layout.dp) + pad * layout.micro
     micro = rank[ok] * layout.micro + slot[ok] // layout.rows
-    micro_cost = np.bincount(micro, costs[ok], minlength=layout.dp * layout.micro).reshape(layout.dp, layout.micro)
-    if pad_cost:
-        rank_cost = rank_cost + pad_cost * layout.slots * layout.seq_len
-        micro_cost = micro_cost + pad_cost * layout.rows * layout.seq_len
+    micro_cost = (
+        np.bincount(micro, costs[ok], minlength=layout.dp * layout.micro).reshape(layout.dp, layout.micro) + pad
+    )
     return Placement(rank=rank, slot=slot, rank_cost=rank_cost, micro_cost=micro_cost)

@@ -405,14 +405,7 @@ class Planner:
             rank_cost, micro_cost, stages = _two_stages(p.rank_cost, p.micro_cost, enc[idx], rank, micro)
             costs = costs + enc[idx]
         mean = float(rank_cost.sum()) / cfg.dp
-        # a piece shares its document with another only when the document was split (all its pieces but the last
-        # fill a row; the last starts past 0): look those few up among the few left over, by binary search
-        last = np.ones(idx.size, bool)
-        split = np.flatnonzero((off_i > 0) | (lens_i == cfg.seq_len))
-        if split.size and left.any():
-            gone = np.sort(src[left].astype(np.int64) << 40 | ords[left].astype(np.int64))  # ordinals < 2**40
-            key = src_i[split].astype(np.int64) << 40 | ords_i[split].astype(np.int64)
-            last[split] = gone[np.minimum(np.searchsorted(gone, key), gone.size - 1)] != key
+        last = _last_pieces(src_i, ords_i, off_i, lens_i, src[left], ords[left], cfg.seq_len)
         lower = max(mean, float(costs.max()) if idx.size else 0.0)
         plan = StepPlan(
             step=pos.step,
@@ -463,6 +456,24 @@ class Planner:
             listing=pos.listing,
         )
         return pos.deferred.translate(plan) if pos.deferred else plan
+
+
+def _last_pieces(
+    src: np.ndarray, ords: np.ndarray, off: np.ndarray, lens: np.ndarray, left_src: np.ndarray, left_ords: np.ndarray,
+    seq_len: int,
+) -> np.ndarray:  # fmt: skip
+    """StepPlan.last of the placed pieces (src, ords, off, lens): no piece of the document is left over.
+
+    A piece shares its document with another only when the document was split (all its pieces but the last fill
+    a row; the last starts past 0): those few are looked up among the few left over, by binary search (np.isin
+    of every piece sorted them all)."""
+    last = np.ones(src.size, bool)
+    split = np.flatnonzero((off > 0) | (lens == seq_len))
+    if split.size and left_src.size:
+        gone = np.sort(left_src.astype(np.int64) << 40 | left_ords.astype(np.int64))  # ordinals stay below 2**40
+        key = src[split].astype(np.int64) << 40 | ords[split].astype(np.int64)
+        last[split] = gone[np.minimum(np.searchsorted(gone, key), gone.size - 1)] != key
+    return last
 
 
 def _two_stages(

@@ -21,7 +21,7 @@ from msdata_client.choices import Method
 from .cost import priced
 from .layout import Layout
 from .pack import next_fit
-from .refine import CONSOLIDATE_PASSES, consolidate, refine
+from .refine import CONSOLIDATE_PASSES, consolidate, refine, trim
 from .rows import Rows, order_by
 from .stages import place_stages
 
@@ -155,6 +155,7 @@ def _fill(
             rest = rest[keep[rest]]
     st.greedy(rest)
     refine(st, REFINE_ITERS)
+
     for _ in range(CONSOLIDATE_PASSES):
         if not consolidate(st, priority):
             break
@@ -162,6 +163,8 @@ def _fill(
     left = np.flatnonzero(st.rank < 0)
     if left.size:
         st.greedy(left[order_by(layout.seq_len - lengths[left], layout.seq_len + 1)])
+    if tolerance is not None and layout.dp > 1:
+        trim(st, tolerance, base, priority)  # the padding lowered the mean: hold the tolerance to the real one
     return st
 
 

@@ -288,6 +288,21 @@ class Rows:
         self.rank[into] = np.repeat(r, counts)
         self.slot[into] = np.repeat(w, counts)
 
+    def carry(self, idx: np.ndarray) -> None:
+        """Take placed pieces idx out of their rows: they are left over (carried to the next step)."""
+        L, c, lay = self.L[idx], self.c[idx], self.lay
+        r, w = self.rank[idx], self.slot[idx]
+        rem = self.rem.reshape(-1)
+        rem += np.bincount(r * lay.slots + w, L, minlength=rem.size).astype(np.int64)
+        self.rtok += np.bincount(r, L, minlength=lay.dp).astype(np.int64)
+        self.rcost -= np.bincount(r, c, minlength=lay.dp)
+        mi = r * lay.micro + self.micro_of[w]
+        self.mcost -= np.bincount(mi, c, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
+        self.mtok += np.bincount(mi, L, minlength=lay.dp * lay.micro).astype(np.int64).reshape(lay.dp, lay.micro)
+        touched = np.flatnonzero(np.bincount(r, minlength=lay.dp))
+        self.maxrem[touched] = self.rem[touched].max(axis=1)
+        self.rank[idx] = self.slot[idx] = -1
+
     def _take(self, p: int) -> tuple[int, int]:
         r, w = int(self.rank[p]), int(self.slot[p])
         m = self.micro_of[w]

@@ -31,6 +31,7 @@ __all__ = ["Layout", "Method", "Placement", "method_of", "place"]
 # at 16k tokens it covers dp 64 (~150 long pieces), not dp 512 (~1200, some 50 ms more).
 KK_BUDGET = 1 << 17
 REFINE_ITERS = 32  # bounded refinement: move/swap passes that lower the costliest rank
+TRIM_AIM = 0.8  # refine.trim holds the ranks to this share of the tolerance
 STAGE_ITERS = 64  # with two stages: stages.refine_stages passes per step, plus one per DP rank
 
 
@@ -155,17 +156,23 @@ def _fill(
             rest = rest[keep[rest]]
     st.greedy(rest)
     refine(st, REFINE_ITERS)
+    _settle(st, priority)
+    if tolerance is not None and layout.dp > 1:  # the padding lowered the mean: hold the tolerance to the real one
+        # (aiming TRIM_AIM under it: the trades that bound the carry-over afterwards lower the mean a little)
+        st.cap = min(st.cap, trim(st, tolerance * TRIM_AIM, base, priority))
+        _settle(st, priority)  # (under that cap)
+    return st
 
+
+def _settle(st: Rows, priority: int) -> None:
+    """Bound the carry-over (refine.consolidate), then place what fits of it: never carry what fits."""
     for _ in range(CONSOLIDATE_PASSES):
         if not consolidate(st, priority):
             break
-    # the moves and trades above can open room that a piece left over fits in: never carry what fits
+    # the moves and trades above can open room that a piece left over fits in
     left = np.flatnonzero(st.rank < 0)
     if left.size:
-        st.greedy(left[order_by(layout.seq_len - lengths[left], layout.seq_len + 1)])
-    if tolerance is not None and layout.dp > 1:
-        trim(st, tolerance, base, priority)  # the padding lowered the mean: hold the tolerance to the real one
-    return st
+        st.greedy(left[order_by(st.lay.seq_len - st.L[left], st.lay.seq_len + 1)])
 
 
 def _result(st: Rows, pad_cost: float) -> Placement:

@@ -161,7 +161,7 @@ def _trim_cap(rcost: np.ndarray, tolerance: float, base: float) -> float:
     return cap
 
 
-def trim(st: Rows, tolerance: float, base: float, priority: int) -> None:
+def trim(st: Rows, tolerance: float, base: float, priority: int) -> float:
     """Hold the tolerance to the mean the step ends with: carry pieces off the ranks above (1 + tolerance) x it.
 
     The cap (Rows.set_cap) is set from the mean expected before placing; the padding it makes lowers the mean, so
@@ -170,12 +170,13 @@ def trim(st: Rows, tolerance: float, base: float, priority: int) -> None:
     the rank below the mean nor one carried over already (none waits twice); when a rank cannot come down that far,
     the others come down only to it (cutting them deeper would pad them and leave the step as long). `base`: every
     rank's cost besides its pieces (priced padding). Vectorised over the ranks; TRIM_PASSES passes at most.
+    Returns the cap it held the ranks to (the placements after it keep to it).
     """
     members = None
     for _ in range(TRIM_PASSES):
         cap = _trim_cap(st.rcost, tolerance, base)
         if not (st.rcost > cap * (1.0 + 1e-12)).any():
-            return
+            break
         if members is None:
             members = RankMembers(st.rank, st.lay.dp)  # (pieces only leave ranks here: no arrivals to track)
         out = _cuts(st, members, cap, priority)
@@ -184,8 +185,9 @@ def trim(st: Rows, tolerance: float, base: float, priority: int) -> None:
             cap = float(rest.max())
             out = _cuts(st, members, cap, priority)
         if out.size == 0:
-            return
+            break
         st.carry(out)
+    return max(_trim_cap(st.rcost, tolerance, base), float(st.rcost.max()))
 
 
 def _cuts(st: Rows, members: RankMembers, cap: float, priority: int) -> np.ndarray:

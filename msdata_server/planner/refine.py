@@ -148,7 +148,7 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     return True
 
 
-TRIM_PASSES = 2  # rounds of `trim` (the second catches what the first's estimate of the mean missed)
+TRIM_PASSES = 1  # rounds of `trim` (the cap already anticipates the mean it leads to)
 
 
 def _trim_cap(rcost: np.ndarray, tolerance: float, base: float) -> float:
@@ -211,9 +211,10 @@ def _cuts(st: Rows, members: RankMembers, cap: float, priority: int) -> np.ndarr
     out = [cand[at[covered]]]
     short = ~covered[group]  # no piece covers: the costliest pieces, until they do
     if short.any():
-        cs, rs, xs = cand[short], r[short], excess[short]
-        o = np.lexsort((cs, -c[short], rs))
-        cs, rs, cc, xs = cs[o], rs[o], c[short][o], xs[o]
+        cs, rs, cc, xs = cand[short], r[short], c[short], excess[short]
+        # by rank, costliest first: one stable sort of a float key (rank apart by more than any cost; 3x a lexsort)
+        o = np.argsort(rs * (2.0 * float(cc.max()) + 1.0) - cc, kind="stable")
+        cs, rs, cc, xs = cs[o], rs[o], cc[o], xs[o]
         before = np.cumsum(cc) - cc  # costs taken before each piece, within its rank
         first = np.flatnonzero(np.r_[True, rs[1:] != rs[:-1]])
         before -= np.repeat(before[first], np.diff(np.r_[first, rs.size]))

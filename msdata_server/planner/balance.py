@@ -73,14 +73,18 @@ def place(
     traded for fewer long ones (a small state). "none" packs in the given order, rank by rank: the
     baseline. `tolerance`: no rank takes a piece that lifts its cost above (1 + tolerance) x the mean
     expected when the longest pieces fill the step (never below the costliest piece), leaving padding
-    on a rank that a long document would otherwise make the straggler; None: never pad on purpose.
+    on a rank that a long document would otherwise make the straggler; since that padding lowers the mean,
+    refine.trim then holds the ranks to TRIM_AIM of the tolerance over the mean the step ends with. None: never
+    pad on purpose.
 
     `vision` (the "vlm" cost): each piece's vision-encoder cost, while `costs` are the backbone's; both
     stages are balanced at once by stages.place_stages. Placement.rank_cost and micro_cost stay the backbone's.
 
     `pad_cost`: what a padded token costs (a fixed-shape trainer runs it through the linear layers). A rank
     then costs pad_cost x its tokens plus its pieces' `cost.priced` costs, which every choice above balances,
-    so padding is traded against imbalance on one scale; rank_cost and micro_cost include the padding.
+    so padding is traded against imbalance on one scale; rank_cost and micro_cost include the padding. The cap
+    then pads only where that pays: the step is filled uncapped, and under the cap only when the uncapped fill's
+    costliest rank passes the tolerance, keeping the fill with more tokens per unit of step time.
     """
     method = method_of(method) if isinstance(method, str) else method
     lengths = np.asarray(lengths, dtype=np.int64)

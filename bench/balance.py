@@ -9,8 +9,13 @@ alpha*len^2 + beta*len per document), so throughput = useful tokens / max rank c
 config: imbalance (max/mean), gap to the lower bound max(total/dp, costliest piece), micro-batch
 balance inside ranks (mean over ranks of max micro-batch cost / max(mean micro-batch cost, the
 rank's costliest piece)), padding, throughput gain over the baseline, the planner's compute per step
-(metadata ingest apart) and its state size. The table shows steady-state medians after a warm-up
-step; the last line is one JSON object of means (plan_ms: medians).
+(metadata ingest apart), pieces planned per second and its state size. The table shows steady-state medians
+after a warm-up step; the last line is one JSON object of means (plan_ms: medians).
+
+Two arms of the planner side by side: padding free ([balance] pad_cost = 0, an unpadded trainer; the figures
+without a suffix) and padding priced (pad_cost = beta, a fixed-shape trainer and a job's default; "+pad" rows,
+`_priced` figures: imbalance and throughput with every padding token charged beta, the baseline's too).
+`gain_rows_<tag>` is the padding-free arm's gain on that priced scale, to compare the arms on one scale.
 """
 
 from __future__ import annotations
@@ -59,7 +64,9 @@ def baseline(seq_len: int, dp: int, steps: int, seed: int) -> list[dict]:
     )
 
 
-def msdata(seq_len: int, dp: int, steps: int, seed: int, method: str, tolerance: float | None) -> list[dict]:
+def msdata(
+    seq_len: int, dp: int, steps: int, seed: int, method: str, tolerance: float | None, pad_cost: float = 0.0
+) -> list[dict]:
     cfg = PlannerConfig(
         sources=tuple(TEXT4.sources),
         seq_len=seq_len,
@@ -68,6 +75,7 @@ def msdata(seq_len: int, dp: int, steps: int, seed: int, method: str, tolerance:
         rows=ROWS,
         method=method,
         balance_tolerance=tolerance,
+        pad_cost=pad_cost,
         mixture=Mixture.constant(TEXT4.weights),
         **COST,
     )
@@ -81,14 +89,21 @@ def msdata(seq_len: int, dp: int, steps: int, seed: int, method: str, tolerance:
         s = plan.stats
         costliest = np.zeros(dp)
         np.maximum.at(costliest, plan.group, attention_cost(plan.length, **COST))
-        micro = s.micro_cost.max(axis=1) / np.maximum(s.micro_cost.mean(axis=1), costliest)
+        pads = MICRO * ROWS * seq_len - np.bincount(plan.group, plan.length, minlength=dp)
+        cost = attention_cost(plan.length, **COST)  # padding free; priced: each padding token charged beta
+        free = np.bincount(plan.group, cost, minlength=dp)
+        priced = free + COST["beta"] * pads
+        micro_cost = np.bincount(plan.group * MICRO + plan.micro, cost, minlength=dp * MICRO).reshape(dp, MICRO)
+        micro = micro_cost.max(axis=1) / np.maximum(micro_cost.mean(axis=1), costliest)
         out.append(
             {
-                "imbalance": s.imbalance,
+                "imbalance": float(free.max() / free.mean()),
                 "gap": s.gap,
                 "padding": s.padding_fraction,
                 "tokens": int(plan.length.sum()),
-                "max_cost": float(s.cost.max()),
+                "max_cost": float(free.max()),
+                "max_cost_padded": float(priced.max()),
+                "imbalance_padded": float(priced.max() / priced.mean()),
                 "plan_ms": s.plan_ms,
                 "ingest_ms": s.ingest_ms,
                 "wall_ms": wall,
@@ -100,9 +115,10 @@ def msdata(seq_len: int, dp: int, steps: int, seed: int, method: str, tolerance:
     return out
 
 
-def throughput(rows: list[dict]) -> float:
-    """Useful tokens per unit of simulated time (sum over steps of the costliest rank)."""
-    return sum(r["tokens"] for r in rows) / sum(r["max_cost"] for r in rows)
+def throughput(rows: list[dict], key: str = "max_cost") -> float:
+    """Useful tokens per unit of simulated time (sum over steps of the costliest rank; max_cost_padded: with
+    padding charged beta per token)."""
+    return sum(r["tokens"] for r in rows) / sum(r[key] for r in rows)
 
 
 def med(rows: list[dict], key: str) -> float:
@@ -121,6 +137,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--micro", type=int, default=MICRO, help="micro-batches per rank per step")
     ap.add_argument("--rows", type=int, default=ROWS, help="rows per micro-batch")
+    ap.add_argument(
+        "--pad-cost",
+        choices=("both", "free", "beta"),
+        default="both",
+        help="the planner's pad_cost: both arms (0, and beta for karmarkar_karp), only 0, or only beta",
+    )
     ap.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, every code path (CI)")
     args = ap.parse_args()
     if args.smoke:  # every method, a dp above 512 (the short baseline, no "none"), the smallest step counts
@@ -136,42 +158,61 @@ def main() -> None:
 
     head = (
         f"{'seq_len':>7} {'dp':>5} {'method':>14} | {'imbal':>6} {'gap':>6} {'micro':>6} {'pad':>6} {'gain':>5} "
-        f"{'plan ms':>8} {'warm ms':>8} {'ingest':>7} {'docs':>7} {'state kB':>8} | "
+        f"{'rows':>5} {'plan ms':>8} {'warm ms':>8} {'Mpc/s':>6} {'ingest':>7} {'docs':>7} {'state kB':>8} | "
         f"{'base imb':>8} {'base pad':>8}"
     )
     say(
         f"text4, micro_batches={MICRO}, rows={ROWS}, cost {COST}, balance_tolerance={tolerance}, "
-        f"{steps} measured steps after 1 warm-up; medians; gain = throughput / baseline's"
+        f"{steps} measured steps after 1 warm-up; medians; gain = throughput / baseline's (rows: with padding "
+        f"charged beta per token, both sides); +pad: pad_cost = beta (imbal and gap then with padding priced); "
+        f"Mpc/s: million pieces planned per second"
     )
     say(head)
     say("-" * len(head))
     results: dict[str, float] = {}
+    arms = [(m, 0.0) for m in methods]
+    if args.pad_cost == "both" and "karmarkar_karp" in methods:
+        arms.append(("karmarkar_karp", COST["beta"]))
+    elif args.pad_cost == "beta":
+        arms = [(m, COST["beta"]) for m in methods]
     for seq_len, dp in track([(s, d) for s in seq_lens for d in dps], "balance configs", unit="config"):
         base_steps = steps if dp <= 512 else 2  # the per-rank baseline is slow to simulate at 4096
         base = baseline(seq_len, dp, base_steps + 1, args.seed)[1:]
-        for method in methods:
+        for method, pad_cost in arms:
             if dp > 512 and method == "none":
                 continue
-            rows = msdata(seq_len, dp, steps + 1, args.seed, method, tolerance)
+            rows = msdata(seq_len, dp, steps + 1, args.seed, method, tolerance, pad_cost)
             warm, rows = rows[0], rows[1:]
             gain = throughput(rows) / throughput(base)
+            gain_rows = throughput(rows, "max_cost_padded") / throughput(base, "max_cost_padded")
+            imb = "imbalance_padded" if pad_cost else "imbalance"
             say(
-                f"{seq_len:>7} {dp:>5} {method:>14} | {med(rows, 'imbalance'):6.4f} {med(rows, 'gap'):6.4f} "
-                f"{med(rows, 'micro_gap'):6.3f} "
-                f"{med(rows, 'padding'):6.4f} {gain:5.2f} {med(rows, 'plan_ms'):8.1f} {warm['plan_ms']:8.1f} "
+                f"{seq_len:>7} {dp:>5} {method + ('+pad' if pad_cost else ''):>14} | {med(rows, imb):6.4f} "
+                f"{med(rows, 'gap'):6.4f} {med(rows, 'micro_gap'):6.3f} "
+                f"{med(rows, 'padding'):6.4f} {gain:5.2f} {gain_rows:5.2f} {med(rows, 'plan_ms'):8.1f} "
+                f"{warm['plan_ms']:8.1f} {med(rows, 'docs') / med(rows, 'plan_ms') / 1e3:6.2f} "
                 f"{med(rows, 'ingest_ms'):7.1f} {int(med(rows, 'docs')):>7} "
                 f"{max(r['state_bytes'] for r in rows) / 1e3:8.1f} | "
                 f"{med(base, 'imbalance'):8.4f} {med(base, 'padding'):8.4f}"
             )
-            if method == "karmarkar_karp":
-                tag = f"{seq_len // 1024}k_dp{dp}"
-                results[f"imbalance_{tag}"] = round(statistics.mean(r["imbalance"] for r in rows), 4)
-                results[f"gap_to_bound_{tag}"] = round(statistics.mean(r["gap"] for r in rows), 4)
-                results[f"padding_{tag}"] = round(statistics.mean(r["padding"] for r in rows), 4)
-                results[f"gain_{tag}"] = round(gain, 3)
-                results[f"plan_ms_{tag}"] = round(med(rows, "plan_ms"), 1)
-                results[f"baseline_imbalance_{tag}"] = round(statistics.mean(r["imbalance"] for r in base), 4)
-                results[f"baseline_padding_{tag}"] = round(statistics.mean(r["padding"] for r in base), 4)
+            if method != "karmarkar_karp":
+                continue
+            tag = f"{seq_len // 1024}k_dp{dp}"
+            if pad_cost:
+                results[f"imbalance_priced_{tag}"] = round(statistics.mean(r["imbalance_padded"] for r in rows), 4)
+                results[f"padding_priced_{tag}"] = round(statistics.mean(r["padding"] for r in rows), 4)
+                results[f"gain_priced_{tag}"] = round(gain_rows, 3)
+                results[f"plan_ms_priced_{tag}"] = round(med(rows, "plan_ms"), 1)
+                continue
+            results[f"imbalance_{tag}"] = round(statistics.mean(r["imbalance"] for r in rows), 4)
+            results[f"gap_to_bound_{tag}"] = round(statistics.mean(r["gap"] for r in rows), 4)
+            results[f"padding_{tag}"] = round(statistics.mean(r["padding"] for r in rows), 4)
+            results[f"gain_{tag}"] = round(gain, 3)
+            results[f"gain_rows_{tag}"] = round(gain_rows, 3)
+            results[f"plan_ms_{tag}"] = round(med(rows, "plan_ms"), 1)
+            results[f"pieces_per_s_{tag}"] = round(med(rows, "docs") / med(rows, "plan_ms") * 1e3)
+            results[f"baseline_imbalance_{tag}"] = round(statistics.mean(r["imbalance"] for r in base), 4)
+            results[f"baseline_padding_{tag}"] = round(statistics.mean(r["padding"] for r in base), 4)
     largest = max(seq_lens)
     for dp in dps:
         key = f"plan_ms_{largest // 1024}k_dp{dp}"

@@ -17,8 +17,10 @@ Timing: the process CPU time of the one compute thread (torch runs single-thread
 shared machine do not inflate by preempting it; wall time is recorded beside it. Each timed micro-batch runs
 --passes times (in alternating order over the whole list) and keeps its fastest run. Forward+backward only:
 the optimizer step and the gradient all-reduce cost the same in both placements. Rows run whole, padding
-included (fixed shapes, as msdata delivers them); --padding skip runs only the documents' tokens. The cost
-model calls padding free, so the "rows" column also gives its gain with padding charged beta per token.
+included (fixed shapes, as msdata delivers them); --padding skip runs only the documents' tokens. The planner
+prices padding as a job does by default (``[balance] pad_cost`` = the calibrated beta; 0 with --padding skip or
+--pad-cost free), and "pred" is its cost model's gain (padding charged pad_cost per token); the "free" column is
+the gain the padding-free model predicts, "rows" the gain with padding charged beta per token.
 The last line is one JSON object.
 """
 
@@ -172,8 +174,10 @@ class SharedStreams:
         return {name: float(self.view.lengths(i, 0, 20000).mean()) for i, name in enumerate(self.view.names)}
 
 
-def planner_steps(seq_len: int, dp: int, steps: int, seed: int, alpha: float, beta: float) -> list[tuple[Placed, int]]:
-    """msdata: one Planner for all ranks, costed with the calibrated constants."""
+def planner_steps(
+    seq_len: int, dp: int, steps: int, seed: int, alpha: float, beta: float, pad_cost: float
+) -> list[tuple[Placed, int]]:
+    """msdata: one Planner for all ranks, costed with the calibrated constants (padding at pad_cost per token)."""
     cfg = PlannerConfig(
         sources=tuple(TEXT4.sources),
         seq_len=seq_len,
@@ -182,6 +186,7 @@ def planner_steps(seq_len: int, dp: int, steps: int, seed: int, alpha: float, be
         rows=ROWS,
         alpha=alpha,
         beta=beta,
+        pad_cost=pad_cost,
         mixture=Mixture.constant(TEXT4.weights),
     )
     planner, view = Planner(cfg), SyntheticLengths(TEXT4, seq_len, seed=seed)
@@ -253,6 +258,12 @@ def arrival_steps(seq_len: int, dp: int, steps: int, seed: int) -> list[tuple[Pl
 # -- measuring ------------------------------------------------------------------------------------------
 
 
+def pad_cost(args: argparse.Namespace, cal: Calibration) -> float:
+    """What the planner charges a padded token: the calibrated beta (a job's default: fixed shapes run the padding
+    through the linear layers), 0 when the trainer skips padding or --pad-cost free."""
+    return 0.0 if args.padding == "skip" or args.pad_cost == "free" else cal.beta
+
+
 def timed_ranks(pred: np.ndarray, dp: int, full_dp: int, top: int, sample: int, rng: np.random.Generator) -> list[int]:
     """Every rank at dp <= full_dp; else the `top` predicted slowest plus `sample` others at random."""
     if dp <= full_dp:
@@ -279,12 +290,13 @@ def measure(args: argparse.Namespace, model: TinyLM, seq_len: int, dp: int, cal:
     step = make_step(model, skip_padding=args.padding == "skip")
     total = args.steps + 1  # step 0 is the planner's warm-up (no carry-over yet), as in bench/balance.py
     placements = {
-        "msdata": planner_steps(seq_len, dp, total, args.seed, cal.alpha, cal.beta)[1:],
+        "msdata": planner_steps(seq_len, dp, total, args.seed, cal.alpha, cal.beta, pad_cost(args, cal))[1:],
         "baseline": arrival_steps(seq_len, dp, total, args.seed)[1:],
     }
     rng = np.random.default_rng([args.seed, seq_len, dp])
     acc = {
-        m: {"tokens": 0, "cpu": 0.0, "wall": 0.0, "pred": 0.0, "pred_rows": 0.0, "timed": 0, "top_hit": 0, "imb": []}
+        m: {"tokens": 0, "cpu": 0.0, "wall": 0.0, "pred": 0.0, "free": 0.0, "pred_rows": 0.0, "timed": 0, "top_hit": 0}
+        | {"imb": []}
         for m in placements
     }
     jobs: list[tuple[str, int, int, int, list[int]]] = []  # (method, step, rank, micro, lengths), in run order
@@ -293,15 +305,16 @@ def measure(args: argparse.Namespace, model: TinyLM, seq_len: int, dp: int, cal:
         chosen = []
         for method, steps in placements.items():
             placed, tokens = steps[s]
-            pred = np.array([sum(cal.predict(mb) for mb in rank) for rank in placed])
+            free = np.array([sum(cal.predict(mb) for mb in rank) for rank in placed])
+            pads = np.array([MICRO * ROWS * seq_len - sum(map(sum, rank)) for rank in placed], np.float64)
+            pred = free + pad_cost(args, cal) * pads  # the planner's cost model
             chosen.append((method, timed_ranks(pred, dp, args.full_dp, args.top, args.sample, rng)))
             tops[method, s] = set(np.argsort(-pred, kind="stable")[: args.top].tolist())
             acc[method]["tokens"] += tokens
             acc[method]["pred"] += float(pred.max())
+            acc[method]["free"] += float(free.max())
             # the same cost with every padding token charged beta, as a fixed-shape trainer pays it
-            acc[method]["pred_rows"] += float(
-                max(p + cal.beta * (MICRO * ROWS * seq_len - sum(map(sum, rank))) for p, rank in zip(pred, placed))
-            )
+            acc[method]["pred_rows"] += float((free + cal.beta * pads).max())
             acc[method]["timed"] += len(chosen[-1][1])
         # interleave the placements micro-batch by micro-batch, so that a slow spell of the machine touches both
         lists = [
@@ -350,6 +363,7 @@ def measure(args: argparse.Namespace, model: TinyLM, seq_len: int, dp: int, cal:
             "tok_s_wall": a["tokens"] / a["wall"],
             "tok_s_pred": a["tokens"] / a["pred"],
             "tok_s_rows": a["tokens"] / a["pred_rows"],
+            "tok_s_free": a["tokens"] / a["free"],
             "timed": a["timed"] / args.steps,
             "top_hit": a["top_hit"],
             "imbalance": float(np.mean(a["imb"])),
@@ -395,6 +409,12 @@ def main() -> None:
         default="compute",
         help="compute: whole rows run (fixed shapes); skip: only the documents' tokens run (unpadded)",
     )
+    ap.add_argument(
+        "--pad-cost",
+        choices=("beta", "free"),
+        default="beta",
+        help="what the planner charges a padded token: the calibrated beta (a job's default) or nothing",
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 makes the CPU clock exact)")
     ap.add_argument("--repeats", type=int, default=None, help="calibration repeats per length")
     ap.add_argument("--seed", type=int, default=0)
@@ -429,7 +449,8 @@ def main() -> None:
     )
     head = (
         f"{'seq_len':>7} {'dp':>4} | {'alpha':>8} {'beta':>8} {'cal R2':>6} | {'timed':>5} {'top':>3} | "
-        f"{'msd tok/s':>9} {'base tok/s':>10} | {'pred':>5} {'rows':>5} {'e2e':>5} {'wall':>5} {'e2e/pred':>8} | "
+        f"{'msd tok/s':>9} {'base tok/s':>10} | {'pred':>5} {'free':>5} {'rows':>5} {'e2e':>5} {'wall':>5} "
+        f"{'e2e/pred':>8} | "
         f"{'R2':>6} {'R2cal':>6} {'err':>5} {'s':>4}"
     )
     say(head)
@@ -440,6 +461,7 @@ def main() -> None:
         "steps": args.steps,
         "passes": args.passes,
         "timed_above_dp8": f"top {args.top} + {args.sample} random",
+        "pad_cost": "0" if args.padding == "skip" or args.pad_cost == "free" else "beta",
     }
     every: list[dict] = []
     step = make_step(model)
@@ -462,6 +484,7 @@ def main() -> None:
             msd, base = out["msdata"], out["baseline"]
             gain, pred = msd["tok_s"] / base["tok_s"], msd["tok_s_pred"] / base["tok_s_pred"]
             rows, wall = msd["tok_s_rows"] / base["tok_s_rows"], msd["tok_s_wall"] / base["tok_s_wall"]
+            free = msd["tok_s_free"] / base["tok_s_free"]
             by_len += out["micro"]
             tag = f"{k}_dp{dp}"
             res.update(
@@ -469,6 +492,8 @@ def main() -> None:
                     f"e2e_gain_{tag}": round(gain, 3),
                     f"predicted_gain_{tag}": round(pred, 3),
                     f"predicted_gain_rows_{tag}": round(rows, 3),
+                    f"predicted_gain_free_{tag}": round(free, 3),
+                    f"e2e_over_predicted_{tag}": round(gain / pred, 3),
                     f"e2e_gain_wall_{tag}": round(wall, 3),
                     f"tokens_per_s_{tag}": round(msd["tok_s"]),
                     f"baseline_tokens_per_s_{tag}": round(base["tok_s"]),
@@ -479,7 +504,8 @@ def main() -> None:
             say(
                 f"{seq_len:>7} {dp:>4} | {cal.alpha:8.2e} {cal.beta:8.2e} {cal.r2:6.3f} | "
                 f"{msd['timed'] + base['timed']:5.0f} {msd['top_hit'] + base['top_hit']:>3} | "
-                f"{msd['tok_s']:9.0f} {base['tok_s']:10.0f} | {pred:5.2f} {rows:5.2f} {gain:5.2f} {wall:5.2f} "
+                f"{msd['tok_s']:9.0f} {base['tok_s']:10.0f} | {pred:5.2f} {free:5.2f} {rows:5.2f} {gain:5.2f} "
+                f"{wall:5.2f} "
                 f"{gain / pred:8.3f} | {r_squared(out['micro'], 'cpu'):6.3f} "
                 f"{r_squared(out['micro'], 'cpu', calibrated=True):6.3f} "
                 f"{mean_abs_error(out['micro'], 'cpu'):5.3f} "
@@ -503,13 +529,13 @@ def main() -> None:
     res["micro_batches_timed"] = len(every)
     res["wall_s"] = round(time.perf_counter() - t_start, 1)
     say(
-        f"tok/s: useful tokens of the whole step (all dp ranks) per second of its slowest rank, CPU clock. Gains "
-        f"over the baseline: pred = the cost model (padding free), rows = the cost model with padding charged beta "
-        f"per token, e2e = measured (CPU clock), wall = measured (wall clock). timed: ranks timed per step (both "
-        f"placements); top: steps whose slowest timed rank was a predicted-slowest one. R2: of measured CPU seconds "
-        f"per micro-batch against the cost alpha*L^2 + beta*L (a line from cost to seconds); R2cal and err (sum "
-        f"|measured - predicted| / sum predicted): against the calibrated seconds themselves; {len(every)} "
-        f"micro-batches in all; s: seconds this row took"
+        "tok/s: useful tokens of the whole step (all dp ranks) per second of its slowest rank, CPU clock. Gains over "
+        "the baseline: pred = the planner's cost model (padding charged pad_cost per token), free = the cost model "
+        "with padding free, rows = with padding charged beta per token, e2e = measured (CPU clock), wall = measured "
+        "(wall clock). timed: ranks timed per step (both placements); top: steps whose slowest timed rank was a "
+        "predicted-slowest one. R2: of measured CPU seconds per micro-batch against the cost alpha*L^2 + beta*L (a "
+        "line from cost to seconds); R2cal and err (sum |measured - predicted| / sum predicted): against the "
+        f"calibrated seconds themselves; {len(every)} micro-batches in all; s: seconds this row took"
     )
     say(json.dumps(res, sort_keys=True))
 

@@ -64,6 +64,8 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("[job]", "on_data_change"): "a resume over a source whose files changed (added, removed, another size or "
     "mtime): refused naming what changed, or continued from the saved position over the new files (README)",
     ("[job]", "pp_fields"): "per pipeline stage (first, middle, last), the batch fields it receives",
+    ("[job]", "video_token_id"): "id of the video placeholder tokens of clips (one per merge x merge patches of a "
+    "temporal patch); not pad_id or image_token_id",
     ("[job]", "image_token_id"): "id of the image placeholder tokens of picture documents; not pad_id",
     ("[job]", "shadow_loaders"): "hot standbys per source partition on other nodes (cluster only; data unchanged)",
     ("[mesh]", "dp"): "data-parallel ranks: disjoint micro-batches",
@@ -95,6 +97,8 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("[balance]", "method"): "how documents are balanced across DP ranks and micro-batches",
     ("[balance]", "alpha_v"): 'cost = "vlm" only: the vision encoder\'s quadratic coefficient per image',
     ("[balance]", "beta_v"): 'cost = "vlm" only: the vision encoder\'s linear coefficient per image',
+    ("[balance]", "pad_cost"): "what a padded token costs a rank: beta when unset (fixed shapes run the padding "
+    "through the linear layers; 0 with a 'module:function' cost), 0 for an unpadded (varlen) trainer",
 }
 
 _REQUIRED = "required"
@@ -130,6 +134,7 @@ _TOML_TYPES = {
     "str": "string",
     "int": "integer",
     "float": "float",
+    "float | None": "float",
     "str | None": "string",
     "tuple[str, ...]": "array of strings",
     "tuple[str, ...] | None": "array of strings",

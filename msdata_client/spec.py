@@ -83,6 +83,9 @@ class BalanceSpec:
     # cost = "vlm" only: the vision encoder's alpha_v * p**2 + beta_v * p per image of p patches
     alpha_v: float = VISION_ALPHA
     beta_v: float = VISION_BETA
+    # what a padded token costs a rank (fixed-shape trainers run the padding through the linear layers): none
+    # (unset) is beta with the built-in costs and 0 with a 'module:function' cost; 0 for unpadded (varlen) trainers
+    pad_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.cost not in CostKind.values() and not is_import_path(self.cost):
@@ -104,20 +107,39 @@ class BalanceSpec:
         object.__setattr__(self, "beta", beta)
         object.__setattr__(self, "alpha_v", alpha_v)
         object.__setattr__(self, "beta_v", beta_v)
+        if self.pad_cost is not None:
+            fix = "use 0 (an unpadded trainer) up to beta (the default: padding runs through the linear layers)"
+            pad = check_float("balance pad_cost", self.pad_cost, fix=fix)
+            if self.cost in CostKind.values() and pad > beta:
+                raise ConfigError(f"balance pad_cost={pad!r} is more than beta={beta!r} (a real token's cost); {fix}")
+            object.__setattr__(self, "pad_cost", pad)
         Method.parse(self.method, "balance method")
 
+    @property
+    def padding_cost(self) -> float:
+        """pad_cost in force: as set, else beta with a built-in cost and 0 with a 'module:function' one."""
+        if self.pad_cost is not None:
+            return self.pad_cost
+        return self.beta if self.cost in CostKind.values() else 0.0
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict in the shape of the TOML `[balance]` table (alpha_v and beta_v with cost = "vlm" only)."""
+        """Plain dict in the shape of the TOML `[balance]` table (alpha_v and beta_v with cost = "vlm" only, pad_cost
+        when set)."""
         d: dict[str, Any] = {"cost": self.cost, "alpha": self.alpha, "beta": self.beta, "method": self.method}
         if self.cost == CostKind.VLM:
             d.update(alpha_v=self.alpha_v, beta_v=self.beta_v)
+        if self.pad_cost is not None:
+            d["pad_cost"] = self.pad_cost
         return d
 
     def identity(self) -> dict[str, Any]:
-        """The cost in a job's data identity: the constants that decide plans (not the method)."""
+        """The cost in a job's data identity: the constants that decide plans (not the method; pad_cost when it is
+        not its default, so that the identities of jobs that do not set it stay as they were)."""
         d = {"cost": self.cost, "alpha": self.alpha, "beta": self.beta}
         if self.cost == CostKind.VLM:
             d.update(alpha_v=self.alpha_v, beta_v=self.beta_v)
+        if self.pad_cost is not None and self.pad_cost != BalanceSpec(cost=self.cost, beta=self.beta).padding_cost:
+            d["pad_cost"] = self.pad_cost
         return d
 
     @classmethod

@@ -18,9 +18,10 @@ import numpy as np
 
 from msdata_client.choices import Method
 
+from .cost import priced
 from .layout import Layout
 from .pack import next_fit
-from .refine import CONSOLIDATE_PASSES, consolidate, refine
+from .refine import CONSOLIDATE_PASSES, consolidate, refine, trim
 from .rows import Rows, order_by
 from .stages import place_stages
 
@@ -30,6 +31,7 @@ __all__ = ["Layout", "Method", "Placement", "method_of", "place"]
 # at 16k tokens it covers dp 64 (~150 long pieces), not dp 512 (~1200, some 50 ms more).
 KK_BUDGET = 1 << 17
 REFINE_ITERS = 32  # bounded refinement: move/swap passes that lower the costliest rank
+TRIM_AIM = 0.8  # refine.trim holds the ranks to this share of the tolerance
 STAGE_ITERS = 64  # with two stages: stages.refine_stages passes per step, plus one per DP rank
 
 
@@ -57,6 +59,7 @@ def place(
     priority: int = 0,
     tolerance: float | None = 0.01,
     vision: np.ndarray | None = None,
+    pad_cost: float = 0.0,
 ) -> Placement:
     """Place pieces into the rows of `layout`; a piece that does not fit gets rank -1 (the caller carries it).
 
@@ -70,16 +73,24 @@ def place(
     traded for fewer long ones (a small state). "none" packs in the given order, rank by rank: the
     baseline. `tolerance`: no rank takes a piece that lifts its cost above (1 + tolerance) x the mean
     expected when the longest pieces fill the step (never below the costliest piece), leaving padding
-    on a rank that a long document would otherwise make the straggler; None: never pad on purpose.
+    on a rank that a long document would otherwise make the straggler; since that padding lowers the mean,
+    refine.trim then holds the ranks to TRIM_AIM of the tolerance over the mean the step ends with. None: never
+    pad on purpose.
 
     `vision` (the "vlm" cost): each piece's vision-encoder cost, while `costs` are the backbone's; both
     stages are balanced at once by stages.place_stages. Placement.rank_cost and micro_cost stay the backbone's.
+
+    `pad_cost`: what a padded token costs (a fixed-shape trainer runs it through the linear layers). A rank
+    then costs pad_cost x its tokens plus its pieces' `cost.priced` costs, which every choice above balances,
+    so padding is traded against imbalance on one scale; rank_cost and micro_cost include the padding. The cap
+    then pads only where that pays: the step is filled uncapped, and under the cap only when the uncapped fill's
+    costliest rank passes the tolerance, keeping the fill with more tokens per unit of step time.
     """
     method = method_of(method) if isinstance(method, str) else method
     lengths = np.asarray(lengths, dtype=np.int64)
-    costs = np.asarray(costs, dtype=np.float64)
+    costs = priced(np.asarray(costs, dtype=np.float64), lengths, pad_cost)
     if method is Method.NONE:
-        return _arrival(lengths, costs, layout)
+        return _arrival(lengths, costs, layout, pad_cost)
     if vision is not None:
         budget = KK_BUDGET if method is Method.KARMARKAR_KARP else 0
         st = place_stages(
@@ -91,12 +102,44 @@ def place(
             tolerance=tolerance,
             kk_budget=budget,
             iters=STAGE_ITERS + layout.dp,
+            pad_base=pad_cost * layout.slots * layout.seq_len,
         )
-        return _result(st)
+        return _result(st, pad_cost)
+    base = pad_cost * layout.slots * layout.seq_len
+    if base == 0:
+        return _result(_fill(lengths, costs, layout, method, priority, tolerance, base), pad_cost)
+    # priced padding: padding on purpose (the cap) pays only when it lowers the costliest rank by more than the
+    # tokens it leaves out cost, so fill uncapped first, and under the cap only when that fill's costliest rank
+    # passes the tolerance; keep the plan with more tokens per unit of step time
+    st = _fill(lengths, costs, layout, method, priority, None, base)
+    top, mean = float(st.rcost.max()) + base, float(st.rcost.mean()) + base
+    if tolerance is not None and layout.dp > 1 and top > mean * (1.0 + tolerance):
+        alt = _fill(lengths, costs, layout, method, priority, tolerance, base)
+        if _throughput(alt, base) > _throughput(st, base):
+            st = alt
+    return _result(st, pad_cost)
+
+
+def _throughput(st: Rows, base: float) -> float:
+    """Tokens placed per unit of the costliest rank's cost (priced padding included)."""
+    placed = st.lay.capacity - int(st.rtok.sum())
+    return placed / (float(st.rcost.max()) + base)
+
+
+def _fill(
+    lengths: np.ndarray,
+    costs: np.ndarray,
+    layout: Layout,
+    method: Method,
+    priority: int,
+    tolerance: float | None,
+    base: float,
+) -> Rows:
+    """One placement of `place` (one-stage costs) under the cap of `tolerance`: the filled Rows."""
     st = Rows(lengths, costs, layout)
     n = lengths.size
     desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
-    st.set_cap(desc, tolerance)
+    st.set_cap(desc, tolerance, base)
     st.monotone = bool(np.all(np.diff(costs[desc]) <= 0))
     # carry-over first, so that no piece is left over twice; best fit, which keeps whole rows free
     # for the long pieces that follow
@@ -117,28 +160,44 @@ def place(
             rest = rest[keep[rest]]
     st.greedy(rest)
     refine(st, REFINE_ITERS)
+    _settle(st, priority)
+    if tolerance is not None and layout.dp > 1:  # the padding lowered the mean: hold the tolerance to the real one
+        # (aiming TRIM_AIM under it: the trades that bound the carry-over afterwards lower the mean a little)
+        st.cap = min(st.cap, trim(st, tolerance * TRIM_AIM, base, priority))
+        _settle(st, priority)  # (under that cap)
+    return st
+
+
+def _settle(st: Rows, priority: int) -> None:
+    """Bound the carry-over (refine.consolidate), then place what fits of it: never carry what fits."""
     for _ in range(CONSOLIDATE_PASSES):
         if not consolidate(st, priority):
             break
-    # the moves and trades above can open room that a piece left over fits in: never carry what fits
+    # the moves and trades above can open room that a piece left over fits in
     left = np.flatnonzero(st.rank < 0)
     if left.size:
-        st.greedy(left[order_by(layout.seq_len - lengths[left], layout.seq_len + 1)])
-    return _result(st)
+        st.greedy(left[order_by(st.lay.seq_len - st.L[left], st.lay.seq_len + 1)])
 
 
-def _result(st: Rows) -> Placement:
+def _result(st: Rows, pad_cost: float) -> Placement:
     rank, slot, rank_cost, micro_cost = st.result()
+    lay = st.lay
+    if pad_cost:  # every token of a rank costs pad_cost besides its pieces' priced costs
+        rank_cost = rank_cost + pad_cost * lay.slots * lay.seq_len
+        micro_cost = micro_cost + pad_cost * lay.rows * lay.seq_len
     return Placement(rank=rank, slot=slot, rank_cost=rank_cost, micro_cost=micro_cost)
 
 
-def _arrival(lengths: np.ndarray, costs: np.ndarray, layout: Layout) -> Placement:
+def _arrival(lengths: np.ndarray, costs: np.ndarray, layout: Layout, pad_cost: float) -> Placement:
     """Method "none": next-fit in the given order over rank 0's rows, then rank 1's, and so on."""
     row = next_fit(lengths, layout.dp * layout.slots, layout.seq_len)
     ok = row >= 0
     rank = np.where(ok, row // layout.slots, -1)
     slot = np.where(ok, row % layout.slots, -1)
-    rank_cost = np.bincount(rank[ok], costs[ok], minlength=layout.dp)
+    pad = pad_cost * layout.rows * layout.seq_len  # each micro-batch's tokens at pad_cost (the pieces are priced)
+    rank_cost = np.bincount(rank[ok], costs[ok], minlength=layout.dp) + pad * layout.micro
     micro = rank[ok] * layout.micro + slot[ok] // layout.rows
-    micro_cost = np.bincount(micro, costs[ok], minlength=layout.dp * layout.micro).reshape(layout.dp, layout.micro)
+    micro_cost = (
+        np.bincount(micro, costs[ok], minlength=layout.dp * layout.micro).reshape(layout.dp, layout.micro) + pad
+    )
     return Placement(rank=rank, slot=slot, rank_cost=rank_cost, micro_cost=micro_cost)

@@ -36,7 +36,8 @@ def per_rank_steps(
     beta: float = 4096.0,
     vlm: VlmCost | None = None,
 ) -> list[dict]:
-    """Simulate `steps` steps of per-rank packing; per step: imbalance (max/mean cost), padding, tokens, max_cost.
+    """Simulate `steps` steps of per-rank packing; per step: imbalance (max/mean cost), padding, tokens, max_cost
+    and max_cost_padded (padding charged beta per token).
 
     Sources are drawn per document with probability weight/mean_len, so token shares follow the mixture.
     With `vlm` (two stages: its alpha and beta are the backbone's, and `alpha`/`beta` are not used), a
@@ -54,6 +55,7 @@ def per_rank_steps(
     for _ in range(steps):
         cost = np.zeros(dp)
         enc = np.zeros(dp)
+        free = np.zeros(dp)  # padding tokens per rank
         tokens = 0
         for r in range(dp):
             rng = rngs[r]
@@ -85,11 +87,14 @@ def per_rank_steps(
                 cost[r] = attention_cost(piece_len[placed], alpha=vlm.alpha, beta=vlm.beta).sum()
                 enc[r] = piece_enc[placed].sum()
             tokens += int(piece_len[placed].sum())
+            free[r] = k * seq_len - int(piece_len[placed].sum())
         step = {
             "imbalance": float((cost + enc).max() / (cost + enc).mean()),
             "padding": 1.0 - tokens / (dp * k * seq_len),
             "tokens": tokens,
             "max_cost": float((cost + enc).max()),
+            # with every padding token charged beta, as a fixed-shape trainer pays it ([balance] pad_cost's default)
+            "max_cost_padded": float((cost + enc + (vlm.beta if vlm else beta) * free).max()),
         }
         if vlm is not None:
             step.update(

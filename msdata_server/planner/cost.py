@@ -16,7 +16,7 @@ from msdata_client.choices import is_import_path
 from msdata_server._imports import import_callable
 from msdata_server.errors import ConfigError
 
-__all__ = ["CostFn", "attention_cost", "check_cost_fn", "load_cost_fn", "make_cost"]
+__all__ = ["CostFn", "attention_cost", "check_cost_fn", "load_cost_fn", "make_cost", "priced"]
 
 CostFn = Callable[[np.ndarray], np.ndarray]
 
@@ -60,3 +60,12 @@ def make_cost(*, alpha: float = 1.0, beta: float = 4096.0, cost_fn: str | None =
     if cost_fn is None:
         return partial(attention_cost, alpha=float(alpha), beta=float(beta))
     return partial(_checked, load_cost_fn(cost_fn), cost_fn)
+
+
+def priced(costs: np.ndarray, lengths: np.ndarray, pad_cost: float) -> np.ndarray:
+    """Costs with padding priced: a rank of K tokens costs sum(cost) + pad_cost * (K - sum(len)), which is
+    pad_cost * K (the same on every rank) plus the sum of these, `cost - pad_cost * len` (at least 0: a piece
+    never costs less than the padding it replaces). pad_cost = 0: the costs themselves."""
+    if pad_cost == 0:
+        return costs
+    return np.maximum(costs - pad_cost * np.asarray(lengths, dtype=np.float64), 0.0)

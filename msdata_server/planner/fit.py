@@ -70,8 +70,8 @@ def match_tiny(
     size = int(lengths[0])
     full = rem // size
     part = rem % size >= lengths[-1]
-    if cap is not None:
-        allow = np.floor((cap - rcost) / max(float(costs.max()), 1e-300)).astype(np.int64)
+    if cap is not None and float(costs.max()) > 0:  # (free pieces, as priced padding makes them when alpha = 0)
+        allow = np.floor(np.minimum((cap - rcost) / float(costs.max()), 2.0**40)).astype(np.int64)
         room = allow[:, None] - (np.cumsum(full + part, axis=1) - (full + part))  # slots left in the rank
         full = np.clip(np.minimum(full, room), 0, None)
         part &= full < room
@@ -84,8 +84,7 @@ def match_tiny(
     slot_row = np.repeat(rows, reps)
     nth = np.arange(slot_row.size) - np.repeat(np.cumsum(reps) - reps, reps)
     slot_size = np.where(nth < np.repeat(full, reps), size, rem.reshape(-1)[slot_row] % size)
-    proj = rcost[slot_row // k] + rtok[slot_row // k] * rate
-    o = np.lexsort((slot_row, proj, nth, -slot_size))
+    o = _slot_order(slot_row, slot_size, nth, rcost + rtok * rate, k)
     slot_row, slot_size = slot_row[o], slot_size[o]
     fits = np.searchsorted(-slot_size, -lengths, side="right")  # slots with room for each piece
     n = np.arange(lengths.size)
@@ -94,6 +93,21 @@ def match_tiny(
     if not got.any():
         return None
     return got, slot_row[matched[got] - 1]
+
+
+def _slot_order(slot_row: np.ndarray, slot_size: np.ndarray, nth: np.ndarray, proj: np.ndarray, k: int) -> np.ndarray:
+    """The order of match_tiny's slots: roomiest first, then by nth slot of its row, the rank's projection `proj`
+    and the row; the four keys packed into one int64 (a rank's projection as its place among the ranks: ties by
+    rank, as by row), one sort instead of a lexsort of four (4-5x faster)."""
+    dp = proj.size
+    place = np.empty(dp, np.int64)
+    place[np.argsort(proj, kind="stable")] = np.arange(dp)
+    span = int(nth.max(initial=0)) + 1
+    size = int(slot_size.max(initial=0)) + 1
+    if size * span * dp * k >= 1 << 62:  # (no real layout comes near)
+        return np.lexsort((slot_row, proj[slot_row // k], nth, -slot_size))
+    key = ((size - slot_size) * span + nth) * (dp * k) + place[slot_row // k] * k + slot_row % k
+    return np.argsort(key)  # distinct keys: one per slot
 
 
 def scan_infeasible(

@@ -26,7 +26,7 @@ from msdata_client.choices import CostKind
 from msdata_server.errors import ConfigError
 
 from .balance import method_of, place
-from .cost import check_cost_fn, make_cost
+from .cost import check_cost_fn, make_cost, priced
 from .deferred import Deferred, Insert
 from .layout import Layout
 from .lengths import LengthReader, MetadataView
@@ -70,6 +70,9 @@ class PlannerConfig:
     # a rank stops taking documents once its cost would pass (1 + this) x the mean, leaving padding
     # where that shortens the step (a rank holding a full-row document); None: never pad on purpose
     balance_tolerance: float | None = 0.01
+    # what a padded token costs a rank (cost.priced; a fixed-shape trainer pays the linear layers for it): the
+    # job's [balance] pad_cost, beta by default there (planner/spec.py); 0 here: padding is free
+    pad_cost: float = 0.0
     mixture: Mixture
 
     def __post_init__(self) -> None:
@@ -97,6 +100,11 @@ class PlannerConfig:
             isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0
         ):
             raise ConfigError(f"balance_tolerance={tol!r} must be None or a finite number >= 0")
+        pad = self.pad_cost
+        if isinstance(pad, bool) or not isinstance(pad, (int, float)) or not math.isfinite(pad) or pad < 0:
+            raise ConfigError(f"pad_cost={pad!r} must be a finite number >= 0 (0: padding is free)")
+        if self.cost_fn is None and pad > self.beta:
+            raise ConfigError(f"pad_cost={pad!r} is more than beta={self.beta!r}, what a real token costs; use <= beta")
         if not isinstance(self.mixture, Mixture):
             raise ConfigError(f"mixture must be a Mixture (Mixture.constant or Mixture.schedule), got {self.mixture!r}")
         unknown = self.mixture.names().difference(self.sources)
@@ -371,16 +379,7 @@ class Planner:
         drawn = sum((np.bincount(p[0][p[2] == 0], minlength=n_src) for p in parts), np.zeros(n_src, np.int64))
         counts["bad"] += (cursor - pos.cursor) - drawn
 
-        src, ords, off, lens = (carry[k] for k in CARRY_KEYS)
-        mom = [carry[k] for k in VISION_KEYS] if vision else []  # patches, patches squared per piece
-        if parts:
-            cols = [np.concatenate(c) for c in zip(*parts)]
-            order = np.argsort(cols[4], kind="stable")  # ties: by source, then position (concat order)
-            src = np.concatenate([src, cols[0][order]])
-            ords = np.concatenate([ords, cols[1][order]])
-            off = np.concatenate([off, cols[2][order]])
-            lens = np.concatenate([lens, cols[3][order]])
-            mom = [np.concatenate([m, c[order]]) for m, c in zip(mom, cols[5:])]
+        src, ords, off, lens, mom = _pool(carry, parts, vision)
         costs = self._cost(lens)
         enc = self._vlm.from_moments(*mom) if self._vlm is not None else None
         p = place(
@@ -391,31 +390,34 @@ class Planner:
             priority=int(carry["length"].size),
             tolerance=cfg.balance_tolerance,
             vision=enc,
+            pad_cost=cfg.pad_cost,
         )
 
         left = p.rank < 0
         idx = np.flatnonzero(~left)
-        idx = idx[order_by(p.slot[idx], cfg.layout.slots)]  # by rank, then row, then arrival
-        idx = idx[order_by(p.rank[idx], cfg.dp)]
+        idx = idx[order_by(p.rank[idx] * cfg.layout.slots + p.slot[idx], cfg.dp * cfg.layout.slots)]  # then arrival
         rank, slot = p.rank[idx], p.slot[idx]
         micro = slot // cfg.rows
-        bounds = np.searchsorted(rank * cfg.micro_batches + micro, np.arange(cfg.dp * cfg.micro_batches + 1))
-        per_source = np.bincount(src[idx], weights=lens[idx], minlength=len(cfg.sources)).astype(np.int64)
-        counts["started"] += np.bincount(src[idx][off[idx] == 0], minlength=n_src)
+        bounds = np.zeros(cfg.dp * cfg.micro_batches + 1, np.int64)
+        np.cumsum(np.bincount(rank * cfg.micro_batches + micro, minlength=cfg.dp * cfg.micro_batches), out=bounds[1:])
+        src_i, ords_i, off_i, lens_i = src[idx], ords[idx], off[idx], lens[idx]  # the placed pieces, in plan order
+        per_source = np.bincount(src_i, weights=lens_i, minlength=len(cfg.sources)).astype(np.int64)
+        counts["started"] += np.bincount(src_i[off_i == 0], minlength=n_src)
         rank_cost, micro_cost, stages = p.rank_cost, p.micro_cost, dict[str, Any]()
+        # a placed piece's least rank cost (the lower bound's): its priced cost plus the rank's priced tokens
+        costs = priced(costs[idx], lens_i, cfg.pad_cost) + cfg.pad_cost * cfg.layout.slots * cfg.seq_len
         if enc is not None:
             rank_cost, micro_cost, stages = _two_stages(p.rank_cost, p.micro_cost, enc[idx], rank, micro)
-            costs = costs + enc
+            costs = costs + enc[idx]
         mean = float(rank_cost.sum()) / cfg.dp
-        doc_key = src.astype(np.int64) << 40 | ords.astype(np.int64)  # ordinals stay far below 2**40
-        last = ~np.isin(doc_key[idx], doc_key[left])
-        lower = max(mean, float(costs[idx].max()) if idx.size else 0.0)
+        last = _last_pieces(src_i, ords_i, off_i, lens_i, src[left], ords[left], cfg.seq_len)
+        lower = max(mean, float(costs.max()) if idx.size else 0.0)
         plan = StepPlan(
             step=pos.step,
-            source=src[idx].astype(np.int32),
-            ordinal=ords[idx].astype(np.int64),
-            offset=off[idx].astype(np.int32),
-            length=lens[idx].astype(np.int32),
+            source=src_i.astype(np.int32),
+            ordinal=ords_i.astype(np.int64),
+            offset=off_i.astype(np.int32),
+            length=lens_i.astype(np.int32),
             group=rank.astype(np.int32),
             micro=micro.astype(np.int32),
             row=(slot % cfg.rows).astype(np.int32),
@@ -425,7 +427,7 @@ class Planner:
                 micro_cost=micro_cost,
                 imbalance=float(rank_cost.max()) / mean if mean > 0 else 1.0,
                 lower_bound=lower,
-                padding_fraction=1.0 - float(lens[idx].sum()) / cfg.capacity,
+                padding_fraction=1.0 - float(lens_i.sum()) / cfg.capacity,
                 tokens={name: int(per_source[i]) for i, name in enumerate(cfg.sources)},
                 docs=int(idx.size),
                 carried=int(left.sum()),
@@ -433,7 +435,7 @@ class Planner:
                 ingest_ms=ingest[0],
                 **stages,
             ),
-            bounds=bounds.astype(np.int64),
+            bounds=bounds,
         )
         st = plan.stats
         log.debug("step %d: %d pieces, imbalance %.4f, padding %.4f, %d carried, %.1f ms (+%.1f ms metadata)",
@@ -460,6 +462,40 @@ class Planner:
             pending=pos.pending if pos.pending is not None and pos.pending.start > pos.step else None,  # a replay
         )
         return pos.deferred.translate(plan) if pos.deferred else plan
+
+
+def _last_pieces(
+    src: np.ndarray, ords: np.ndarray, off: np.ndarray, lens: np.ndarray, left_src: np.ndarray, left_ords: np.ndarray,
+    seq_len: int,
+) -> np.ndarray:  # fmt: skip
+    """StepPlan.last of the placed pieces (src, ords, off, lens): no piece of the document is left over.
+
+    A piece shares its document with another only when the document was split (all its pieces but the last fill
+    a row; the last starts past 0): those few are looked up among the few left over, by binary search (np.isin
+    of every piece sorted them all)."""
+    last = np.ones(src.size, bool)
+    split = np.flatnonzero((off > 0) | (lens == seq_len))
+    if split.size and left_src.size:
+        gone = np.sort(left_src.astype(np.int64) << 40 | left_ords.astype(np.int64))  # ordinals stay below 2**40
+        key = src[split].astype(np.int64) << 40 | ords[split].astype(np.int64)
+        last[split] = gone[np.minimum(np.searchsorted(gone, key), gone.size - 1)] != key
+    return last
+
+
+def _pool(carry: dict, parts: list, vision: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list]:
+    """The pieces a step places: the carry-over first, then the drawn parts in arrival order (ties: by source,
+    then position); (source, ordinal, offset, length, [patches, patches squared] with vision)."""
+    src, ords, off, lens = (carry[k] for k in CARRY_KEYS)
+    mom = [carry[k] for k in VISION_KEYS] if vision else []
+    if parts:
+        cols = [np.concatenate(c) for c in zip(*parts)]
+        order = np.argsort(cols[4], kind="stable")
+        src = np.concatenate([src, cols[0][order]])
+        ords = np.concatenate([ords, cols[1][order]])
+        off = np.concatenate([off, cols[2][order]])
+        lens = np.concatenate([lens, cols[3][order]])
+        mom = [np.concatenate([m, c[order]]) for m, c in zip(mom, cols[5:])]
+    return src, ords, off, lens, mom
 
 
 def _two_stages(

@@ -7,7 +7,7 @@ import numpy as np
 
 from .rows import Rows, order_by
 
-__all__ = ["CARRY_KEEP", "CONSOLIDATE_PASSES", "consolidate", "refine"]
+__all__ = ["CARRY_KEEP", "CONSOLIDATE_PASSES", "consolidate", "refine", "trim"]
 
 REFINE_PARTNERS = 4  # cheapest ranks tried as partners in each refinement pass
 CARRY_KEEP = 1024  # left-over pieces kept as they are; beyond, `consolidate` trades them (state size)
@@ -30,6 +30,12 @@ class RankMembers:
         if r in self.moved:
             own = np.concatenate([own, np.array(self.moved[r], np.int64)])
         return own[self.rank[own] == r]
+
+    def of(self, ranks: np.ndarray) -> np.ndarray:
+        """The pieces grouped on `ranks` at the start (ascending ranks; some may have left since: check rank)."""
+        lo, hi = self.bounds[ranks], self.bounds[ranks + 1]
+        n = hi - lo
+        return self.order[np.repeat(lo - np.cumsum(n) + n, n) + np.arange(int(n.sum()))]
 
     def arrived(self, r: int, piece: int) -> None:
         """``piece`` now lies on rank r."""
@@ -117,7 +123,9 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     heavy_first = np.empty(st.lay.dp, np.int64)
     heavy_first[np.argsort(-st.rcost, kind="stable")] = np.arange(st.lay.dp)
     cand = cand[order_by(heavy_first[st.rank[cand]], st.lay.dp)]  # costliest ranks first
-    _, first = np.unique(st.rank[cand] * k + st.slot[cand], return_index=True)
+    key = st.rank[cand] * k + st.slot[cand]
+    o = order_by(key, st.lay.dp * k)  # stable: each row's first candidate leads its group
+    first = o[np.flatnonzero(np.diff(key[o], prepend=-1))]
     cand = cand[np.sort(first)]  # one per row, in the order above
     ends = np.cumsum(L[left])
     cost_ends = np.concatenate([[0.0], np.cumsum(c[left])])
@@ -138,3 +146,77 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     st.trade(cand, left[np.repeat(start, counts) + within], counts, dtok, dcost)
     return True
+
+
+TRIM_PASSES = 1  # rounds of `trim` (the cap already anticipates the mean it leads to)
+
+
+def _trim_cap(rcost: np.ndarray, tolerance: float, base: float) -> float:
+    """(1 + tolerance) x the mean the ranks will have once those above it are cut down to it: a fixed point,
+    found by iterating on the dp rank costs (each step shrinks the error by the share of ranks above)."""
+    total, dp = float(rcost.sum()), rcost.size
+    cap = (total / dp + base) * (1.0 + tolerance) - base
+    for _ in range(8):
+        cap = ((total - float(np.maximum(rcost - cap, 0.0).sum())) / dp + base) * (1.0 + tolerance) - base
+    return cap
+
+
+def trim(st: Rows, tolerance: float, base: float, priority: int) -> float:
+    """Hold the tolerance to the mean the step ends with: carry pieces off the ranks above (1 + tolerance) x it.
+
+    The cap (Rows.set_cap) is set from the mean expected before placing; the padding it makes lowers the mean, so
+    the capped ranks end above (1 + tolerance) x the real one. Each pass takes from every rank above that the
+    cheapest piece that covers its excess (else its costliest pieces until covered), never one that would take
+    the rank below the mean nor one carried over already (none waits twice); when a rank cannot come down that far,
+    the others come down only to it (cutting them deeper would pad them and leave the step as long). `base`: every
+    rank's cost besides its pieces (priced padding). Vectorised over the ranks; TRIM_PASSES passes at most.
+    Returns the cap it held the ranks to (the placements after it keep to it).
+    """
+    members = None
+    for _ in range(TRIM_PASSES):
+        cap = _trim_cap(st.rcost, tolerance, base)
+        if not (st.rcost > cap * (1.0 + 1e-12)).any():
+            break
+        if members is None:
+            members = RankMembers(st.rank, st.lay.dp)  # (pieces only leave ranks here: no arrivals to track)
+        out = _cuts(st, members, cap, priority)
+        rest = st.rcost - np.bincount(st.rank[out], st.c[out], minlength=st.lay.dp)
+        if float(rest.max()) > cap * (1.0 + 1e-12):  # a rank stays above: the others need not go below it
+            cap = float(rest.max())
+            out = _cuts(st, members, cap, priority)
+        if out.size == 0:
+            break
+        st.carry(out)
+    return max(_trim_cap(st.rcost, tolerance, base), float(st.rcost.max()))
+
+
+def _cuts(st: Rows, members: RankMembers, cap: float, priority: int) -> np.ndarray:
+    """The pieces `trim` carries off the ranks above `cap` (see there)."""
+    mean = float(st.rcost.mean())
+    over = np.flatnonzero(st.rcost > cap * (1.0 + 1e-12))
+    cand = members.of(over)  # grouped by rank, each rank's in index order
+    r, c = st.rank[cand], st.c[cand]
+    ok = (r >= 0) & (cand >= priority)
+    ok[ok] &= c[ok] <= st.rcost[r[ok]] - mean
+    cand, r, c = cand[ok], r[ok], c[ok]
+    if cand.size == 0:
+        return cand
+    excess = st.rcost[r] - cap
+    starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
+    group = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, r.size]))
+    cover = np.where(c >= excess, c, np.inf)
+    least = np.minimum.reduceat(cover, starts)  # the cheapest piece that covers its rank's excess
+    at = np.minimum.reduceat(np.where(cover == least[group], np.arange(r.size), r.size), starts)
+    covered = np.isfinite(least)
+    out = [cand[at[covered]]]
+    short = ~covered[group]  # no piece covers: the costliest pieces, until they do
+    if short.any():
+        cs, rs, cc, xs = cand[short], r[short], c[short], excess[short]
+        # by rank, costliest first: one stable sort of a float key (rank apart by more than any cost; 3x a lexsort)
+        o = np.argsort(rs * (2.0 * float(cc.max()) + 1.0) - cc, kind="stable")
+        cs, rs, cc, xs = cs[o], rs[o], cc[o], xs[o]
+        before = np.cumsum(cc) - cc  # costs taken before each piece, within its rank
+        first = np.flatnonzero(np.r_[True, rs[1:] != rs[:-1]])
+        before -= np.repeat(before[first], np.diff(np.r_[first, rs.size]))
+        out.append(cs[before < xs])
+    return np.concatenate(out)

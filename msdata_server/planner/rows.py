@@ -51,16 +51,18 @@ class Rows:
         self.spread = True
         self.monotone = True  # cost never decreases with length (set by `place`)
 
-    def set_cap(self, desc: np.ndarray, tolerance: float | None) -> None:
+    def set_cap(self, desc: np.ndarray, tolerance: float | None, base: float = 0.0) -> None:
         """Cap rank costs at (1 + tolerance) x the mean expected if the longest pieces fill the step.
 
-        (Pieces left over are the shortest, so the placed ones are the longest that fit.)
+        (Pieces left over are the shortest, so the placed ones are the longest that fit.) `base`: what every
+        rank costs besides its pieces (priced padding: pad_cost x its tokens; see cost.priced), which the
+        tolerance applies to as well.
         """
         if tolerance is None or desc.size == 0:
             return
         n = int(np.searchsorted(np.cumsum(self.L[desc]), self.lay.capacity, side="right"))
         mean = float(self.c[desc[: max(n, 1)]].sum()) / self.lay.dp
-        self.cap = max(mean * (1.0 + tolerance), float(self.c.max()))
+        self.cap = max((mean + base) * (1.0 + tolerance) - base, float(self.c.max()))
         self.capped = True
 
     def rate(self) -> float:
@@ -220,7 +222,7 @@ class Rows:
         toks, cc = L[idx], c[idx]
         rem = self.rem.reshape(-1)
         rem -= np.bincount(rows, toks, minlength=rem.size).astype(np.int64)
-        touched = np.unique(ranks)
+        touched = np.flatnonzero(np.bincount(ranks, minlength=lay.dp))
         self.maxrem[touched] = self.rem[touched].max(axis=1)
         self.rtok -= np.bincount(ranks, toks, minlength=lay.dp).astype(np.int64)
         self.rcost += np.bincount(ranks, cc, minlength=lay.dp)
@@ -280,11 +282,26 @@ class Rows:
         np.add.at(self.rcost, r, dcost)
         np.add.at(self.mcost, (r, m), dcost)
         np.add.at(self.mtok, (r, m), dtok)
-        touched = np.unique(r)
+        touched = np.flatnonzero(np.bincount(r, minlength=self.lay.dp))
         self.maxrem[touched] = self.rem[touched].max(axis=1)
         self.rank[out] = self.slot[out] = -1
         self.rank[into] = np.repeat(r, counts)
         self.slot[into] = np.repeat(w, counts)
+
+    def carry(self, idx: np.ndarray) -> None:
+        """Take placed pieces idx out of their rows: they are left over (carried to the next step)."""
+        L, c, lay = self.L[idx], self.c[idx], self.lay
+        r, w = self.rank[idx], self.slot[idx]
+        rem = self.rem.reshape(-1)
+        rem += np.bincount(r * lay.slots + w, L, minlength=rem.size).astype(np.int64)
+        self.rtok += np.bincount(r, L, minlength=lay.dp).astype(np.int64)
+        self.rcost -= np.bincount(r, c, minlength=lay.dp)
+        mi = r * lay.micro + self.micro_of[w]
+        self.mcost -= np.bincount(mi, c, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
+        self.mtok += np.bincount(mi, L, minlength=lay.dp * lay.micro).astype(np.int64).reshape(lay.dp, lay.micro)
+        touched = np.flatnonzero(np.bincount(r, minlength=lay.dp))
+        self.maxrem[touched] = self.rem[touched].max(axis=1)
+        self.rank[idx] = self.slot[idx] = -1
 
     def _take(self, p: int) -> tuple[int, int]:
         r, w = int(self.rank[p]), int(self.slot[p])

@@ -37,4 +37,5 @@ def planner_config(spec: JobSpec) -> PlannerConfig:
         mixture=mixture,
         alpha_v=bal.alpha_v,  # the vision encoder's constants (used by cost = "vlm" only)
         beta_v=bal.beta_v,
+        pad_cost=bal.padding_cost,
     )

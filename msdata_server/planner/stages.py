@@ -53,6 +53,7 @@ def place_stages(
     tolerance: float | None,
     kk_budget: int,
     iters: int,
+    pad_base: float = 0.0,
 ) -> Rows:
     """Place pieces (backbone `costs`, encoder `vision`) into the rows of `layout`; the filled Rows.
 
@@ -62,16 +63,17 @@ def place_stages(
     pieces for fewer placed ones (refine.consolidate; the encoder load stays). With a `tolerance`, when
     the first fill's costliest backbone passes (1 + tolerance) x the mean of its full ranks (the long
     documents' ranks are padded, so the mean fell below what the cap assumed), the step is filled again
-    under that cap. Then `refine_stages`, at most `iters` passes.
+    under that cap. Then `refine_stages`, at most `iters` passes. `pad_base`: what every rank's backbone costs
+    besides its pieces (priced padding, Rows.set_cap), which the tolerance applies to as well.
     """
     desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
-    st = _fill(lengths, costs, vision, layout, desc, priority, tolerance, kk_budget, None)
+    st = _fill(lengths, costs, vision, layout, desc, priority, tolerance, kk_budget, None, pad_base)
     if tolerance is not None and layout.dp > 1:
         full = st.rtok <= FULL * layout.slots * layout.seq_len
         base = st.rcost[full] if full.sum() * FULL_RANKS >= layout.dp else st.rcost
-        cap = max(float(base.mean()) * (1.0 + tolerance), float(costs.max(initial=0.0)))
+        cap = max((float(base.mean()) + pad_base) * (1.0 + tolerance) - pad_base, float(costs.max(initial=0.0)))
         if float(st.rcost.max()) > cap:
-            st = _fill(lengths, costs, vision, layout, desc, priority, tolerance, kk_budget, cap)
+            st = _fill(lengths, costs, vision, layout, desc, priority, tolerance, kk_budget, cap, pad_base)
     refine_stages(st, vision, iters)
     return st
 
@@ -86,9 +88,10 @@ def _fill(
     tolerance: float | None,
     kk_budget: int,
     cap: float | None,
+    pad_base: float,
 ) -> Rows:
     st = Rows(lengths, costs, layout)
-    st.set_cap(desc, tolerance)
+    st.set_cap(desc, tolerance, pad_base)
     if cap is not None:
         st.cap = cap
     st.monotone = bool(np.all(np.diff(costs[desc]) <= 0))

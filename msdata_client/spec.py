@@ -13,7 +13,16 @@ from typing import Any
 
 from msdata_client import _toml
 from msdata_client._validate import FrozenMap, check_float, check_int, check_keys, check_name, check_str_tuple
-from msdata_client.choices import ATTENTION_COST, BroadcastAxis, CostKind, Distribute, LongDocs, Method, is_import_path
+from msdata_client.choices import (
+    ATTENTION_COST,
+    BroadcastAxis,
+    CostKind,
+    Distribute,
+    LongDocs,
+    Method,
+    OnReadError,
+    is_import_path,
+)
 from msdata_client.errors import ConfigError
 from msdata_client.mesh import PP_STAGES, ClientPlaceTree
 from msdata_client.mix import MixSpec
@@ -46,6 +55,7 @@ _JOB_TABLE_KEYS = (
     "pp_fields",
     "image_token_id",
     "shadow_loaders",
+    "on_read_error",
 )
 _TOP_KEYS = ("job", "mesh", "source", "mix", "balance")
 
@@ -123,6 +133,8 @@ class JobSpec:
     image_token_id: int = IMAGE_TOKEN_ID
     # hot standbys per source partition on other nodes (cluster layout only: never changes the data)
     shadow_loaders: int = 0
+    # an object-store read failed for good: "fail" stops the job, "skip" counts the samples (storage_error)
+    on_read_error: str = "fail"
     sources: tuple[SourceSpec, ...]
     mix: MixSpec
     balance: BalanceSpec = field(default_factory=BalanceSpec)
@@ -143,6 +155,7 @@ class JobSpec:
             raise ConfigError(f"job image_token_id={self.image_token_id} equals pad_id; {fix}")
         LongDocs.parse(self.long_docs, "job long_docs")
         Distribute.parse(self.distribute, "job distribute")
+        OnReadError.parse(self.on_read_error, "job on_read_error")
         check_int("job prefetch_steps", self.prefetch_steps, low=1, fix="plan at least 1 step ahead (2 by default)")
         check_int(
             "job shadow_loaders", self.shadow_loaders, low=0, fix="use 0 (no standbys) or the standbys per partition"
@@ -264,6 +277,8 @@ class JobSpec:
             job["image_token_id"] = self.image_token_id
         if self.shadow_loaders:  # written only when set: digests of jobs without standbys stay as they were
             job["shadow_loaders"] = self.shadow_loaders
+        if self.on_read_error != OnReadError.FAIL.value:  # written only when set: digests stay as they were
+            job["on_read_error"] = self.on_read_error
         return {
             "job": job,
             "mesh": self.mesh.to_dict(),

@@ -26,6 +26,7 @@ from .ops.memory import proc_memory, tree_memory
 from .ops.prometheus import start_metrics_server
 from .ops.sdnotify import Notifier
 from .shm import cleanup
+from .storage import configure as configure_storage
 from .tasks import TaskSet
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class NodeServer:
         self.pending = self.table.pending  # a new run of a job whose previous run is still winding down
         self.endpoint = UnixEndpoint(config.node.socket, self._handle)
         self.admission = Admission(config.node)  # [node] allow_transforms and data_roots
+        self.storage = configure_storage(config.storage)  # [storage]: sources in object storage, node-wide
         self.pool: WorkerPool | None = None
         self.autoscaler: Autoscaler | None = None  # with a pool: sizes it and shares it out ([autoscale])
         self.cluster: ClusterNode | None = None  # when node.toml has [cluster]
@@ -300,6 +302,7 @@ class NodeServer:
             "autoscale": self.autoscaler.status() if self.autoscaler is not None else {"enabled": False, "sources": {}},
             "memory": {"server_pss": proc_memory()["pss"], "total_pss": mem["pss"], "total_uss": mem["uss"]},
             "jobs": [j.status() for j in self.jobs.values()],
+            "storage": self.storage.stats.snapshot(),  # node-wide, cumulative since the server started
             **(
                 {"cluster": {**self.cluster.status(), "runs": self.cluster_jobs.status() if self.cluster_jobs else []}}
                 if self.cluster is not None

@@ -58,11 +58,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def open_source(spec: Any, *, seed: int) -> Source:
-    """Open the source a SourceSpec describes; ConfigError (naming source, path and fix) when it cannot."""
+def open_source(spec: Any, *, seed: int, on_read_error: str = "fail") -> Source:
+    """Open the source a SourceSpec describes; ConfigError (naming source, path and fix) when it cannot.
+    ``on_read_error`` ([job]): "fail" stops the job on an object-store read failed for good, "skip" counts it."""
     if spec.format not in _FORMAT_TABLE:
         raise ConfigError(f"source {spec.name!r}: unknown format {spec.format!r}; use one of {sorted(_FORMAT_TABLE)}")
-    return _format_class(spec.format)(spec, seed=seed)
+    src = _format_class(spec.format)(spec, seed=seed)
+    src.on_read_error = on_read_error
+    return src
 
 
 def _prefer_returning_allocator() -> None:

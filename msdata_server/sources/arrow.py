@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from ..storage import RemoteFile, is_uri
 from ._arrow import check_selected
 from ._units import UnitColumnsSource
 
@@ -16,8 +17,9 @@ __all__ = ["ArrowSource"]
 class _Mapped:
     """An open IPC file: its memory map and its record batches (read lazily for the file format)."""
 
-    def __init__(self, path: str):
-        self.mm = pa.memory_map(path, "r")
+    def __init__(self, path: str, remote: RemoteFile | None = None):
+        # a remote file is read by ranges (the footer, then each record batch it is asked for)
+        self.mm = pa.memory_map(path, "r") if remote is None else pa.PythonFile(remote, mode="r")
         try:
             self.reader = pa.ipc.open_file(self.mm)
             self.schema = self.reader.schema
@@ -47,6 +49,10 @@ class ArrowSource(UnitColumnsSource):
     extensions = (".arrow", ".feather", ".ipc", ".arrows")
 
     def _open(self, path: str) -> _Mapped:
+        if is_uri(path):
+            remote = self.open_bytes(path)
+            assert isinstance(remote, RemoteFile)
+            return _Mapped(path, remote)
         return _Mapped(path)
 
     def _scan(self, i: int, path: str) -> np.ndarray:

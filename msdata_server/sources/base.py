@@ -19,9 +19,11 @@ import numpy as np
 
 from msdata_client.source import Shuffle
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
+from ..storage import ListedFile, RemoteFile, get_store, is_uri
+from ._fd import Fd
 from .order import Order
-from .paths import expand_paths
+from .paths import expand_files
 
 __all__ = [
     "BAD_REASONS",
@@ -48,6 +50,7 @@ BAD_REASONS = (
     "missing_field",  # a record without the configured column, or a null value
     "oversize",  # larger than max_sample_bytes
     "read_error",  # an I/O error that persisted through the retries
+    "storage_error",  # an object-store read that failed for good, skipped by [job] on_read_error = "skip"
     "transform_error",  # the transform raised on this sample
     "worker_crash",  # the sample killed transform workers repeatedly
 )
@@ -147,6 +150,9 @@ class Source:
         self._rows_read = 0
         self._bytes_read = 0
         self._lock = threading.RLock()  # reads run in threads; one read at a time per source
+        # [job] on_read_error: "fail" stops the job on an object-store read that failed for good (StorageError);
+        # "skip" counts the unit's samples as bad (storage_error). open_source sets it.
+        self.on_read_error = "fail"
 
     @property
     def _order(self) -> Order:
@@ -302,7 +308,9 @@ class FileSource(Source):
         self.column: str = spec.column
         self.columns: tuple[str, ...] | None = selected_columns(spec)
         self.max_bytes: int = int(spec.max_sample_bytes)
-        self.paths: tuple[str, ...] = tuple(expand_paths(spec.name, spec.format, spec.paths, self.extensions))
+        self.files: tuple[ListedFile, ...] = tuple(expand_files(spec.name, spec.format, spec.paths, self.extensions))
+        self.paths: tuple[str, ...] = tuple(f.path for f in self.files)
+        self._listed = {f.path: f for f in self.files}
         self._handles: _Lru = _Lru(max_items=self.max_open or 4, max_bytes=1 << 62)  # resized once ordered
         self.skipped: dict[int, str] = {}
         units: list[np.ndarray] = []
@@ -312,6 +320,9 @@ class FileSource(Source):
             except ConfigError:
                 self.close()
                 raise
+            except StorageError as e:  # the store refused or failed for good: nothing to skip, the job cannot start
+                self.close()
+                raise ConfigError(f"source {self.name!r}: cannot read {p}: {e}") from None
             except Exception as e:  # a truncated or corrupt file: skip it, never fatal
                 self.skipped[i] = f"{type(e).__name__}: {e}"
                 self.bad.counts["corrupt_file"] += 1
@@ -350,6 +361,13 @@ class FileSource(Source):
         raise NotImplementedError
 
     # ---- shared machinery ----
+    def open_bytes(self, path: str) -> Fd | RemoteFile:
+        """A file of the source for ranged reads (``pread(n, offset)``, ``size``): a descriptor, or the object
+        through the store (its listed size and version)."""
+        if is_uri(path):
+            return get_store().open(self._listed[path])
+        return Fd(path)
+
     def keep_open(self, f: int, handle: Any) -> None:
         """Put a handle opened while scanning into the cache."""
         self._handles.put(f, handle, 1, on_evict=self._close)
@@ -381,6 +399,12 @@ class FileSource(Source):
         return b
 
     def error_reason(self, e: BaseException) -> str:
+        """The bad-sample reason of a read error; raises a StorageError again when the job says
+        ``on_read_error = "fail"`` (the job stops with it, naming the object and the last status code)."""
+        if isinstance(e, StorageError):
+            if self.on_read_error != "skip":
+                raise e
+            return "storage_error"
         if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
             return "read_error"
         return "corrupt"

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..storage import is_uri
 from ._arrow import check_selected
 from ._units import UnitColumnsSource
 from .base import _Lru
@@ -46,6 +47,8 @@ class ParquetSource(UnitColumnsSource):
         return most
 
     def _open(self, path: str) -> pq.ParquetFile:
+        if is_uri(path):  # by ranges through the store: the footer in one suffix read, then column chunks
+            return pq.ParquetFile(self.open_bytes(path), page_checksum_verification=True)
         return pq.ParquetFile(path, page_checksum_verification=True)
 
     def _scan(self, i: int, path: str) -> np.ndarray:
@@ -75,8 +78,8 @@ class ParquetSource(UnitColumnsSource):
                 got = [table.column(c).combine_chunks() for c in names]
                 size = sum(c.nbytes for c in got)
             except Exception as e:
-                if self.error_reason(e) == "read_error":
-                    return e  # persistent I/O trouble: try again next time
+                if self.error_reason(e) in ("read_error", "storage_error"):
+                    return e  # persistent I/O or store trouble: try again next time
                 got, size = e, 0  # cached too: a corrupt row group is not decoded again for every batch
             self._groups.put(key, got, size)
         return got

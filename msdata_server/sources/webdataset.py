@@ -10,17 +10,19 @@ samples have, or one that ``columns`` asks for) or one with a part twice is a co
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
 import tarfile
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
+from ..storage import RemoteFile, is_uri
 from ._fd import Fd
 from .base import FileSource
 
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 # webdataset's rule: key = directory + basename up to its first dot; extension = the rest of the basename
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./][^./]*)\.([^/]+)$")
 _BLOCK = 512  # tar block size
+_REMOTE_SCAN_BUFFER = 8 << 20  # a remote shard's headers are scanned through reads of this size
 _SPAN_SLACK = 64 << 10  # a sample's unselected members up to this many bytes are read along in the one pread
 
 # why a sample is bad at scan time (ShardIndex.flags)
@@ -75,13 +78,21 @@ class ShardIndex:
         )
 
 
-def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
+def shard_index(path: str, ext_ids: dict[str, int], remote: RemoteFile | None = None) -> ShardIndex:
     """Scan a tar shard's headers (data is skipped, never read); ``ext_ids`` assigns extension ids and grows.
+    A remote shard is scanned through a large read buffer (a few range reads, not one per header).
 
     tarfile.ReadError for a file that is no tar at all; a shard cut short keeps the samples before the cut and
     marks the ones it touches.
     """
-    size = os.path.getsize(path)
+    if remote is not None:
+        with io.BufferedReader(remote, buffer_size=_REMOTE_SCAN_BUFFER) as fh:
+            return _scan_tar(fh, remote.size, ext_ids)
+    with open(path, "rb") as fh:
+        return _scan_tar(fh, os.path.getsize(path), ext_ids)
+
+
+def _scan_tar(fh: BinaryIO, size: int, ext_ids: dict[str, int]) -> ShardIndex:
     offsets: list[int] = []
     sizes: list[int] = []
     exts: list[int] = []
@@ -90,7 +101,7 @@ def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
     truncated = ""
     key = None
     seen: set[int] = set()
-    with open(path, "rb") as fh, tarfile.open(fileobj=fh, mode="r:") as tf:
+    with tarfile.open(fileobj=fh, mode="r:") as tf:
         while True:
             try:
                 m = tf.next()
@@ -180,12 +191,14 @@ class WebDatasetSource(FileSource):
         self.ext_names: tuple[str, ...] = tuple(names)
         self._wanted_text = [self.columns[k] if self.columns else names[g[0]] for k, g in enumerate(wanted)]
 
-    def _open(self, path: str) -> Fd:
-        return Fd(path)
+    def _open(self, path: str) -> Fd | RemoteFile:
+        return self.open_bytes(path)
 
     def _scan(self, i: int, path: str) -> np.ndarray:
         try:
-            idx = shard_index(path, self.ext_ids)
+            remote = self.open_bytes(path) if is_uri(path) else None
+            assert remote is None or isinstance(remote, RemoteFile)
+            idx = shard_index(path, self.ext_ids, remote)
         except BaseException:
             self.shards.append(ShardIndex.empty())
             raise
@@ -209,18 +222,18 @@ class WebDatasetSource(FileSource):
         out: list = [None] * len(rows)
         nbytes = 0
         try:
-            fd = self.handle(f).fd
-        except OSError as e:
+            fh = self.handle(f)
+        except (OSError, StorageError) as e:
             reason = self.error_reason(e)
             for k, r in enumerate(rows.tolist()):
                 out[k] = self.bad_sample(f, r, reason, str(e), f"{self.paths[f]}: {e}")
             return out, 0
         for k, r in enumerate(rows.tolist()):
-            out[k], nb = self._sample(f, shard, fd, r)
+            out[k], nb = self._sample(f, shard, fh, r)
             nbytes += nb
         return out, nbytes
 
-    def _sample(self, f: int, shard: ShardIndex, fd: int, row: int) -> tuple[object, int]:
+    def _sample(self, f: int, shard: ShardIndex, fh: Fd | RemoteFile, row: int) -> tuple[object, int]:
         """One sample's record and the bytes it took, or a BadSample and 0."""
         lo, hi = int(shard.starts[row]), int(shard.starts[row + 1])
         exts = shard.exts[lo:hi]
@@ -245,16 +258,16 @@ class WebDatasetSource(FileSource):
         start, end = int(offs.min()), int((offs + sizes).max())
         try:
             if end - start <= 2 * need + self.span_slack:  # one read of the span, headers and all
-                block = self._retry(lambda: os.pread(fd, end - start, start))
+                block = self._retry(lambda: fh.pread(end - start, start))
                 if len(block) != end - start:
                     raise EOFError(f"short read: {len(block)} of {end - start} bytes (file changed?)")
                 parts = [block[o - start : o - start + s] for o, s in zip(offs.tolist(), sizes.tolist())]
             else:  # unselected big members in between: read the wanted ones alone
                 spans = zip(offs.tolist(), sizes.tolist())
-                parts = [self._retry(partial(os.pread, fd, s, o)) for o, s in spans]
+                parts = [self._retry(partial(fh.pread, s, o)) for o, s in spans]
                 if [len(p) for p in parts] != sizes.tolist():
                     raise EOFError("short read (file changed?)")
-        except (OSError, EOFError) as e:
+        except (OSError, EOFError, StorageError) as e:
             reason = "read_error" if isinstance(e, EOFError) else self.error_reason(e)
             return self.bad_sample(f, row, reason, str(e)), 0
         return {self.ext_names[e]: p for e, p in zip(found, parts)}, need

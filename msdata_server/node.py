@@ -51,7 +51,9 @@ class NodeServer:
         self.pending = self.table.pending  # a new run of a job whose previous run is still winding down
         self.endpoint = UnixEndpoint(config.node.socket, self._handle)
         self.admission = Admission(config.node)  # [node] allow_transforms and data_roots
-        self.storage = configure_storage(config.storage)  # [storage]: sources in object storage, node-wide
+        self.storage = configure_storage(
+            config.storage, config.node.state_path
+        )  # [storage]: sources in object storage, node-wide
         self.pool: WorkerPool | None = None
         self.autoscaler: Autoscaler | None = None  # with a pool: sizes it and shares it out ([autoscale])
         self.cluster: ClusterNode | None = None  # when node.toml has [cluster]

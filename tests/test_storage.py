@@ -246,3 +246,54 @@ def test_a_job_stops_with_the_object_named_when_reads_give_up(s3, proxy, server_
     proxy.deny = False
     skip = dataclasses.replace(_job({"parquet": "s3://data/parquet/"}, name="skips"), on_read_error="skip")
     assert len(run_ranks(skip, srv.socket, 2)[0]) == 2  # the server goes on serving other jobs
+
+
+# ---- listing and metadata once ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_restart_opens_without_listing_or_footers(s3, proxy, fmt, tmp_path):
+    _, root, dirs = s3
+    configure(StorageConfig(s3_endpoint=proxy.endpoint), state_dir=str(tmp_path / "state"))
+    cold = open_source(_spec(fmt, [f"s3://data/{fmt}/"]), seed=2)
+    cold.close()
+    assert proxy.counts.get("LIST", 0) >= 1
+    if fmt == "parquet":  # the listing, then a HEAD and one suffix read of the footer per object
+        assert proxy.total() <= 1 + 2 * len(cold.paths)
+    proxy.reset_counts()
+    warm = open_source(_spec(fmt, [f"s3://data/{fmt}/"]), seed=2)
+    assert proxy.total() == 0  # no listing, no footer, no index read: all from state_dir
+    local = open_source(_spec(fmt, [str(dirs[fmt])]), seed=2)
+    ords = np.arange(0, local.num_samples, 2)
+    assert warm.paths == cold.paths and warm.read(ords) == local.read(ords)
+    warm.close(), local.close()
+
+
+def test_changed_or_vanished_objects_after_a_restart_are_named(s3, proxy, tmp_path):
+    server, _, dirs = s3
+    server.upload(dirs["parquet"], "evolving")
+    configure(StorageConfig(s3_endpoint=proxy.endpoint, give_up_s=2), state_dir=str(tmp_path / "state"))
+    open_source(_spec("parquet", ["s3://evolving/"]), seed=0).close()
+    first, second = "evolving/part-0.parquet", "evolving/part-1.parquet"
+    server.put(first, b"PAR1 a different object PAR1")
+    server.fs().delete_file(second)
+    src = open_source(_spec("parquet", ["s3://evolving/"]), seed=0)  # from state_dir: nothing listed
+    ords = np.arange(src.num_samples)
+    _, files, _ = src.locate_many(ords)
+    with pytest.raises(StorageError, match=f"s3://{first} changed since it was listed"):
+        src.read(ords[files == 0][:1])
+    with pytest.raises(StorageError, match=f"object s3://{second}: the object does not exist.*status 404"):
+        src.read(ords[files == 1][:1])
+    src.close()
+
+
+def test_a_server_restart_starts_the_job_without_listing(s3, proxy, server_factory):
+    _, _, dirs = s3
+    spec = _job({"parquet": "s3://data/parquet/", "jsonl": "s3://data/jsonl/"}, name="restart")
+    extra = f'\n[storage]\ns3_endpoint = "{proxy.endpoint}"\n'
+    srv = server_factory(workers=0, extra=extra).start()
+    first = run_ranks(spec, srv.socket, 6)
+    assert proxy.counts.get("LIST", 0) >= 2
+    srv.stop()
+    proxy.reset_counts()
+    srv.start()
+    assert run_ranks(spec, srv.socket, 6) == first
+    assert proxy.counts.get("LIST", 0) == 0  # listings and footers came from state_dir

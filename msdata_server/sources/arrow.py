@@ -47,6 +47,7 @@ class ArrowSource(UnitColumnsSource):
 
     format = "arrow"
     extensions = (".arrow", ".feather", ".ipc", ".arrows")
+    warm_tail = 64 << 10  # a remote file's footer (schema and record-batch blocks) in one suffix read
 
     def _open(self, path: str) -> _Mapped:
         if is_uri(path):

@@ -20,7 +20,7 @@ import numpy as np
 from msdata_client.source import Shuffle
 
 from ..errors import ConfigError, StorageError
-from ..storage import ListedFile, RemoteFile, get_store, is_uri
+from ..storage import ListedFile, RemoteFile, SourceMeta, get_store, is_uri, local_path
 from ._fd import Fd
 from .order import Order
 from .paths import expand_files
@@ -308,27 +308,30 @@ class FileSource(Source):
         self.column: str = spec.column
         self.columns: tuple[str, ...] | None = selected_columns(spec)
         self.max_bytes: int = int(spec.max_sample_bytes)
-        self.files: tuple[ListedFile, ...] = tuple(expand_files(spec.name, spec.format, spec.paths, self.extensions))
-        self.paths: tuple[str, ...] = tuple(f.path for f in self.files)
-        self._listed = {f.path: f for f in self.files}
         self._handles: _Lru = _Lru(max_items=self.max_open or 4, max_bytes=1 << 62)  # resized once ordered
+        self._warm: dict[str, RemoteFile] = {}  # remote files opened ahead, in parallel, for the scan
         self.skipped: dict[int, str] = {}
-        units: list[np.ndarray] = []
-        for i, p in enumerate(self.paths):
-            try:
-                u = np.asarray(self._scan(i, p), dtype=np.int64)
-            except ConfigError:
-                self.close()
-                raise
-            except StorageError as e:  # the store refused or failed for good: nothing to skip, the job cannot start
-                self.close()
-                raise ConfigError(f"source {self.name!r}: cannot read {p}: {e}") from None
-            except Exception as e:  # a truncated or corrupt file: skip it, never fatal
-                self.skipped[i] = f"{type(e).__name__}: {e}"
-                self.bad.counts["corrupt_file"] += 1
-                log.error("source %s: skipping unreadable file %s: %s", self.name, p, self.skipped[i])
-                u = np.zeros(0, dtype=np.int64)
-            units.append(u)
+        store = get_store()
+        remote = any(is_uri(str(p)) and local_path(str(p)) is None for p in spec.paths)
+        meta_cache = store.meta if remote else None
+        identity = {
+            "format": spec.format,
+            "paths": list(spec.paths),
+            "column": self.column,
+            "columns": None if self.columns is None else list(self.columns),
+        }
+        meta = meta_cache.load(identity) if meta_cache is not None else None
+        if meta is not None:  # a restart or resume: no listing, no footer read
+            self._set_files(meta.files)
+            units = meta.units
+            self.skipped = dict(meta.skipped)
+            self.bad.counts["corrupt_file"] += len(self.skipped)
+            self._meta_restore(meta)
+        else:
+            self._set_files(expand_files(spec.name, spec.format, spec.paths, self.extensions))
+            units = self._scan_all(store)
+            if meta_cache is not None:
+                meta_cache.save(identity, self._meta_collect(units))
         if len(self.skipped) == len(self.paths):
             self.close()
             raise ConfigError(
@@ -345,7 +348,66 @@ class FileSource(Source):
             self.close()
             raise ConfigError(f"source {self.name!r}: its files {list(self.paths)[:3]}... hold no rows")
 
+    def _set_files(self, files: list[ListedFile]) -> None:
+        self.files: tuple[ListedFile, ...] = tuple(files)
+        self.paths: tuple[str, ...] = tuple(f.path for f in self.files)
+        self._listed = {f.path: f for f in self.files}
+        self._index = {f.path: i for i, f in enumerate(self.files)}
+
+    def _scan_all(self, store: Any) -> list[np.ndarray]:
+        """Every file's unit row counts; files that cannot be read are skipped (counted). Remote files' footers
+        are fetched first, in parallel up to [storage] max_inflight."""
+        if self.warm_tail and any(is_uri(p) for p in self.paths):
+            from concurrent.futures import ThreadPoolExecutor
+
+            def warm(path: str) -> tuple[str, RemoteFile | None]:
+                try:
+                    fh = store.open(self._listed[path])
+                    fh.preload_tail(self.warm_tail)
+                    return path, fh
+                except StorageError:
+                    return path, None  # the scan reads it again and says why
+
+            with ThreadPoolExecutor(max_workers=min(store.cfg.max_inflight, 64)) as ex:
+                self._warm = {p: fh for p, fh in ex.map(warm, [p for p in self.paths if is_uri(p)]) if fh}
+        units: list[np.ndarray] = []
+        for i, p in enumerate(self.paths):
+            try:
+                u = np.asarray(self._scan(i, p), dtype=np.int64)
+            except ConfigError:
+                self.close()
+                raise
+            except StorageError as e:  # the store refused or failed for good: nothing to skip, the job cannot start
+                self.close()
+                raise ConfigError(f"source {self.name!r}: cannot read {p}: {e}") from None
+            except Exception as e:  # a truncated or corrupt file: skip it, never fatal
+                self.skipped[i] = f"{type(e).__name__}: {e}"
+                self.bad.counts["corrupt_file"] += 1
+                log.error("source %s: skipping unreadable file %s: %s", self.name, p, self.skipped[i])
+                u = np.zeros(0, dtype=np.int64)
+            units.append(u)
+        self._warm.clear()
+        return units
+
+    def _meta_collect(self, units: list[np.ndarray]) -> SourceMeta:
+        """What the scan learned, for the metadata cache (formats add their arrays in ``_meta_arrays``)."""
+        arrays = [self._meta_arrays(i) for i in range(len(self.paths))]
+        return SourceMeta(list(self.files), units, dict(self.skipped), arrays, self._meta_extra())
+
     # ---- subclass hooks ----
+    # bytes at the end of a remote file fetched before the scan, in parallel (a footer); 0: none
+    warm_tail: ClassVar[int] = 0
+
+    def _meta_arrays(self, i: int) -> dict[str, np.ndarray]:
+        """A format's per-file index (beyond unit row counts) to keep in the metadata cache."""
+        return {}
+
+    def _meta_extra(self) -> dict[str, Any]:
+        return {}
+
+    def _meta_restore(self, meta: SourceMeta) -> None:
+        """Take the per-file index back from the metadata cache instead of scanning."""
+
     def _scan(self, i: int, path: str) -> np.ndarray:
         raise NotImplementedError
 
@@ -365,7 +427,8 @@ class FileSource(Source):
         """A file of the source for ranged reads (``pread(n, offset)``, ``size``): a descriptor, or the object
         through the store (its listed size and version)."""
         if is_uri(path):
-            return get_store().open(self._listed[path])
+            warm = self._warm.pop(path, None)
+            return warm if warm is not None else get_store().open(self._listed[path])
         return Fd(path)
 
     def keep_open(self, f: int, handle: Any) -> None:

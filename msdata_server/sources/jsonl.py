@@ -10,7 +10,7 @@ import numpy as np
 import orjson
 
 from ..errors import ConfigError, StorageError
-from ..storage import RemoteFile
+from ..storage import RemoteFile, SourceMeta
 from ._fd import Fd
 from .base import FileSource
 
@@ -91,6 +91,14 @@ class JsonlSource(FileSource):
                 f"source {self.name!r}: the first object of {path} has no field(s) {missing}; its fields are "
                 f"{sorted(obj)}. Set columns = [...] to some of them in the source"
             )
+
+    def _meta_arrays(self, i: int) -> dict[str, np.ndarray]:
+        return {"starts": self.starts[i], "ends": self.ends[i]}
+
+    def _meta_restore(self, meta: SourceMeta) -> None:
+        z = np.zeros(0, np.int64)
+        self.starts = [a.get("starts", z).astype(np.int64) for a in meta.arrays]
+        self.ends = [a.get("ends", z).astype(np.int64) for a in meta.arrays]
 
     def _index_bytes(self) -> int:
         return super()._index_bytes() + sum(a.nbytes for a in self.starts) + sum(a.nbytes for a in self.ends)

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..storage import is_uri
+from ..storage import SourceMeta, is_uri
 from ._arrow import check_selected
 from ._units import UnitColumnsSource
 from .base import _Lru
@@ -28,7 +28,10 @@ class ParquetSource(UnitColumnsSource):
     cache_groups: ClassVar[int | None] = None
     cache_bytes: ClassVar[int] = 256 << 20
 
+    warm_tail = 64 << 10  # a remote file's footer in one suffix read (pyarrow reads the last 64 KiB first)
+
     def __init__(self, spec: Any, *, seed: int):
+        self._footers: dict[int, bytes] = {}  # remote files' footers (serialized FileMetaData): no re-read on open
         self._groups = _Lru(max_items=self.cache_groups or 8, max_bytes=self.cache_bytes)
         super().__init__(spec, seed=seed)
         self._groups.max_items = self.cache_groups or self._order.lanes * self._groups_per_window() + 8
@@ -47,8 +50,10 @@ class ParquetSource(UnitColumnsSource):
         return most
 
     def _open(self, path: str) -> pq.ParquetFile:
-        if is_uri(path):  # by ranges through the store: the footer in one suffix read, then column chunks
-            return pq.ParquetFile(self.open_bytes(path), page_checksum_verification=True)
+        if is_uri(path):  # by ranges through the store: the footer in one suffix read (or kept), then column chunks
+            footer = self._footers.get(self._index[path])
+            md = pq.read_metadata(pa.BufferReader(footer)) if footer is not None else None
+            return pq.ParquetFile(self.open_bytes(path), metadata=md, page_checksum_verification=True)
         return pq.ParquetFile(path, page_checksum_verification=True)
 
     def _scan(self, i: int, path: str) -> np.ndarray:
@@ -57,6 +62,10 @@ class ParquetSource(UnitColumnsSource):
             check_selected(self.name, path, pf.schema_arrow, self.column, self.columns)
             md = pf.metadata
             units = np.array([md.row_group(g).num_rows for g in range(md.num_row_groups)], dtype=np.int64)
+            if is_uri(path):
+                out = pa.BufferOutputStream()
+                md.write_metadata_file(out)
+                self._footers[i] = out.getvalue().to_pybytes()
         except BaseException:
             pf.close()
             raise
@@ -65,6 +74,13 @@ class ParquetSource(UnitColumnsSource):
 
     def _unit_name(self) -> str:
         return "row group"
+
+    def _meta_arrays(self, i: int) -> dict[str, np.ndarray]:
+        footer = self._footers.get(i)
+        return {} if footer is None else {"footer": np.frombuffer(footer, dtype=np.uint8)}
+
+    def _meta_restore(self, meta: SourceMeta) -> None:
+        self._footers = {i: a["footer"].tobytes() for i, a in enumerate(meta.arrays) if "footer" in a}
 
     def _unit(self, f: int, g: int) -> list[pa.Array] | Exception:
         """The decoded columns (``columns`` order) of row group g of file f, or the exception that reading them

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, ClassVar
 import numpy as np
 
 from ..errors import ConfigError, StorageError
-from ..storage import RemoteFile, is_uri
+from ..storage import RemoteFile, SourceMeta, is_uri
 from ._fd import Fd
 from .base import FileSource
 
@@ -216,6 +216,23 @@ class WebDatasetSource(FileSource):
 
     def _index_bytes(self) -> int:
         return super()._index_bytes() + sum(s.nbytes for s in self.shards)
+
+    _INDEX_FIELDS = ("offsets", "sizes", "exts", "starts", "flags")
+
+    def _meta_arrays(self, i: int) -> dict[str, np.ndarray]:
+        return {k: getattr(self.shards[i], k) for k in self._INDEX_FIELDS}
+
+    def _meta_extra(self) -> dict[str, Any]:
+        return {"ext_names": list(self.ext_ids), "truncated": [s.truncated for s in self.shards]}
+
+    def _meta_restore(self, meta: SourceMeta) -> None:
+        self.ext_ids = {name: k for k, name in enumerate(meta.extra["ext_names"])}
+        self.shards = []
+        for a, cut in zip(meta.arrays, meta.extra["truncated"]):
+            if not a:
+                self.shards.append(ShardIndex.empty())
+                continue
+            self.shards.append(ShardIndex(**{k: a[k] for k in self._INDEX_FIELDS}, truncated=cut))
 
     def _read_file(self, f: int, rows: np.ndarray) -> tuple[list, int]:
         shard = self.shards[f]

@@ -28,14 +28,26 @@ class RemoteFile(io.RawIOBase):
         self.size = obj.size
         self._pos = 0
         self.native: Any = None  # the store's open handle, opened on the first read
+        self._preloaded: tuple[int, bytes] = (0, b"")  # (offset, bytes) fetched ahead (a footer), served locally
 
     # ---- ranged reads ----
     def pread(self, n: int, offset: int) -> bytes:
         """Bytes [offset, offset + n) (fewer at the end of the object)."""
-        n = max(0, min(int(n), self.size - int(offset)))
+        offset = int(offset)
+        n = max(0, min(int(n), self.size - offset))
         if n == 0:
             return b""
-        return self.store.read(self, int(offset), n)
+        at, data = self._preloaded
+        if at <= offset and offset + n <= at + len(data):
+            return data[offset - at : offset - at + n]
+        return self.store.read(self, offset, n)
+
+    def preload_tail(self, n: int) -> None:
+        """Fetch the last n bytes now (one suffix-range read: a Parquet or Arrow footer) so that the format
+        library's reads in them cost no request."""
+        n = min(int(n), self.size)
+        if n > 0:
+            self._preloaded = (self.size - n, self.store.read(self, self.size - n, n))
 
     # ---- file-like ----
     def readable(self) -> bool:

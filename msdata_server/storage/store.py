@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from ..config import StorageConfig
 from ..errors import ConfigError, StorageError
 from .listing import ListedFile
+from .metacache import MetaCache
 from .remotefile import RemoteFile
 from .retry import RetryPolicy, with_retries
 from .stats import StorageStats
@@ -37,8 +38,10 @@ def _hidden(rel: str) -> bool:
 class Store:
     """Filesystems, the request limit, retries and counters of this process."""
 
-    def __init__(self, cfg: StorageConfig):
+    def __init__(self, cfg: StorageConfig, state_dir: str | None = None):
         self.cfg = cfg
+        # listings and per-file metadata of remote sources, kept across restarts (None: list every time)
+        self.meta: MetaCache | None = MetaCache(state_dir) if state_dir else None
         self.stats = StorageStats()
         self.policy = RetryPolicy(retries=cfg.retries, give_up_s=cfg.give_up_s)
         self._inflight = threading.BoundedSemaphore(cfg.max_inflight)
@@ -212,11 +215,12 @@ _STORE: Store | None = None
 _STORE_LOCK = threading.Lock()
 
 
-def configure(cfg: StorageConfig) -> Store:
-    """Make the process's store follow ``cfg`` (the server calls it once, before any job opens a source)."""
+def configure(cfg: StorageConfig, state_dir: str | None = None) -> Store:
+    """Make the process's store follow ``cfg`` (the server calls it once, before any job opens a source);
+    ``state_dir``: where remote sources' listings and metadata are kept across restarts."""
     global _STORE
     with _STORE_LOCK:
-        _STORE = Store(cfg)
+        _STORE = Store(cfg, state_dir)
         return _STORE
 
 

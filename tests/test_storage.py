@@ -297,3 +297,30 @@ def test_a_server_restart_starts_the_job_without_listing(s3, proxy, server_facto
     srv.start()
     assert run_ranks(spec, srv.socket, 6) == first
     assert proxy.counts.get("LIST", 0) == 0  # listings and footers came from state_dir
+
+
+def test_validate_lists_and_checks_remote_paths(s3, proxy, tmp_path):
+    node = tmp_path / "node.toml"
+    node.write_text(f'[node]\nid = "n1"\nsocket = "{tmp_path}/s.sock"\n[storage]\ns3_endpoint = "{proxy.endpoint}"\n')
+    job = tmp_path / "job.toml"
+    job.write_text(
+        '[job]\nname = "v"\nseq_len = 512\n[mesh]\ndp = 1\n[[source]]\nname = "web"\nformat = "parquet"\n'
+        'paths = ["s3://data/parquet/**/*.parquet"]\n[mix]\nweights = { web = 1.0 }\n'
+    )
+
+    def validate():
+        return subprocess.run(
+            [sys.executable, "-m", "msdata_server", "validate", "--config", str(node), "--job", str(job)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    out = validate()
+    assert out.returncode == 0, out.stderr
+    assert "source web (parquet): 900 samples" in out.stdout
+    assert "3 object(s)" in out.stdout and "s3://data/parquet/part-0.parquet" in out.stdout
+    job.write_text(job.read_text().replace("s3://data/parquet/", "s3://data/missing/"))
+    out = validate()
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "source 'web'" in out.stderr and "no objects matched 's3://data/missing/**/*.parquet'" in out.stderr

@@ -324,3 +324,48 @@ def test_validate_lists_and_checks_remote_paths(s3, proxy, tmp_path):
     out = validate()
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "source 'web'" in out.stderr and "no objects matched 's3://data/missing/**/*.parquet'" in out.stderr
+
+
+# ---- the node's on-disk object cache ---------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["parquet", "webdataset"])
+def test_the_cache_serves_a_second_epoch_and_a_restart(s3, proxy, fmt, tmp_path):
+    state, cache = str(tmp_path / "state"), str(tmp_path / "cache")
+    cfg = StorageConfig(s3_endpoint=proxy.endpoint, cache_dir=cache, cache_gib=0.01)
+    store = configure(cfg, state_dir=state)
+    src = open_source(_spec(fmt, [f"s3://data/{fmt}/"]), seed=4)
+    n = src.num_samples
+    src.trim()  # the footers fetched at open (whole files, these are small) are not what an epoch reads
+    first = src.read(np.arange(n))
+    src.trim()  # no decoded row group or open handle left: the next epoch reads its ranges again
+    proxy.reset_counts()
+    assert src.read(np.arange(n, 2 * n)) == src.read(np.arange(n, 2 * n))
+    assert proxy.total() == 0 and store.stats.snapshot()["cache_hits"] > 0, (proxy.counts, store.stats.snapshot())
+    src.close()
+    restarted = configure(cfg, state_dir=state)  # a new server process: same state_dir, same cache_dir
+    again = open_source(_spec(fmt, [f"s3://data/{fmt}/"]), seed=4)
+    assert again.read(np.arange(n)) == first
+    assert proxy.total() == 0 and restarted.stats.snapshot()["requests"] == 0
+    again.close()
+
+
+def test_a_cache_that_cannot_be_written_turns_itself_off_once(s3, proxy, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    store = configure(StorageConfig(s3_endpoint=proxy.endpoint, cache_dir=str(blocker / "cache"), cache_gib=1))
+    src = open_source(_spec("jsonl", ["s3://data/jsonl/"]), seed=0)
+    assert len(src.read(np.arange(50))) == 50
+    offs = [r for r in caplog.records if "object cache" in r.getMessage()]
+    assert len(offs) == 1 and "is off" in offs[0].getMessage() and "cache_dir" in offs[0].getMessage()
+    assert store.stats.snapshot()["cache_misses"] == 0 and store.stats.snapshot()["requests"] > 0
+    src.close()
+
+
+def test_the_cache_stays_within_its_size(s3, proxy, tmp_path):
+    cache = tmp_path / "cache"
+    limit = 40 << 10
+    configure(StorageConfig(s3_endpoint=proxy.endpoint, cache_dir=str(cache), cache_gib=limit / (1 << 30)))
+    src = open_source(_spec("webdataset", ["s3://data/webdataset/"]), seed=0)
+    src.read(np.arange(src.num_samples))
+    held = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
+    assert 0 < held <= limit
+    src.close()

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from ..config import StorageConfig
 from ..errors import ConfigError, StorageError
+from .cache import DiskCache
 from .listing import ListedFile
 from .metacache import MetaCache
 from .remotefile import RemoteFile
@@ -45,6 +46,9 @@ class Store:
         self.stats = StorageStats()
         self.policy = RetryPolicy(retries=cfg.retries, give_up_s=cfg.give_up_s)
         self._inflight = threading.BoundedSemaphore(cfg.max_inflight)
+        self.cache: DiskCache | None = (
+            DiskCache(cfg.cache_dir, int(cfg.cache_gib * (1 << 30))) if cfg.cache_dir and cfg.cache_gib else None
+        )
         self._fs: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -117,8 +121,17 @@ class Store:
         return with_retries(attempt, what=what, policy=self.policy, stats=self.stats)
 
     def read(self, f: RemoteFile, offset: int, n: int) -> bytes:
-        """Bytes [offset, offset + n) of an open remote file (n > 0, within its size)."""
+        """Bytes [offset, offset + n) of an open remote file (n > 0, within its size): from the node's object
+        cache when it holds them, else one ranged request (kept in the cache)."""
         obj = f.obj
+        cache = self.cache if self.cache is not None and self.cache.enabled else None
+        key = DiskCache.key(obj, offset, n) if cache is not None else ""
+        if cache is not None:
+            hit = cache.get(key)
+            if hit is not None and len(hit) == n:
+                self.stats.add("cache_hits")
+                return hit
+            self.stats.add("cache_misses")
 
         def get() -> bytes:
             if f.native is None:
@@ -139,7 +152,10 @@ class Store:
                 raise StorageError(self.changed(obj, f"a read of {n} bytes at {offset} gave {len(data)}"))
             return data
 
-        return self.request(get, what=f"object {obj.path}", nbytes=len)
+        data = self.request(get, what=f"object {obj.path}", nbytes=len)
+        if cache is not None:
+            cache.put(key, data)
+        return data
 
     @staticmethod
     def changed(obj: ListedFile, detail: str) -> str:

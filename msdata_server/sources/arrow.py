@@ -4,10 +4,12 @@ into records at once (_units.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 
-from ..storage import RemoteFile, is_uri
+from ..storage import ListedFile, RemoteFile, is_uri
 from ._arrow import check_selected
 from ._units import UnitColumnsSource
 
@@ -47,7 +49,12 @@ class ArrowSource(UnitColumnsSource):
 
     format = "arrow"
     extensions = (".arrow", ".feather", ".ipc", ".arrows")
-    warm_tail = 64 << 10  # a remote file's footer (schema and record-batch blocks) in one suffix read
+
+    def _prefetch(self, store: Any, obj: ListedFile) -> RemoteFile:
+        """A remote file with its footer (schema and record-batch blocks) fetched in one suffix read."""
+        fh = store.open(obj)
+        fh.preload_tail(64 << 10)
+        return fh
 
     def _open(self, path: str) -> _Mapped:
         if is_uri(path):

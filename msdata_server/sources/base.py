@@ -309,7 +309,7 @@ class FileSource(Source):
         self.columns: tuple[str, ...] | None = selected_columns(spec)
         self.max_bytes: int = int(spec.max_sample_bytes)
         self._handles: _Lru = _Lru(max_items=self.max_open or 4, max_bytes=1 << 62)  # resized once ordered
-        self._warm: dict[str, RemoteFile] = {}  # remote files opened ahead, in parallel, for the scan
+        self._warm: dict[str, Any] = {}  # what the scan of remote files needs, fetched ahead in parallel
         self.skipped: dict[int, str] = {}
         store = get_store()
         remote = any(is_uri(str(p)) and local_path(str(p)) is None for p in spec.paths)
@@ -357,19 +357,19 @@ class FileSource(Source):
     def _scan_all(self, store: Any) -> list[np.ndarray]:
         """Every file's unit row counts; files that cannot be read are skipped (counted). Remote files' footers
         are fetched first, in parallel up to [storage] max_inflight."""
-        if self.warm_tail and any(is_uri(p) for p in self.paths):
+        remote = [p for p in self.paths if is_uri(p)]
+        if remote and type(self)._prefetch is not FileSource._prefetch:
+
+            def warm(path: str) -> tuple[str, Any]:
+                try:
+                    return path, self._prefetch(store, self._listed[path])
+                except Exception:  # the scan reads it again and says why
+                    return path, None
+
             from concurrent.futures import ThreadPoolExecutor
 
-            def warm(path: str) -> tuple[str, RemoteFile | None]:
-                try:
-                    fh = store.open(self._listed[path])
-                    fh.preload_tail(self.warm_tail)
-                    return path, fh
-                except StorageError:
-                    return path, None  # the scan reads it again and says why
-
             with ThreadPoolExecutor(max_workers=min(store.cfg.max_inflight, 64)) as ex:
-                self._warm = {p: fh for p, fh in ex.map(warm, [p for p in self.paths if is_uri(p)]) if fh}
+                self._warm = {p: got for p, got in ex.map(warm, remote) if got is not None}
         units: list[np.ndarray] = []
         for i, p in enumerate(self.paths):
             try:
@@ -395,8 +395,13 @@ class FileSource(Source):
         return SourceMeta(list(self.files), units, dict(self.skipped), arrays, self._meta_extra())
 
     # ---- subclass hooks ----
-    # bytes at the end of a remote file fetched before the scan, in parallel (a footer); 0: none
-    warm_tail: ClassVar[int] = 0
+    def _prefetch(self, store: Any, obj: ListedFile) -> Any:
+        """What the scan of a remote file needs first (a footer), fetched for every remote file in parallel (up
+        to [storage] max_inflight) before the scan; ``_scan`` finds it with ``prefetched(path)``."""
+        return None
+
+    def prefetched(self, path: str) -> Any:
+        return self._warm.pop(path, None)
 
     def _meta_arrays(self, i: int) -> dict[str, np.ndarray]:
         """A format's per-file index (beyond unit row counts) to keep in the metadata cache."""
@@ -428,7 +433,7 @@ class FileSource(Source):
         through the store (its listed size and version)."""
         if is_uri(path):
             warm = self._warm.pop(path, None)
-            return warm if warm is not None else get_store().open(self._listed[path])
+            return warm if isinstance(warm, RemoteFile) else get_store().open(self._listed[path])
         return Fd(path)
 
     def keep_open(self, f: int, handle: Any) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..storage import SourceMeta, is_uri
+from ..storage import ListedFile, SourceMeta, get_store, is_uri
 from ._arrow import check_selected
 from ._units import UnitColumnsSource
 from .base import _Lru
@@ -27,8 +27,6 @@ class ParquetSource(UnitColumnsSource):
     # decoded row groups kept, within cache_bytes; None: lanes * (most row groups in a window) + 8
     cache_groups: ClassVar[int | None] = None
     cache_bytes: ClassVar[int] = 256 << 20
-
-    warm_tail = 64 << 10  # a remote file's footer in one suffix read (pyarrow reads the last 64 KiB first)
 
     def __init__(self, spec: Any, *, seed: int):
         self._footers: dict[int, bytes] = {}  # remote files' footers (serialized FileMetaData): no re-read on open
@@ -56,16 +54,23 @@ class ParquetSource(UnitColumnsSource):
             return pq.ParquetFile(self.open_bytes(path), metadata=md, page_checksum_verification=True)
         return pq.ParquetFile(path, page_checksum_verification=True)
 
+    def _prefetch(self, store: Any, obj: ListedFile) -> Any:
+        """A remote file's footer: one suffix-range read, no HEAD."""
+        return store.parquet_footer(obj)
+
     def _scan(self, i: int, path: str) -> np.ndarray:
+        if is_uri(path):  # the footer alone (fetched ahead in parallel); the file opens when first read
+            md = self.prefetched(path) or get_store().parquet_footer(self._listed[path])
+            check_selected(self.name, path, md.schema.to_arrow_schema(), self.column, self.columns)
+            out = pa.BufferOutputStream()
+            md.write_metadata_file(out)
+            self._footers[i] = out.getvalue().to_pybytes()
+            return np.array([md.row_group(g).num_rows for g in range(md.num_row_groups)], dtype=np.int64)
         pf = self._open(path)
         try:
             check_selected(self.name, path, pf.schema_arrow, self.column, self.columns)
             md = pf.metadata
             units = np.array([md.row_group(g).num_rows for g in range(md.num_row_groups)], dtype=np.int64)
-            if is_uri(path):
-                out = pa.BufferOutputStream()
-                md.write_metadata_file(out)
-                self._footers[i] = out.getvalue().to_pybytes()
         except BaseException:
             pf.close()
             raise

@@ -83,6 +83,8 @@ def with_retries(fn: Callable[[], T], *, what: str, policy: RetryPolicy, stats: 
         except StorageError:
             raise
         except Exception as e:
+            if not isinstance(e, (OSError, TimeoutError, ConnectionError, EOFError)):
+                raise  # not the store's failure (a file that is not the source's format): the caller's to judge
             f = classify(e)
             if f.throttled:
                 stats.add("throttled")

@@ -157,6 +157,19 @@ class Store:
             cache.put(key, data)
         return data
 
+    def parquet_footer(self, obj: ListedFile) -> Any:
+        """The FileMetaData of a Parquet object in one suffix-range read and no HEAD (the listing gave the size):
+        pyarrow's dataset layer opens the object with its known size. A file that is not Parquet raises
+        pyarrow's error unchanged (the source counts it as corrupt)."""
+        import pyarrow.dataset as ds
+
+        fs, path, _ = self.resolve(obj.path)
+
+        def get() -> Any:
+            return ds.ParquetFileFormat().make_fragment(path, filesystem=fs, file_size=obj.size).metadata
+
+        return self.request(get, what=f"object {obj.path} (Parquet footer)", nbytes=lambda _: min(obj.size, 64 << 10))
+
     @staticmethod
     def changed(obj: ListedFile, detail: str) -> str:
         return (

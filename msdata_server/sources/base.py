@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -191,6 +192,10 @@ class Source:
     def read_batch(self, ordinals) -> ReadResult:
         raise NotImplementedError
 
+    def read_executor(self) -> Executor | None:
+        """Where the loader runs this source's reads: None for the loop's default threads."""
+        return None
+
     def _account(self, rows: int, nbytes: int) -> None:
         self._rows_read += rows
         self._bytes_read += nbytes
@@ -349,6 +354,7 @@ class FileSource(Source):
             raise ConfigError(f"source {self.name!r}: its files {list(self.paths)[:3]}... hold no rows")
 
     def _set_files(self, files: list[ListedFile]) -> None:
+        self._remote = any(is_uri(f.path) for f in files)
         self.files: tuple[ListedFile, ...] = tuple(files)
         self.paths: tuple[str, ...] = tuple(f.path for f in self.files)
         self._listed = {f.path: f for f in self.files}
@@ -491,16 +497,33 @@ class FileSource(Source):
 
     def _read_rows(self, files: np.ndarray, rows: np.ndarray) -> tuple[list, int]:
         """Records of (files[k], rows[k]) in that order and their bytes: ``_read_file`` once per file (a format
-        that reads rows of several files at once overrides this)."""
+        that reads rows of several files at once overrides this); remote files' reads overlap."""
         out: list = [None] * len(rows)
         nbytes = 0
-        for f in np.unique(files).tolist():
-            idx = np.flatnonzero(files == f)
-            recs, nb = self._read_file(f, rows[idx])
+        fs = np.unique(files).tolist()
+        picks = [np.flatnonzero(files == f) for f in fs]
+        got = self._overlapped(fs, lambda k: self._read_file(fs[k], rows[picks[k]]))
+        for idx, (recs, nb) in zip(picks, got):
             nbytes += nb
             for i, r in zip(idx.tolist(), recs):
                 out[i] = r
         return out, nbytes
+
+    def read_executor(self) -> Executor | None:
+        return get_store().read_pool() if self._remote else None
+
+    def _overlapped(self, files: list[int], fn: Callable[[int], Any]) -> list[Any]:
+        """fn(k) for each k in range(len(files)): in order here, or, for remote files whose handles all fit the
+        open-handle cache, in the store's threads after opening the handles here (the cache is not thread-safe;
+        a handle open already is only looked up)."""
+        if not self._remote or len(files) < 2 or len(set(files)) > self._handles.max_items:
+            return [fn(k) for k in range(len(files))]
+        try:
+            for f in set(files):
+                self.handle(f)
+        except Exception:  # the reads below say why, file by file
+            return [fn(k) for k in range(len(files))]
+        return get_store().map(fn, list(range(len(files))))
 
     def _files_info(self) -> tuple[int, int, int]:
         return len(self.paths), len(self.skipped), len(self._handles.items)
@@ -518,7 +541,14 @@ class FileSource(Source):
                 self._lock.release()
 
     def _trim_locked(self) -> None:
-        self._handles.clear(on_evict=self._close)
+        if not self._remote:  # a remote handle holds no descriptor, and reopening it would cost a request
+            self._handles.clear(on_evict=self._close)
+
+    @property
+    def keeps_decoded(self) -> bool:
+        """Whether trim keeps decoded units: a remote unit costs a request (and its latency) to read again, so
+        a remote source keeps its bounded LRU of them across bursts."""
+        return self._remote
 
     def close(self) -> None:
         with self._lock:

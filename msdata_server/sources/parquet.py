@@ -87,6 +87,35 @@ class ParquetSource(UnitColumnsSource):
     def _meta_restore(self, meta: SourceMeta) -> None:
         self._footers = {i: a["footer"].tobytes() for i, a in enumerate(meta.arrays) if "footer" in a}
 
+    def _prefetch_units(self, pairs: list[tuple[int, int]]) -> None:
+        """The row groups of a batch not decoded yet, of remote files, read at once in the store's threads (one
+        thread per file: a ParquetFile is read by one thread at a time); a failed one is left for ``_unit`` to
+        read again and judge."""
+        if not self._remote:
+            return
+        by_file: dict[int, list[int]] = {}
+        for f, g in pairs:
+            if self._groups.get((f, g)) is None:
+                by_file.setdefault(f, []).append(g)
+        if len(by_file) < 2:
+            return
+        names = list(self.columns) if self.columns is not None else [self.column]
+        files = list(by_file)
+
+        def read(k: int) -> list[tuple[int, list[pa.Array]]]:
+            f, got = files[k], []
+            for g in by_file[f]:
+                try:
+                    table = self.handle(f).read_row_group(g, columns=names)
+                except Exception:
+                    continue
+                got.append((g, [table.column(c).combine_chunks() for c in names]))
+            return got
+
+        for f, groups in zip(files, self._overlapped(files, read)):
+            for g, cols in groups:
+                self._groups.put((f, g), cols, sum(c.nbytes for c in cols))
+
     def _unit(self, f: int, g: int) -> list[pa.Array] | Exception:
         """The decoded columns (``columns`` order) of row group g of file f, or the exception that reading them
         raised."""
@@ -106,7 +135,8 @@ class ParquetSource(UnitColumnsSource):
         return got
 
     def _trim_locked(self) -> None:
-        self._groups.clear()  # a source read rarely would hold its decoded window for nothing
+        if not self.keeps_decoded:
+            self._groups.clear()  # a source read rarely would hold its decoded window for nothing
         super()._trim_locked()
 
     def close(self) -> None:

@@ -150,6 +150,19 @@ def _scan_tar(fh: BinaryIO, size: int, ext_ids: dict[str, int]) -> ShardIndex:
     )
 
 
+class _Block:
+    """A span of a remote shard read in one request: reads inside it are served from memory."""
+
+    def __init__(self, fh: RemoteFile, start: int, data: bytes):
+        self.fh, self.start, self.data = fh, start, data
+
+    def pread(self, n: int, offset: int) -> bytes:
+        at = offset - self.start
+        if 0 <= at and at + n <= len(self.data):
+            return self.data[at : at + n]
+        return self.fh.pread(n, offset)
+
+
 class WebDatasetSource(FileSource):
     """Samples of WebDataset tar shards as ``{extension: bytes}``: the extensions named by ``columns`` (an
     entry "jpg;png" takes the first of them a sample has), or else those that more than half of the samples
@@ -158,6 +171,7 @@ class WebDatasetSource(FileSource):
     format = "webdataset"
     extensions = (".tar",)
     span_slack: ClassVar[int] = _SPAN_SLACK
+    coalesce_bytes: ClassVar[int] = 4 << 20  # a remote read's samples of a shard within this span: one request
 
     def __init__(self, spec: Any, *, seed: int):
         self.shards: list[ShardIndex] = []
@@ -245,12 +259,34 @@ class WebDatasetSource(FileSource):
             for k, r in enumerate(rows.tolist()):
                 out[k] = self.bad_sample(f, r, reason, str(e), f"{self.paths[f]}: {e}")
             return out, 0
+        if isinstance(fh, RemoteFile) and len(rows) > 1:
+            fh = self._coalesced(fh, shard, rows)
         for k, r in enumerate(rows.tolist()):
             out[k], nb = self._sample(f, shard, fh, r)
             nbytes += nb
         return out, nbytes
 
-    def _sample(self, f: int, shard: ShardIndex, fh: Fd | RemoteFile, row: int) -> tuple[object, int]:
+    def _coalesced(self, fh: RemoteFile, shard: ShardIndex, rows: np.ndarray) -> Fd | RemoteFile | _Block:
+        """A remote shard's samples of one read in one range request when their members lie close together
+        (the read order keeps a read's rows of a shard within a window): a request costs its latency, bytes
+        in between little."""
+        lo, hi = shard.starts[rows], shard.starts[rows + 1]
+        has = hi > lo
+        if not has.any():
+            return fh
+        first, last = lo[has], hi[has] - 1
+        start = int(shard.offsets[first].min())
+        end = int((shard.offsets[last] + shard.sizes[last]).max())
+        need = int(sum(int(shard.sizes[a:b].sum()) for a, b in zip(first.tolist(), (last + 1).tolist())))
+        if end - start > max(4 * need, self.coalesce_bytes):
+            return fh
+        try:
+            return _Block(fh, start, fh.pread(end - start, start))
+        except StorageError as e:
+            self.error_reason(e)  # "fail": the job stops here; "skip": the samples' own reads say it again
+            return fh
+
+    def _sample(self, f: int, shard: ShardIndex, fh: Fd | RemoteFile | _Block, row: int) -> tuple[object, int]:
         """One sample's record and the bytes it took, or a BadSample and 0."""
         lo, hi = int(shard.starts[row]), int(shard.starts[row + 1])
         exts = shard.exts[lo:hi]

@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -51,6 +52,25 @@ class Store:
         )
         self._fs: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._read_pool: ThreadPoolExecutor | None = None
+
+    def read_pool(self) -> ThreadPoolExecutor:
+        """Threads for remote sources' batch reads (the loop's default executor has cpus + 4: too few to wait
+        on the latency of 64 sources' requests at once); apart from ``map``'s, which those reads use."""
+        with self._lock:
+            if self._read_pool is None:
+                self._read_pool = ThreadPoolExecutor(max_workers=self.cfg.max_inflight, thread_name_prefix="msd-read")
+            return self._read_pool
+
+    def map(self, fn: Callable[[Any], T], items: list[Any]) -> list[T]:
+        """fn over items in the node's storage threads (up to max_inflight at once: reads of a batch's files
+        or row groups overlap their latency), results in order."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.cfg.max_inflight, thread_name_prefix="msd-storage")
+            pool = self._pool
+        return list(pool.map(fn, items))
 
     # ---- filesystems ----
     def resolve(self, uri: str) -> tuple[Any, str, str]:

@@ -22,7 +22,9 @@ from msdata_server.sources import BadSample, open_source
 from msdata_server.storage import configure, is_uri
 from msdata_server.storage.uri import check_uri, fixed_part, glob_regex
 
+from .cluster_util import run_spread, spread
 from .e2e_util import run_ranks
+from .polling import wait_for
 from .s3_util import ACCESS_KEY, SECRET_KEY, FaultProxy, MotoS3, s3_env, write_formats
 
 FORMATS = ("parquet", "jsonl", "arrow", "webdataset")
@@ -197,12 +199,12 @@ def test_an_object_changed_under_a_running_source_is_named(s3, proxy, tmp_path):
 
 
 # ---- end to end: a server reading a bucket --------------------------------------------------------------------
-def _job(paths: dict[str, str], name: str = "remote"):
+def _job(paths: dict[str, str], name: str = "remote", dp: int = 2):
     g = msd.DGraph(name, seed=11)
     for src, p in paths.items():
         fmt = src
         g.source(src, fmt, [p], column="text", transform="msdata_server.transforms:byte_tokens")
-    g.mix({s: 1.0 for s in paths}).pack(256, micro_batches=2, rows=2).mesh(dp=2).prefetch(2)
+    g.mix({s: 1.0 for s in paths}).pack(256, micro_batches=2, rows=2).mesh(dp=dp).prefetch(2)
     return g.plan()
 
 
@@ -371,3 +373,20 @@ def test_the_cache_stays_within_its_size(s3, proxy, tmp_path):
     held = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
     assert 0 < held <= limit
     src.close()
+
+
+def test_a_three_node_cluster_over_a_bucket_gives_the_local_batches(
+    s3, proxy, etcd_server, cluster_factory, server_factory, monkeypatch
+):
+    _, _, dirs = s3
+    fmts = ("parquet", "jsonl")
+    local = _job({f: str(dirs[f]) for f in fmts}, name="spread", dp=3)
+    remote = _job({f: f"s3://data/{f}/" for f in fmts}, name="spread", dp=3)
+    want = run_ranks(local, server_factory(workers=0).start().socket, 6)
+    proxy.slowdown_share, proxy.reset_share = 0.1, 0.03
+    s3_env(monkeypatch, endpoint=proxy.endpoint)  # the nodes' endpoint from AWS_ENDPOINT_URL (no [storage])
+    c = cluster_factory(etcd_server.url).start()
+    wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
+    got = run_spread(c, remote, 6, spread(3))
+    assert {r: got[r] for r in range(3)} == want
+    assert proxy.faults["slowdown"] > 0

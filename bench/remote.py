@@ -37,8 +37,8 @@ sys.path.insert(0, str(HERE))
 
 SHAPES = {
     #         sources, files/source, rows/file, wds shards, samples/shard, steps, warmup
-    "full": dict(sources=64, files=31, rows=48, shards=16, samples=96, steps=300, warmup=40),
-    "quick": dict(sources=64, files=31, rows=32, shards=16, samples=64, steps=120, warmup=30),
+    "full": dict(sources=64, files=31, rows=48, shards=16, samples=96, steps=800, warmup=300),
+    "quick": dict(sources=64, files=31, rows=32, shards=16, samples=64, steps=320, warmup=160),
     "smoke": dict(sources=8, files=4, rows=32, shards=2, samples=32, steps=30, warmup=8),
 }
 SEQ_LEN, ROWS = 2048, 2

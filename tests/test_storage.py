@@ -241,7 +241,9 @@ def test_a_job_stops_with_the_object_named_when_reads_give_up(s3, proxy, server_
     spec = _job({"parquet": "s3://data/parquet/"}, name="giveup")
     extra = f'\n[storage]\ns3_endpoint = "{proxy.endpoint}"\ngive_up_s = 1\n'
     srv = server_factory(workers=0, extra=extra).start()
-    run_ranks(spec, srv.socket, 1)
+    run_ranks(spec, srv.socket, 1)  # the listing and footers are kept in state_dir
+    srv.stop()
+    srv.start()  # nothing read in memory any more
     proxy.deny = True  # every request refused from now on (403: not retried)
     with pytest.raises(msd.errors.MsdataError, match=r"s3://data/parquet/.*status 403"):
         run_ranks(spec, srv.socket, 400, timeout=60)
@@ -340,7 +342,8 @@ def test_the_cache_serves_a_second_epoch_and_a_restart(s3, proxy, fmt, tmp_path)
     first = src.read(np.arange(n))
     src.close()
     proxy.reset_counts()
-    src = open_source(_spec(fmt, [f"s3://data/{fmt}/"]), seed=4)  # nothing decoded or open: a new partition
+    store = configure(cfg, state_dir=state)  # nothing read lately in memory: the second epoch's ranges on disk
+    src = open_source(_spec(fmt, [f"s3://data/{fmt}/"]), seed=4)  # nothing decoded or open
     second = src.read(np.arange(n, 2 * n))  # the second epoch: the same samples, in another order
     assert sorted(map(repr, second)) == sorted(map(repr, first))
     assert proxy.total() == 0 and store.stats.snapshot()["cache_hits"] > 0, (proxy.counts, store.stats.snapshot())

@@ -27,7 +27,7 @@ class RemoteFile(io.RawIOBase):
         self.obj = obj
         self.size = obj.size
         self._pos = 0
-        self.native: Any = None  # the store's open handle, opened on the first read
+        self.native: Any = None  # the store's open pyarrow file, opened (a HEAD) on the first request
         self._preloaded: tuple[int, bytes] = (0, b"")  # (offset, bytes) fetched ahead (a footer), served locally
 
     # ---- ranged reads ----

@@ -10,6 +10,7 @@ import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -30,6 +31,7 @@ __all__ = ["Store", "configure", "get_store"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _LIST_PAGE = 1000  # keys per listing page (S3 ListObjectsV2)
+_RECENT_BYTES = 64 << 20  # ranges read lately, kept in memory for the other partitions of a source
 
 
 def _hidden(rel: str) -> bool:
@@ -54,6 +56,8 @@ class Store:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._read_pool: ThreadPoolExecutor | None = None
+        self._recent: OrderedDict[str, bytes] = OrderedDict()  # ranges read lately, within _RECENT_BYTES
+        self._recent_bytes = 0
 
     def read_pool(self) -> ThreadPoolExecutor:
         """Threads for remote sources' batch reads (the loop's default executor has cpus + 4: too few to wait
@@ -141,20 +145,27 @@ class Store:
         return with_retries(attempt, what=what, policy=self.policy, stats=self.stats)
 
     def read(self, f: RemoteFile, offset: int, n: int) -> bytes:
-        """Bytes [offset, offset + n) of an open remote file (n > 0, within its size): from the node's object
-        cache when it holds them, else one ranged request (kept in the cache)."""
+        """Bytes [offset, offset + n) of an open remote file (n > 0, within its size): from the ranges read
+        lately (in memory: the partitions of a source read the same row groups), or the node's object cache,
+        else one ranged request (kept in both)."""
         obj = f.obj
+        key = DiskCache.key(obj, offset, n)
+        with self._lock:
+            recent = self._recent.get(key)
+            if recent is not None:
+                self._recent.move_to_end(key)
+                return recent
         cache = self.cache if self.cache is not None and self.cache.enabled else None
-        key = DiskCache.key(obj, offset, n) if cache is not None else ""
         if cache is not None:
             hit = cache.get(key)
             if hit is not None and len(hit) == n:
                 self.stats.add("cache_hits")
+                self._remember(key, hit)
                 return hit
             self.stats.add("cache_misses")
 
         def get() -> bytes:
-            if f.native is None:
+            if f.native is None:  # a HEAD: the object's size now, which must be the listed one
                 fs, path, _ = self.resolve(obj.path)
                 nf = fs.open_input_file(path)
                 size = nf.size()
@@ -175,7 +186,19 @@ class Store:
         data = self.request(get, what=f"object {obj.path}", nbytes=len)
         if cache is not None:
             cache.put(key, data)
+        self._remember(key, data)
         return data
+
+    def _remember(self, key: str, data: bytes) -> None:
+        if len(data) > _RECENT_BYTES // 8:
+            return
+        with self._lock:
+            if key not in self._recent:
+                self._recent[key] = data
+                self._recent_bytes += len(data)
+            while self._recent_bytes > _RECENT_BYTES:
+                _, old = self._recent.popitem(last=False)
+                self._recent_bytes -= len(old)
 
     def parquet_footer(self, obj: ListedFile) -> Any:
         """The FileMetaData of a Parquet object in one suffix-range read and no HEAD (the listing gave the size):

@@ -1,6 +1,6 @@
 # .venv/bin/python bench/remote.py --quick      (--smoke: seconds; full run: .venv/bin/python bench/remote.py)
 """Sources in object storage (issue 27): the manysources shape (64 Parquet sources) plus one WebDataset source,
-served from a local S3 API (moto, in this process) through a proxy that adds 20 ms to every request, against
+served from a local S3 API (moto, in its own process) through a proxy that adds 20 ms to every request, against
 the same files on local disk: the same job (only the path prefixes differ), one node server, one trainer.
 
 - ``remote_local_ratio``: steady-state steps/s remote / local with the trainer paced by a fixed compute time per
@@ -71,6 +71,57 @@ def write_data(root: Path, shape: dict) -> int:
     return shape["sources"] * shape["files"] + shape["shards"]
 
 
+class S3Proc:
+    """moto and the fault proxy in their own process (``python -m tests.s3_util``): the S3 server must not share
+    the trainer's interpreter. Knobs and counters through the proxy's control path."""
+
+    def __init__(self) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.s3_util"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=str(ROOT)
+        )
+        assert self.proc.stdout is not None
+        info = json.loads(self.proc.stdout.readline())
+        self.s3, self.endpoint = info["s3"], info["proxy"]
+
+    def ctl(self, **knobs: object) -> dict:
+        from urllib.parse import urlencode
+        from urllib.request import urlopen
+
+        with urlopen(f"{self.endpoint}/__msd_control?{urlencode(knobs)}", timeout=30) as r:
+            return json.loads(r.read())
+
+    def total(self) -> int:
+        return sum(self.ctl()["counts"].values())  # (control requests are not counted)
+
+    def upload(self, local: Path, bucket: str) -> None:
+        import pyarrow.fs as pafs
+
+        from tests.s3_util import ACCESS_KEY, REGION, SECRET_KEY
+
+        host = self.s3.split("://", 1)[1]
+        fs = pafs.S3FileSystem(
+            endpoint_override=host,
+            scheme="http",
+            region=REGION,
+            access_key=ACCESS_KEY,
+            secret_key=SECRET_KEY,
+            allow_bucket_creation=True,
+        )
+        fs.create_dir(bucket)
+        for root, _, files in os.walk(local):
+            for name in files:
+                p = Path(root, name)
+                with fs.open_output_stream(f"{bucket}/{p.relative_to(local).as_posix()}") as out:
+                    out.write(p.read_bytes())
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
 def make_job(prefix: str, shape: dict, name: str = "remote"):
     import msdata_client as msd
 
@@ -127,7 +178,7 @@ def main() -> None:
 
     from msdata_server.config import StorageConfig
     from msdata_server.storage import configure
-    from tests.s3_util import FaultProxy, MotoS3, s3_env
+    from tests.s3_util import s3_env
     from tests.server_util import ServerProc
 
     class Env:
@@ -140,30 +191,29 @@ def main() -> None:
     s3_env(Env())
     work = Path(tempfile.mkdtemp(prefix="msd-remote-"))
     servers: list = []
-    moto = proxy = None
+    proxy: S3Proc | None = None
     try:
         t0 = time.perf_counter()
         objects = write_data(work / "local", shape)
-        moto = MotoS3()
-        moto.upload(work / "local", "bench")
+        proxy = S3Proc()
+        proxy.upload(work / "local", "bench")
         print(
             f"data: {objects} objects in {shape['sources'] + 1} sources, written and uploaded in "
             f"{time.perf_counter() - t0:.1f}s",
             flush=True,
         )
-        proxy = FaultProxy(moto.addr)
-        proxy.latency_s = args.latency_ms / 1000.0
+        proxy.ctl(latency_s=args.latency_ms / 1000.0)
         local = make_job(f"{work}/local/", shape)
         remote = make_job("s3://bench/", shape)
 
         # listing and metadata: cold (nothing in state_dir), then warm (kept in state_dir)
         state = work / "state"
         configure(StorageConfig(s3_endpoint=proxy.endpoint), state_dir=str(state))
-        proxy.reset_counts()
+        proxy.ctl(reset=1)
         cold_s = open_all(remote)
         cold_req = proxy.total()
         configure(StorageConfig(s3_endpoint=proxy.endpoint), state_dir=str(state))
-        proxy.reset_counts()
+        proxy.ctl(reset=1)
         warm_s = open_all(remote)
         warm_req = proxy.total()
         print(
@@ -183,7 +233,7 @@ def main() -> None:
 
         def arm(name: str, spec, compute_s: float, storage: str = "") -> dict:
             srv = server(name, storage=storage)
-            proxy.reset_counts()
+            proxy.ctl(reset=1)
             out = run_arm(srv, spec, steps=shape["steps"], warmup=shape["warmup"], compute_s=compute_s)
             out["requests_per_step"] = proxy.total() / shape["steps"]
             srv.stop()
@@ -203,11 +253,9 @@ def main() -> None:
                 break
             compute *= 2
         rem = arm(f"remote-{compute * 1e3:.0f}ms", remote, compute)
-        proxy.slowdown_share = 0.05
-        proxy.burst(3.0)
+        proxy.ctl(slowdown_share=0.05, burst=3.0)
         thr = arm("remote-throttled", remote, 0.0)
-        thr_stats = dict(proxy.faults)
-        proxy.slowdown_share = 0.0
+        thr_stats = proxy.ctl(slowdown_share=0.0)["faults"]
         cache = f'cache_dir = "{work / "cache"}"\ncache_gib = 4\n'
         arm("remote-fill-cache", remote, 0.0, storage=cache)
         cached = arm("remote-cached", remote, 0.0, storage=cache)
@@ -240,8 +288,6 @@ def main() -> None:
             s.kill()
         if proxy is not None:
             proxy.stop()
-        if moto is not None:
-            moto.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -223,3 +223,50 @@ def write_formats(root: Path, *, files: int = 3) -> dict[str, Path]:
                     tf.addfile(ti, io.BytesIO(data))
     (dirs["parquet"] / "_SUCCESS").write_bytes(b"")  # a marker a listing skips like a local walk does
     return dirs
+
+
+def _control(proxy: FaultProxy, query: dict[str, str]) -> dict:
+    """The proxy's knobs set from a control request's query, and its counters."""
+    for k in ("latency_s", "slowdown_share", "reset_share"):
+        if k in query:
+            setattr(proxy, k, float(query[k]))
+    if "deny" in query:
+        proxy.deny = query["deny"] == "1"
+    if "burst" in query:
+        proxy.burst(float(query["burst"]))
+    if query.get("reset") == "1":
+        proxy.reset_counts()
+    return {"counts": dict(proxy.counts), "faults": dict(proxy.faults)}
+
+
+def main() -> None:
+    """``python -m tests.s3_util``: moto and the fault proxy in their own process (a benchmark's S3 server must
+    not share the trainer's interpreter); prints {"s3": ..., "proxy": ...} and serves until stdin closes. The
+    proxy answers ``GET /__msd_control?latency_s=..&slowdown_share=..&burst=..&reset=1`` itself, with its counts."""
+    import sys
+    from urllib.parse import parse_qsl, urlsplit
+
+    server = MotoS3()
+    proxy = FaultProxy(server.addr)
+    handle = proxy._handle
+
+    def controlled(h: BaseHTTPRequestHandler) -> None:
+        parts = urlsplit(h.path)
+        if parts.path != "/__msd_control":
+            return handle(h)
+        body = json.dumps(_control(proxy, dict(parse_qsl(parts.query)))).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    proxy._handle = controlled  # type: ignore[method-assign]
+    print(json.dumps({"s3": server.endpoint, "proxy": proxy.endpoint}), flush=True)
+    sys.stdin.read()
+    proxy.stop()
+    server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -40,6 +40,7 @@ BENCHES = (
     "order",
     "tls",
     "tokenize",
+    "remote",
     "scale",
 )
 MICRO_DUMP = "train_e2e_micro.json"  # predicted vs measured seconds per micro-batch (the cost-model plot)

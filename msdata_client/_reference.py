@@ -20,6 +20,7 @@ from .choices import (
     LongDocs,
     Method,
     OnDataChange,
+    OnReadError,
     SourceFormat,
 )
 from .mesh import ClientPlaceTree
@@ -44,6 +45,7 @@ _CHOICES: dict[tuple[str, str], type[Choice]] = {
     ("[job]", "distribute"): Distribute,
     ("[job]", "broadcast_at"): BroadcastAxis,
     ("[job]", "on_data_change"): OnDataChange,
+    ("[job]", "on_read_error"): OnReadError,
     ("[[source]]", "format"): SourceFormat,
     ("[mix]", "interpolate"): Interpolate,
     ("[balance]", "method"): Method,
@@ -61,6 +63,8 @@ MEANINGS: dict[tuple[str, str], str] = {
     ("[job]", "distribute"): "which mesh axis receives distinct data",
     ("[job]", "broadcast_at"): "axes whose ranks read identical copies of one build",
     ("[job]", "prefetch_steps"): "steps planned and built ahead of the slowest rank",
+    ("[job]", "on_read_error"): "an object-store read that failed for good (after [storage] give_up_s): stop the "
+    "job naming the object, or count its samples as bad (storage_error) and go on",
     ("[job]", "on_data_change"): "a resume over a source whose files changed (added, removed, another size or "
     "mtime): refused naming what changed, or continued from the saved position over the new files (README)",
     ("[job]", "pp_fields"): "per pipeline stage (first, middle, last), the batch fields it receives",

@@ -188,7 +188,10 @@ def check_shuffle(where: str, value: Any) -> bool | FrozenMap:
 
 
 def resolve_path(path: str, base_dir: str | None) -> str:
-    """`path` made absolute against `base_dir` (default: the working directory), with ~ expanded."""
+    """`path` made absolute against `base_dir` (default: the working directory), with ~ expanded; a URI
+    (``s3://bucket/...``, ``file:///...``) is kept as it is."""
+    if "://" in path and path.split("://", 1)[0].replace("+", "").replace(".", "").replace("-", "").isalnum():
+        return path
     path = os.path.expanduser(path)
     if not os.path.isabs(path):
         path = os.path.join(base_dir if base_dir is not None else os.getcwd(), path)

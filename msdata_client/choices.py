@@ -120,6 +120,13 @@ class Distribute(Choice):
     WORLD = "world"  # every rank its own data
 
 
+class OnReadError(Choice):
+    """What an object-store read that failed for good does ([job] on_read_error)."""
+
+    FAIL = "fail"  # the job stops with an error naming the object and the last status code
+    SKIP = "skip"  # the unit's samples are bad samples (reason storage_error) and the job goes on
+
+
 class BroadcastAxis(Choice):
     """Axes whose ranks may receive identical copies of one build ([job] broadcast_at)."""
 

@@ -21,6 +21,7 @@ from msdata_client.choices import (
     LongDocs,
     Method,
     OnDataChange,
+    OnReadError,
     is_import_path,
 )
 from msdata_client.errors import ConfigError
@@ -68,6 +69,7 @@ _JOB_TABLE_KEYS = (
     "video_token_id",
     "shadow_loaders",
     "on_data_change",
+    "on_read_error",
 )
 _TOP_KEYS = ("job", "mesh", "source", "mix", "balance")
 
@@ -175,6 +177,8 @@ class JobSpec:
     # a resume over a source whose files changed: refuse ("error") or go on over the new files ("continue");
     # not part of the data identity (switching it must not itself break a resume)
     on_data_change: str = OnDataChange.ERROR.value
+    # an object-store read failed for good: "fail" stops the job, "skip" counts the samples (storage_error)
+    on_read_error: str = "fail"
     sources: tuple[SourceSpec, ...]
     mix: MixSpec
     balance: BalanceSpec = field(default_factory=BalanceSpec)
@@ -203,6 +207,7 @@ class JobSpec:
         LongDocs.parse(self.long_docs, "job long_docs")
         Distribute.parse(self.distribute, "job distribute")
         OnDataChange.parse(self.on_data_change, "job on_data_change")
+        OnReadError.parse(self.on_read_error, "job on_read_error")
         check_int("job prefetch_steps", self.prefetch_steps, low=1, fix="plan at least 1 step ahead (2 by default)")
         if self.prefetch_steps > MAX_PREFETCH_STEPS:  # the step queues and rings it would pin grow without bound
             raise ConfigError(
@@ -333,6 +338,8 @@ class JobSpec:
             job["shadow_loaders"] = self.shadow_loaders
         if self.on_data_change != OnDataChange.ERROR.value:  # written only when set: digests stay as they were
             job["on_data_change"] = self.on_data_change
+        if self.on_read_error != OnReadError.FAIL.value:  # written only when set: digests stay as they were
+            job["on_read_error"] = self.on_read_error
         return {
             "job": job,
             "mesh": self.mesh.to_dict(),

@@ -229,7 +229,9 @@ def _cmd_validate(args) -> int:
 
         from .admission import check_job
         from .sources import open_source
+        from .storage import configure
 
+        configure(cfg.storage)  # remote paths are listed and read with the node's [storage] settings
         spec = DGraph.from_toml(args.job).spec
         check_job(spec, cfg.node)  # [node] allow_transforms and data_roots, as the server checks a registering job
         _load_transforms(spec)
@@ -238,13 +240,27 @@ def _cmd_validate(args) -> int:
         if warning:
             print(f"  warning: {warning}")
         for s in spec.sources:
-            src = open_source(s, seed=spec.seed)
+            src = open_source(s, seed=spec.seed, on_read_error=spec.on_read_error)
             try:
                 print(f"  source {s.name} ({s.format}): {src.num_samples} samples")
+                _print_remote_files(src)
                 _probe_source(spec, s, src)
             finally:
                 src.close()
     return 0
+
+
+def _print_remote_files(src) -> None:
+    """The objects a source's URIs listed (``validate --job``): count, bytes and the first few, read OK."""
+    files = getattr(src, "files", ())
+    remote = [f for f in files if "://" in f.path]
+    if not remote:
+        return
+    total = sum(f.size for f in remote)
+    print(
+        f"    {len(remote)} object(s), {total} bytes, listed and read: {', '.join(f.path for f in remote[:3])}"
+        + (" ..." if len(remote) > 3 else "")
+    )
 
 
 def _load_transforms(spec: JobSpec) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "NodeConfig",
     "ROLES",
     "ServerConfig",
+    "StorageConfig",
     "load_config",
     "parse_config",
     "parse_host_port",
@@ -241,11 +242,69 @@ class AutoscaleConfig:
         return self.cooldown or 3.0 * self.interval
 
 
+_SECRET_KEY = re.compile(r"(secret|access_key|key_id|token|password|credential|session)", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StorageConfig:
+    """[storage]: how this node reads sources in object storage (msdata_server.storage). Credentials never go
+    here: the store's standard environment variables and credential files (AWS_ACCESS_KEY_ID, ...)."""
+
+    s3_endpoint: str = (
+        ""  # "http://host:port" or "https://..." of an S3-compatible endpoint; "": AWS (or AWS_ENDPOINT_URL)
+    )
+    s3_region: str = ""
+    max_inflight: int = 64  # concurrent object requests of this node
+    retries: int = 100  # retries of one request (throttling, 5xx, timeouts, resets), within give_up_s
+    give_up_s: float = 600.0
+    cache_dir: str = ""  # an on-disk LRU cache of fetched ranges shared by the node's jobs; "": off
+    cache_gib: float = 0.0
+
+    def __post_init__(self):
+        for key in ("s3_endpoint", "s3_region", "cache_dir"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(f"[storage] {key} = {getattr(self, key)!r} must be a string")
+        if self.s3_endpoint:
+            scheme, sep, rest = self.s3_endpoint.partition("://")
+            if scheme not in ("http", "https") or not sep or not rest or "@" in rest:
+                raise ConfigError(
+                    f"[storage] s3_endpoint = {self.s3_endpoint!r} must be a URL with its scheme, e.g. "
+                    f'"http://127.0.0.1:9000" or "https://s3.example.com" (no credentials in it)'
+                )
+        _int("storage", "max_inflight", self.max_inflight, 1, 4096)
+        _int("storage", "retries", self.retries, 0, 100000)
+        for key, lo, hi in (("give_up_s", 0.0, 86400.0), ("cache_gib", 0.0, 1 << 20)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                raise ConfigError(f"[storage] {key} = {v!r} must be a number in [{lo:g}, {hi:g}]")
+        if self.cache_gib and not self.cache_dir:
+            raise ConfigError("[storage] cache_gib is set without cache_dir; set cache_dir to a local directory")
+
+
+def _parse_storage(t: object, base_dir: str | None) -> StorageConfig:
+    if not isinstance(t, dict):
+        raise ConfigError("[storage] must be a table")
+    secret = sorted(k for k in t if _SECRET_KEY.search(k))
+    if secret:
+        raise ConfigError(
+            f"[storage] {', '.join(secret)}: credentials never go in node.toml; give them in the store's "
+            "environment variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE) "
+            "or its credential files (~/.aws/credentials)"
+        )
+    _check_keys(t, StorageConfig, "storage")
+    t = dict(t)
+    v = t.get("cache_dir")
+    if isinstance(v, str) and v and base_dir and not os.path.isabs(v):
+        t["cache_dir"] = os.path.join(base_dir, v)
+    return StorageConfig(**t)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ServerConfig:
     node: NodeConfig
     cluster: ClusterConfig | None = None
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     @property
     def role(self) -> str:
@@ -304,7 +363,8 @@ def parse_config(doc: dict, *, base_dir: str | None = None) -> ServerConfig:
     if not isinstance(auto_t, dict):
         raise ConfigError("[autoscale] must be a table")
     _check_keys(auto_t, AutoscaleConfig, "autoscale")
-    return ServerConfig(node=node, cluster=cluster, autoscale=AutoscaleConfig(**auto_t))
+    storage = _parse_storage(doc.get("storage", {}), base_dir)
+    return ServerConfig(node=node, cluster=cluster, autoscale=AutoscaleConfig(**auto_t), storage=storage)
 
 
 def load_config(path: str | None) -> ServerConfig:

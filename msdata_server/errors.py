@@ -22,6 +22,7 @@ __all__ = [
     "RemoteError",
     "ShmError",
     "SlotSizeError",
+    "StorageError",
 ]
 
 
@@ -50,3 +51,12 @@ class BadSourceError(MsdataError):
     def __init__(self, message: str, *, source: str):
         super().__init__(message)
         self.source = source
+
+
+class StorageError(MsdataError):
+    """An object-store request failed for good (after the retries, or at once for 403/404): names the object,
+    the last status code and the cause; never a credential."""
+
+    def __init__(self, message: str, *, status: int = 0):
+        super().__init__(message)
+        self.status = status

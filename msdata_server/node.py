@@ -27,6 +27,7 @@ from .ops.prometheus import start_metrics_server
 from .ops.sdnotify import Notifier
 from .shm import cleanup
 from .statedir import probe
+from .storage import configure as configure_storage
 from .tasks import TaskSet
 from .transforms import MAX_IMAGE_PIXELS_ENV
 
@@ -52,6 +53,9 @@ class NodeServer:
         self.pending = self.table.pending  # a new run of a job whose previous run is still winding down
         self.endpoint = UnixEndpoint(config.node.socket, self._handle, ClientLimits.of(config.node))
         self.admission = Admission(config.node)  # [node] allow_transforms and data_roots
+        self.storage = configure_storage(
+            config.storage, config.node.state_path
+        )  # [storage]: sources in object storage, node-wide
         self.pool: WorkerPool | None = None
         self.autoscaler: Autoscaler | None = None  # with a pool: sizes it and shares it out ([autoscale])
         self.cluster: ClusterNode | None = None  # when node.toml has [cluster]
@@ -304,6 +308,7 @@ class NodeServer:
             "memory": {"server_pss": proc_memory()["pss"], "total_pss": mem["pss"], "total_uss": mem["uss"]},
             "jobs": [j.status() for j in self.jobs.values()],
             "state_dir": self._state_dir_status(),
+            "storage": self.storage.stats.snapshot(),  # node-wide, cumulative since the server started
             **(
                 {"cluster": {**self.cluster.status(), "runs": self.cluster_jobs.status() if self.cluster_jobs else []}}
                 if self.cluster is not None

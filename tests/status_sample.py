@@ -37,6 +37,17 @@ SAMPLE = {
     "uptime_s": 3725.5,
     "workers": 4,
     "memory": {"server_pss": 210 << 20, "total_pss": 812 << 20, "total_uss": 600 << 20},
+    "storage": {
+        "requests": 5120,
+        "bytes": 3 << 30,
+        "retries": 41,
+        "throttled": 37,
+        "errors": 0,
+        "latency_ms_p50": 21.5,
+        "latency_ms_p99": 88.0,
+        "cache_hits": 900,
+        "cache_misses": 100,
+    },
     "autoscale": {
         "enabled": True,
         "sources": {

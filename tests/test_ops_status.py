@@ -96,6 +96,8 @@ def test_scrape_over_http_parses_with_the_status_values(arun):
     assert v[("msdata_cluster_peer_sent_bytes_total", ())] == 654321
     assert v[("msdata_memory_total_pss_bytes", ())] == 812 << 20
     assert v[("msdata_autoscale_supply_samples_per_second", (("source", "web"),))] == 950.0
+    assert v[("msdata_storage_throttled_total", ())] == 37
+    assert v[("msdata_storage_latency_p99_seconds", ())] == 0.088
 
 
 def test_names_types_and_label_sets_follow_the_conventions(arun):
@@ -199,6 +201,8 @@ def test_render_fits_the_width_and_shows_the_figures(width):
     assert "…" not in screen  # the sample needs no clipping at 80 columns
     assert "pretrain [running]" in screen
     assert "node-0  leader" in screen
+    assert "storage 5120 req  3.0 GiB  retries 41  throttled 37  errors 0" in screen, screen
+    assert "latency p50 21.5 ms  p99 88.0 ms  cache 900 hit / 100 miss" in screen, screen
     assert re.search(r"^\s+1\s+299\s+1200\s+4\.25s\s+1\.1ms\s+15\.0ms\s+1\.2%$", screen, re.MULTILINE), screen
     assert re.search(r"^  web\s+812\.5\s+341\.8 KiB\s+40/96\s+0\.62\s+4\s+1$", screen, re.MULTILINE), screen
     assert "g0 5/8" not in screen

@@ -439,7 +439,7 @@ def test_transient_errors_are_retried(tmp_path, monkeypatch):
             raise OSError(errno.EIO, "Input/output error")
         return real(fd, n, off)
 
-    monkeypatch.setattr(jsonl_mod.os, "pread", flaky)
+    monkeypatch.setattr(os, "pread", flaky)
     assert sorted(src.read(np.arange(10))) == sorted(truth.values())
     assert failures["left"] == 0
     assert src.statistics().bad_samples == {}
@@ -447,7 +447,7 @@ def test_transient_errors_are_retried(tmp_path, monkeypatch):
     def broken(fd, n, off):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(jsonl_mod.os, "pread", broken)
+    monkeypatch.setattr(os, "pread", broken)
     recs = src.read(np.arange(10))
     assert all(isinstance(r, BadSample) and r.reason == "read_error" for r in recs)
 

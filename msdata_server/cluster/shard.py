@@ -188,7 +188,7 @@ class JobShard:
         ended generation reads ahead no further than its end)."""
         sp = self.spec.sources[s]
         gen, kk, end = self.where.table.slot(s, k)
-        src = await asyncio.to_thread(open_source, sp, seed=self.spec.seed)
+        src = await asyncio.to_thread(open_source, sp, seed=self.spec.seed, on_read_error=self.spec.on_read_error)
         ld = SourceLoader(
             src,
             self.ctx.pool,

@@ -20,7 +20,7 @@ from functools import partial
 from msdata_client.mix import check_mixture_change
 from msdata_client.spec import JobSpec
 
-from ..errors import BadSourceError, MsdataError
+from ..errors import BadSourceError, MsdataError, StorageError
 from ..ops.waits import WaitStats
 from ..planner import StepPlan
 from ..reclaim import collect_soon
@@ -307,6 +307,13 @@ class Job:
             message = f"{exc}; mostly {self._bad_reasons(exc.source)}"
             log.error("job %s: %s", self.name, message)
             self.fail(message, kind=type(exc).__name__)
+            return
+        if isinstance(exc, StorageError):  # the object store failed for good ([job] on_read_error = "fail")
+            log.error("job %s: %s", self.name, exc)
+            self.fail(
+                f'{exc}; set [job] on_read_error = "skip" to count such reads as bad samples instead',
+                kind=type(exc).__name__,
+            )
             return
         log.error("job %s: %s failed: %s", self.name, task.get_name(), exc, exc_info=exc)
         self.fail(f"{type(exc).__name__}: {exc}", kind=type(exc).__name__)

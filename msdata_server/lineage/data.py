@@ -35,7 +35,9 @@ class DataView:
     @classmethod
     async def open(cls, spec: JobSpec, pool=None, *, vision: bool = False) -> DataView:
         """Open ``spec``'s sources (in a thread: many files must not stall the loop)."""
-        sources = await asyncio.to_thread(lambda: [open_source(s, seed=spec.seed) for s in spec.sources])
+        sources = await asyncio.to_thread(
+            lambda: [open_source(s, seed=spec.seed, on_read_error=spec.on_read_error) for s in spec.sources]
+        )
         loaders = [
             SourceLoader(src, pool, transform=source_transform(spec, s), seed=spec.seed, readahead=0)
             for src, s in zip(sources, spec.sources)

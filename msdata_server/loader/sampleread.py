@@ -40,11 +40,13 @@ class SampleReader:
 
     async def read(self, ords: np.ndarray) -> tuple[list, list, int]:
         """(records, transformed samples, bytes read) of ordinals."""
+        loop = asyncio.get_running_loop()
+        executor = self.source.read_executor()  # remote sources: the storage threads (latency, not CPU)
         if self.pool is None or self.transform is None:
             async with self._read_lock():
-                return await asyncio.to_thread(self._read_transform, ords)
+                return await loop.run_in_executor(executor, self._read_transform, ords)
         async with self._read_lock():
-            records, nbytes, ids = await asyncio.to_thread(self._read, ords)
+            records, nbytes, ids = await loop.run_in_executor(executor, self._read, ords)
         results = await self.pool.transform(
             self.transform, records, seed=self._tseed, sample_ids=ids, source=self.source.name
         )

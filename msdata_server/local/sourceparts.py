@@ -121,8 +121,10 @@ class SourceParts:
             for ld in cur.loaders:  # at once: no read-ahead may pass the boundary while the sources open
                 ld.stop_at(boundary)
             p = self._proto
-            spec, seed = p.source.spec, p.source.seed
-            sources = await asyncio.to_thread(lambda: [open_source(spec, seed=seed) for _ in range(n)])
+            spec, seed, policy = p.source.spec, p.source.seed, p.source.on_read_error
+            sources = await asyncio.to_thread(
+                lambda: [open_source(spec, seed=seed, on_read_error=policy) for _ in range(n)]
+            )
             loaders = [
                 SourceLoader(
                     src,

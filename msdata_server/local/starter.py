@@ -106,7 +106,9 @@ class LocalStarter:
 
     async def _open_loaders(self, spec: JobSpec, state: dict | None) -> list[SourceLoader]:
         # sources open in a thread: opening many files must not stall the loop
-        sources = await asyncio.to_thread(lambda: [open_source(s, seed=spec.seed) for s in spec.sources])
+        sources = await asyncio.to_thread(
+            lambda: [open_source(s, seed=spec.seed, on_read_error=spec.on_read_error) for s in spec.sources]
+        )
         loaders = [
             SourceLoader(src, self.pool, transform=source_transform(spec, s), seed=spec.seed)
             for src, s in zip(sources, spec.sources)

@@ -16,7 +16,9 @@ Status keys read (absent keys are skipped): ``node``, ``role``, ``uptime_s``, ``
 ``bad_samples{kind: n}``, ``errors``, ``held`` or ``ready``, ``held_bound``, ``held_pinned``, ``memory_bytes``,
 ``buffer_fill``, ``readahead``, ``inflight``, ``workers``),
 ``ranks_detail`` (the shape of ``msdata_server.ops.waits``); ``autoscale`` (ARCHITECTURE §4.6); ``cluster``
-(``leader``, ``leader_token``, ``members``, ``links``, ``incoming``, ``lease_alive``, ``traffic``, ``runs``).
+(``leader``, ``leader_token``, ``members``, ``links``, ``incoming``, ``lease_alive``, ``traffic``, ``runs``);
+``storage`` (``requests``, ``bytes``, ``retries``, ``throttled``, ``errors``, ``latency_ms_p50``, ``latency_ms_p99``,
+``cache_hits``, ``cache_misses``).
 
 The server is a few lines on ``asyncio.start_server`` (no thread): a scrape calls ``status()`` on the loop.
 """
@@ -108,6 +110,15 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "msdata_memory_server_pss_bytes": ("gauge", "PSS of the server process", ()),
     "msdata_memory_total_pss_bytes": ("gauge", "PSS of the server, its workers and helpers", ()),
     "msdata_memory_total_uss_bytes": ("gauge", "USS of the server, its workers and helpers", ()),
+    "msdata_storage_requests_total": ("counter", "Object-store requests (every attempt, retries included)", ()),
+    "msdata_storage_bytes_total": ("counter", "Bytes fetched from object storage", ()),
+    "msdata_storage_retries_total": ("counter", "Object-store requests retried", ()),
+    "msdata_storage_throttled_total": ("counter", "Object-store requests throttled (503 SlowDown, 429)", ()),
+    "msdata_storage_errors_total": ("counter", "Object-store requests that failed for good", ()),
+    "msdata_storage_latency_p50_seconds": ("gauge", "Median latency of recent object-store requests", ()),
+    "msdata_storage_latency_p99_seconds": ("gauge", "99th percentile latency of recent object-store requests", ()),
+    "msdata_storage_cache_hits_total": ("counter", "Reads served by the node's on-disk object cache", ()),
+    "msdata_storage_cache_misses_total": ("counter", "Reads the on-disk object cache did not hold", ()),
 }
 
 # per-source status key -> metric
@@ -204,7 +215,19 @@ def families(st: Mapping[str, Any]) -> list[Metric]:
         _job(out, j)
     _autoscale(out, st.get("autoscale"))
     _cluster(out, st.get("cluster"))
+    _storage(out, st.get("storage"))
     return list(out.families())
+
+
+def _storage(out: _Samples, s: Any) -> None:
+    """The node-wide ``storage`` object: counters, and latencies in seconds."""
+    if not isinstance(s, Mapping):
+        return
+    for key in ("requests", "bytes", "retries", "throttled", "errors", "cache_hits", "cache_misses"):
+        out.add(f"msdata_storage_{key}_total", (), s.get(key))
+    for q in ("p50", "p99"):
+        ms = _num(s.get(f"latency_ms_{q}"))
+        out.add(f"msdata_storage_latency_{q}_seconds", (), None if ms is None else ms / 1000.0)
 
 
 def _job(out: _Samples, j: Mapping[str, Any]) -> None:

@@ -81,12 +81,25 @@ def _header(st: Mapping[str, Any]) -> list[str]:
             f"links {len(c.get('links') or [])}  peer in {_bytes(t.get('bytes_in'))}  "
             f"out {_bytes(t.get('bytes_out'))}"
         )
+    lines.extend(_storage(st.get("storage")))
     a = st.get("autoscale")
     if isinstance(a, Mapping) and a.get("sources"):
         from .scaletable import autoscale_table
 
         lines.extend(autoscale_table(a))
     return lines
+
+
+def _storage(s: Any) -> list[str]:
+    """The node's object-store counters (two lines), once it has made a request."""
+    if not isinstance(s, Mapping) or not s.get("requests"):
+        return []
+    return [
+        f"storage {s.get('requests')} req  {_bytes(s.get('bytes'))}  retries {s.get('retries')}  "
+        f"throttled {s.get('throttled')}  errors {s.get('errors')}",
+        f"  latency p50 {_f(s.get('latency_ms_p50'), '.1f')} ms  p99 {_f(s.get('latency_ms_p99'), '.1f')} ms  "
+        f"cache {s.get('cache_hits')} hit / {s.get('cache_misses')} miss",
+    ]
 
 
 def _job(j: Mapping[str, Any]) -> list[str]:

@@ -15,8 +15,9 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError
-from .base import BAD_REASONS, BadSample, FileSource, ReadResult, Source, SourceStats
-from .listing import Listing, list_files
+from ..storage import get_store, is_uri, local_path
+from .base import BAD_REASONS, BadSample, FileSource, ReadResult, Source, SourceStats, meta_identity
+from .listing import Listing, list_files, listing_of
 
 __all__ = [
     "ArrowSource",
@@ -61,11 +62,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def open_source(spec: Any, *, seed: int) -> Source:
-    """Open the source a SourceSpec describes; ConfigError (naming source, path and fix) when it cannot."""
+def open_source(spec: Any, *, seed: int, on_read_error: str = "fail") -> Source:
+    """Open the source a SourceSpec describes; ConfigError (naming source, path and fix) when it cannot.
+    ``on_read_error`` ([job]): "fail" stops the job on an object-store read failed for good, "skip" counts it."""
     if spec.format not in _FORMAT_TABLE:
         raise ConfigError(f"source {spec.name!r}: unknown format {spec.format!r}; use one of {sorted(_FORMAT_TABLE)}")
-    return _format_class(spec.format)(spec, seed=seed)
+    src = _format_class(spec.format)(spec, seed=seed)
+    src.on_read_error = on_read_error
+    return src
 
 
 def list_source(spec: Any) -> Listing | None:
@@ -76,6 +80,11 @@ def list_source(spec: Any) -> Listing | None:
     cls = _format_class(spec.format)
     if not issubclass(cls, FileSource):
         return None
+    if any(is_uri(str(p)) and local_path(str(p)) is None for p in spec.paths):
+        meta_cache = get_store().meta  # a restart: the listing kept in the state_dir, not another LIST
+        meta = meta_cache.load(meta_identity(spec)) if meta_cache is not None else None
+        if meta is not None:
+            return listing_of(spec.paths, meta.files)
     return list_files(spec.name, spec.format, spec.paths, cls.extensions)
 
 

@@ -12,6 +12,10 @@ class Fd:
 
     def __init__(self, path: str):
         self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.size = os.fstat(self.fd).st_size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return os.pread(self.fd, n, offset)
 
     def close(self) -> None:
         if self.fd >= 0:

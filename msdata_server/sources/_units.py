@@ -44,6 +44,9 @@ class UnitColumnsSource(FileSource):
     def _unit(self, f: int, u: int) -> list[pa.Array] | Exception:
         raise NotImplementedError
 
+    def _prefetch_units(self, pairs: list[tuple[int, int]]) -> None:
+        """Fetch units that ``_unit`` will be asked for next, with their latency overlapped (remote files)."""
+
     def _unit_name(self) -> str:
         """What a unit is called in bad-sample messages ("row group", "record batch")."""
         return "unit"
@@ -57,7 +60,9 @@ class UnitColumnsSource(FileSource):
         good: list[list[pa.Array]] = []
         slot = np.full(len(keys), -1, dtype=np.int64)  # each unit's place in `good`, -1 for a bad unit
         kf = self._unit_file[keys]
-        for i, (f, u) in enumerate(zip(kf.tolist(), (keys - self._unit_base[kf]).tolist())):
+        pairs = list(zip(kf.tolist(), (keys - self._unit_base[kf]).tolist()))
+        self._prefetch_units(pairs)
+        for i, (f, u) in enumerate(pairs):
             got = self._unit(f, u)
             if isinstance(got, Exception):
                 name, reason = self._unit_name(), self.error_reason(got)

@@ -4,9 +4,12 @@ into records at once (_units.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 
+from ..storage import ListedFile, RemoteFile, is_uri
 from ._arrow import check_selected
 from ._units import UnitColumnsSource
 
@@ -16,8 +19,9 @@ __all__ = ["ArrowSource"]
 class _Mapped:
     """An open IPC file: its memory map and its record batches (read lazily for the file format)."""
 
-    def __init__(self, path: str):
-        self.mm = pa.memory_map(path, "r")
+    def __init__(self, path: str, remote: RemoteFile | None = None):
+        # a remote file is read by ranges (the footer, then each record batch it is asked for)
+        self.mm = pa.memory_map(path, "r") if remote is None else pa.PythonFile(remote, mode="r")
         try:
             self.reader = pa.ipc.open_file(self.mm)
             self.schema = self.reader.schema
@@ -46,7 +50,17 @@ class ArrowSource(UnitColumnsSource):
     format = "arrow"
     extensions = (".arrow", ".feather", ".ipc", ".arrows")
 
+    def _prefetch(self, store: Any, obj: ListedFile) -> RemoteFile:
+        """A remote file with its footer (schema and record-batch blocks) fetched in one suffix read."""
+        fh = store.open(obj)
+        fh.preload_tail(64 << 10)
+        return fh
+
     def _open(self, path: str) -> _Mapped:
+        if is_uri(path):
+            remote = self.open_bytes(path)
+            assert isinstance(remote, RemoteFile)
+            return _Mapped(path, remote)
         return _Mapped(path)
 
     def _scan(self, i: int, path: str) -> np.ndarray:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -19,9 +20,11 @@ import numpy as np
 
 from msdata_client.source import Shuffle
 
-from ..errors import ConfigError
-from .listing import Listing, list_files
+from ..errors import ConfigError, StorageError
+from ..storage import ListedFile, RemoteFile, SourceMeta, get_store, is_uri, local_path
+from ._fd import Fd
 from .order import Order
+from .paths import expand_files
 
 __all__ = [
     "BAD_REASONS",
@@ -48,6 +51,7 @@ BAD_REASONS = (
     "missing_field",  # a record without the configured column, or a null value
     "oversize",  # larger than max_sample_bytes
     "read_error",  # an I/O error that persisted through the retries
+    "storage_error",  # an object-store read that failed for good, skipped by [job] on_read_error = "skip"
     "transform_error",  # the transform raised on this sample
     "video_decode_error",  # a clip that does not decode: not a video, no video stream, past the give-up limits (vlm)
     "video_tokens_exceed_seq_len",  # a document whose image and video placeholders together exceed seq_len (vlm)
@@ -149,6 +153,9 @@ class Source:
         self._rows_read = 0
         self._bytes_read = 0
         self._lock = threading.RLock()  # reads run in threads; one read at a time per source
+        # [job] on_read_error: "fail" stops the job on an object-store read that failed for good (StorageError);
+        # "skip" counts the unit's samples as bad (storage_error). open_source sets it.
+        self.on_read_error = "fail"
 
     @property
     def _order(self) -> Order:
@@ -186,6 +193,10 @@ class Source:
 
     def read_batch(self, ordinals) -> ReadResult:
         raise NotImplementedError
+
+    def read_executor(self) -> Executor | None:
+        """Where the loader runs this source's reads: None for the loop's default threads."""
+        return None
 
     def _account(self, rows: int, nbytes: int) -> None:
         self._rows_read += rows
@@ -282,6 +293,17 @@ def shuffle_of(spec: Any) -> Shuffle:
     return settings() if settings is not None else Shuffle()
 
 
+def meta_identity(spec: Any) -> dict[str, Any]:
+    """What keys a remote source's listing and metadata in the state_dir (``storage.metacache``)."""
+    columns = selected_columns(spec)
+    return {
+        "format": spec.format,
+        "paths": list(spec.paths),
+        "column": spec.column,
+        "columns": None if columns is None else list(columns),
+    }
+
+
 class FileSource(Source):
     """A source over files: path expansion, skipping unreadable files, the order, grouping reads by file,
     retries of transient I/O errors, and a bounded cache of open handles.
@@ -304,24 +326,25 @@ class FileSource(Source):
         self.column: str = spec.column
         self.columns: tuple[str, ...] | None = selected_columns(spec)
         self.max_bytes: int = int(spec.max_sample_bytes)
-        # the files and what identifies them (a resume compares the digest: datachange.py)
-        self.listing: Listing = list_files(spec.name, spec.format, spec.paths, self.extensions)
-        self.paths: tuple[str, ...] = self.listing.paths
         self._handles: _Lru = _Lru(max_items=self.max_open or 4, max_bytes=1 << 62)  # resized once ordered
+        self._warm: dict[str, Any] = {}  # what the scan of remote files needs, fetched ahead in parallel
         self.skipped: dict[int, str] = {}
-        units: list[np.ndarray] = []
-        for i, p in enumerate(self.paths):
-            try:
-                u = np.asarray(self._scan(i, p), dtype=np.int64)
-            except ConfigError:
-                self.close()
-                raise
-            except Exception as e:  # a truncated or corrupt file: skip it, never fatal
-                self.skipped[i] = f"{type(e).__name__}: {e}"
-                self.bad.counts["corrupt_file"] += 1
-                log.error("source %s: skipping unreadable file %s: %s", self.name, p, self.skipped[i])
-                u = np.zeros(0, dtype=np.int64)
-            units.append(u)
+        store = get_store()
+        remote = any(is_uri(str(p)) and local_path(str(p)) is None for p in spec.paths)
+        meta_cache = store.meta if remote else None
+        identity = meta_identity(spec)
+        meta = meta_cache.load(identity) if meta_cache is not None else None
+        if meta is not None:  # a restart or resume: no listing, no footer read
+            self._set_files(meta.files)
+            units = meta.units
+            self.skipped = dict(meta.skipped)
+            self.bad.counts["corrupt_file"] += len(self.skipped)
+            self._meta_restore(meta)
+        else:
+            self._set_files(expand_files(spec.name, spec.format, spec.paths, self.extensions))
+            units = self._scan_all(store)
+            if meta_cache is not None:
+                meta_cache.save(identity, self._meta_collect(units))
         if len(self.skipped) == len(self.paths):
             self.close()
             raise ConfigError(
@@ -338,7 +361,72 @@ class FileSource(Source):
             self.close()
             raise ConfigError(f"source {self.name!r}: its files {list(self.paths)[:3]}... hold no rows")
 
+    def _set_files(self, files: list[ListedFile]) -> None:
+        self._remote = any(is_uri(f.path) for f in files)
+        self.files: tuple[ListedFile, ...] = tuple(files)
+        self.paths: tuple[str, ...] = tuple(f.path for f in self.files)
+        self._listed = {f.path: f for f in self.files}
+        self._index = {f.path: i for i, f in enumerate(self.files)}
+
+    def _scan_all(self, store: Any) -> list[np.ndarray]:
+        """Every file's unit row counts; files that cannot be read are skipped (counted). Remote files' footers
+        are fetched first, in parallel up to [storage] max_inflight."""
+        remote = [p for p in self.paths if is_uri(p)]
+        if remote and type(self)._prefetch is not FileSource._prefetch:
+
+            def warm(path: str) -> tuple[str, Any]:
+                try:
+                    return path, self._prefetch(store, self._listed[path])
+                except Exception:  # the scan reads it again and says why
+                    return path, None
+
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=min(store.cfg.max_inflight, 64)) as ex:
+                self._warm = {p: got for p, got in ex.map(warm, remote) if got is not None}
+        units: list[np.ndarray] = []
+        for i, p in enumerate(self.paths):
+            try:
+                u = np.asarray(self._scan(i, p), dtype=np.int64)
+            except ConfigError:
+                self.close()
+                raise
+            except StorageError as e:  # the store refused or failed for good: nothing to skip, the job cannot start
+                self.close()
+                raise ConfigError(f"source {self.name!r}: cannot read {p}: {e}") from None
+            except Exception as e:  # a truncated or corrupt file: skip it, never fatal
+                self.skipped[i] = f"{type(e).__name__}: {e}"
+                self.bad.counts["corrupt_file"] += 1
+                log.error("source %s: skipping unreadable file %s: %s", self.name, p, self.skipped[i])
+                u = np.zeros(0, dtype=np.int64)
+            units.append(u)
+        self._warm.clear()
+        return units
+
+    def _meta_collect(self, units: list[np.ndarray]) -> SourceMeta:
+        """What the scan learned, for the metadata cache (formats add their arrays in ``_meta_arrays``)."""
+        arrays = [self._meta_arrays(i) for i in range(len(self.paths))]
+        return SourceMeta(list(self.files), units, dict(self.skipped), arrays, self._meta_extra())
+
     # ---- subclass hooks ----
+    def _prefetch(self, store: Any, obj: ListedFile) -> Any:
+        """What the scan of a remote file needs first (a footer), fetched for every remote file in parallel (up
+        to [storage] max_inflight) before the scan; ``_scan`` finds it with ``prefetched(path)``."""
+        return None
+
+    def prefetched(self, path: str) -> Any:
+        return self._warm.pop(path, None)
+
+    def _meta_arrays(self, i: int) -> dict[str, np.ndarray]:
+        """A format's per-file index (beyond unit row counts) to keep in the metadata cache."""
+        return {}
+
+    def _meta_extra(self) -> dict[str, Any]:
+        return {}
+
+    def _meta_restore(self, meta: SourceMeta) -> None:
+        """Take the per-file index back from the metadata cache instead of scanning."""
+
     def _scan(self, i: int, path: str) -> np.ndarray:
         raise NotImplementedError
 
@@ -354,6 +442,14 @@ class FileSource(Source):
         raise NotImplementedError
 
     # ---- shared machinery ----
+    def open_bytes(self, path: str) -> Fd | RemoteFile:
+        """A file of the source for ranged reads (``pread(n, offset)``, ``size``): a descriptor, or the object
+        through the store (its listed size and version)."""
+        if is_uri(path):
+            warm = self._warm.pop(path, None)
+            return warm if isinstance(warm, RemoteFile) else get_store().open(self._listed[path])
+        return Fd(path)
+
     def keep_open(self, f: int, handle: Any) -> None:
         """Put a handle opened while scanning into the cache."""
         self._handles.put(f, handle, 1, on_evict=self._close)
@@ -385,6 +481,12 @@ class FileSource(Source):
         return b
 
     def error_reason(self, e: BaseException) -> str:
+        """The bad-sample reason of a read error; raises a StorageError again when the job says
+        ``on_read_error = "fail"`` (the job stops with it, naming the object and the last status code)."""
+        if isinstance(e, StorageError):
+            if self.on_read_error != "skip":
+                raise e
+            return "storage_error"
         if isinstance(e, OSError) and e.errno in TRANSIENT_ERRNOS:
             return "read_error"
         return "corrupt"
@@ -403,16 +505,33 @@ class FileSource(Source):
 
     def _read_rows(self, files: np.ndarray, rows: np.ndarray) -> tuple[list, int]:
         """Records of (files[k], rows[k]) in that order and their bytes: ``_read_file`` once per file (a format
-        that reads rows of several files at once overrides this)."""
+        that reads rows of several files at once overrides this); remote files' reads overlap."""
         out: list = [None] * len(rows)
         nbytes = 0
-        for f in np.unique(files).tolist():
-            idx = np.flatnonzero(files == f)
-            recs, nb = self._read_file(f, rows[idx])
+        fs = np.unique(files).tolist()
+        picks = [np.flatnonzero(files == f) for f in fs]
+        got = self._overlapped(fs, lambda k: self._read_file(fs[k], rows[picks[k]]))
+        for idx, (recs, nb) in zip(picks, got):
             nbytes += nb
             for i, r in zip(idx.tolist(), recs):
                 out[i] = r
         return out, nbytes
+
+    def read_executor(self) -> Executor | None:
+        return get_store().read_pool() if self._remote else None
+
+    def _overlapped(self, files: list[int], fn: Callable[[int], Any]) -> list[Any]:
+        """fn(k) for each k in range(len(files)): in order here, or, for remote files whose handles all fit the
+        open-handle cache, in the store's threads after opening the handles here (the cache is not thread-safe;
+        a handle open already is only looked up)."""
+        if not self._remote or len(files) < 2 or len(set(files)) > self._handles.max_items:
+            return [fn(k) for k in range(len(files))]
+        try:
+            for f in set(files):
+                self.handle(f)
+        except Exception:  # the reads below say why, file by file
+            return [fn(k) for k in range(len(files))]
+        return get_store().map(fn, list(range(len(files))))
 
     def _files_info(self) -> tuple[int, int, int]:
         return len(self.paths), len(self.skipped), len(self._handles.items)
@@ -430,7 +549,14 @@ class FileSource(Source):
                 self._lock.release()
 
     def _trim_locked(self) -> None:
-        self._handles.clear(on_evict=self._close)
+        if not self._remote:  # a remote handle holds no descriptor, and reopening it would cost a request
+            self._handles.clear(on_evict=self._close)
+
+    @property
+    def keeps_decoded(self) -> bool:
+        """Whether trim keeps decoded units: a remote unit costs a request (and its latency) to read again, so
+        a remote source keeps its bounded LRU of them across bursts."""
+        return self._remote
 
     def close(self) -> None:
         with self._lock:

@@ -3,14 +3,14 @@ is never loaded whole), lines read by offset (pread), parsed with orjson."""
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
 import orjson
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
+from ..storage import RemoteFile, SourceMeta
 from ._fd import Fd
 from .base import FileSource
 
@@ -19,19 +19,18 @@ __all__ = ["JsonlSource"]
 _SCAN_CHUNK = 8 << 20
 
 
-def line_index(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, ends) byte offsets of the non-empty lines of a file, ends exclusive of the newline."""
+def line_index(fh: Fd | RemoteFile) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) byte offsets of the non-empty lines of a file, ends exclusive of the newline (read in
+    chunks by offset: a remote object in a few large range reads)."""
     newlines = []
     size = 0
-    buf = bytearray(_SCAN_CHUNK)
-    with open(path, "rb", buffering=0) as fh:
-        while True:
-            n = fh.readinto(buf)
-            if not n:
-                break
-            chunk = np.frombuffer(buf, dtype=np.uint8, count=n)
-            newlines.append(np.flatnonzero(chunk == 10).astype(np.int64) + size)
-            size += n
+    while size < fh.size:
+        block = fh.pread(_SCAN_CHUNK, size)
+        if not block:
+            break
+        chunk = np.frombuffer(block, dtype=np.uint8)
+        newlines.append(np.flatnonzero(chunk == 10).astype(np.int64) + size)
+        size += len(block)
     nl = np.concatenate(newlines) if newlines else np.zeros(0, np.int64)
     if size and (len(nl) == 0 or nl[-1] != size - 1):
         nl = np.append(nl, size)  # a last line without a newline
@@ -52,12 +51,17 @@ class JsonlSource(FileSource):
         self.ends: list[np.ndarray] = []
         super().__init__(spec, seed=seed)
 
-    def _open(self, path: str) -> Fd:
-        return Fd(path)
+    def _open(self, path: str) -> Fd | RemoteFile:
+        return self.open_bytes(path)
 
     def _scan(self, i: int, path: str) -> np.ndarray:
         try:
-            starts, ends = line_index(path)
+            fh = self._open(path)
+            try:
+                starts, ends = line_index(fh)
+                first = fh.pread(int(min(ends[0] - starts[0], self.max_bytes)), int(starts[0])) if len(starts) else b""
+            finally:
+                fh.close()
         except BaseException:
             self.starts.append(np.zeros(0, np.int64))
             self.ends.append(np.zeros(0, np.int64))
@@ -65,14 +69,11 @@ class JsonlSource(FileSource):
         self.starts.append(starts)
         self.ends.append(ends)
         if i == 0 and len(starts):
-            self._check_column(path, starts[0], ends[0])
+            self._check_column(path, first)
         return np.array([len(starts)], dtype=np.int64)
 
-    def _check_column(self, path: str, start: int, end: int) -> None:
+    def _check_column(self, path: str, line: bytes) -> None:
         """The first object of the first file must have the column (a config mistake, not bad data)."""
-        with open(path, "rb") as fh:
-            fh.seek(int(start))
-            line = fh.read(int(min(end - start, self.max_bytes)))
         try:
             obj = orjson.loads(line)
         except orjson.JSONDecodeError:
@@ -91,6 +92,14 @@ class JsonlSource(FileSource):
                 f"{sorted(obj)}. Set columns = [...] to some of them in the source"
             )
 
+    def _meta_arrays(self, i: int) -> dict[str, np.ndarray]:
+        return {"starts": self.starts[i], "ends": self.ends[i]}
+
+    def _meta_restore(self, meta: SourceMeta) -> None:
+        z = np.zeros(0, np.int64)
+        self.starts = [a.get("starts", z).astype(np.int64) for a in meta.arrays]
+        self.ends = [a.get("ends", z).astype(np.int64) for a in meta.arrays]
+
     def _index_bytes(self) -> int:
         return super()._index_bytes() + sum(a.nbytes for a in self.starts) + sum(a.nbytes for a in self.ends)
 
@@ -107,14 +116,14 @@ class JsonlSource(FileSource):
             return out, 0
         lo, hi = int(starts[ok].min()), int(ends[ok].max())
         try:
-            fd = self.handle(f).fd
+            fh = self.handle(f)
             if hi - lo <= self.coalesce:
-                block = self._retry(lambda: os.pread(fd, hi - lo, lo))
+                block = self._retry(lambda: fh.pread(hi - lo, lo))
                 lines = [block[s - lo : e - lo] for s, e in zip(starts[ok].tolist(), ends[ok].tolist())]
             else:
                 spans = zip(starts[ok].tolist(), ends[ok].tolist())
-                lines = [self._retry(partial(os.pread, fd, e - s, s)) for s, e in spans]
-        except OSError as e:
+                lines = [self._retry(partial(fh.pread, e - s, s)) for s, e in spans]
+        except (OSError, StorageError) as e:
             reason = self.error_reason(e)
             for k in ok.tolist():
                 out[k] = self.bad_sample(f, int(rows[k]), reason, str(e), f"{self.paths[f]}: {e}")

@@ -13,9 +13,11 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .paths import expand_paths
+from ..storage.listing import ListedFile
+from ..storage.uri import fixed_part, is_uri, local_path, split_uri
+from .paths import expand_files
 
-__all__ = ["FileEntry", "Listing", "describe_change", "list_files"]
+__all__ = ["FileEntry", "Listing", "describe_change", "list_files", "listing_of"]
 
 MANIFEST_VERSION = 1
 _WILDCARDS = frozenset("*?[")  # as in paths.py: an entry part with one of these is a glob
@@ -71,7 +73,15 @@ class Listing:
 
 
 def _root(entry: str) -> str:
-    """The fixed part of a ``paths`` entry that names are relative to."""
+    """The fixed part of a ``paths`` entry that names are relative to (for a URI: its fixed part, with the
+    scheme and bucket, so the same objects under another prefix keep their names)."""
+    if is_uri(entry) and local_path(entry) is None:
+        scheme, rest = split_uri(entry)
+        fixed = fixed_part(rest)  # before the first glob, or the whole path
+        if not fixed.endswith("/"):  # one object: names are relative to its "directory"
+            fixed = fixed.rpartition("/")[0] + "/"
+        return f"{scheme}://{fixed}"
+    entry = local_path(entry) or entry
     if os.path.isdir(entry):
         return os.path.abspath(entry)
     parts = entry.split(os.sep)
@@ -81,22 +91,41 @@ def _root(entry: str) -> str:
     return os.path.dirname(os.path.abspath(entry))
 
 
+def _relative(path: str, root: str) -> str:
+    if is_uri(root):
+        return path[len(root) :].lstrip("/") if path.startswith(root) else path
+    return os.path.relpath(path, root)
+
+
+def listing_of(paths: Iterable[str] | str, files: Iterable[ListedFile]) -> Listing:
+    """The listing of files already listed (a remote source's listing kept in the state_dir): each file named
+    relative to the first ``paths`` entry whose fixed part holds it."""
+    entries = (paths,) if isinstance(paths, str) else tuple(paths)
+    roots = [_root(os.path.expanduser(str(e))) for e in entries]
+    found, out = [], []
+    for lf in files:
+        i = next((k for k, r in enumerate(roots) if lf.path.startswith(r)), 0)
+        out.append(lf.path)
+        found.append(FileEntry(i, _relative(lf.path, roots[i]), lf.size, lf.mtime_ns))
+    return Listing(paths=tuple(out), entries=tuple(found))
+
+
 def list_files(source: str, fmt: str, paths: Iterable[str] | str, extensions: tuple[str, ...]) -> Listing:
-    """The listing of a source's ``paths``: the files ``expand_paths`` gives, in its order, each stat()ed.
-    ConfigError as ``expand_paths`` raises it."""
+    """The listing of a source's ``paths``: the files ``expand_files`` gives (local paths or URIs, with the
+    size and mtime the filesystem or the object store's listing reports), in its order. ConfigError as
+    ``expand_files`` raises it."""
     entries = (paths,) if isinstance(paths, str) else tuple(paths)
     files: list[str] = []
     found: list[FileEntry] = []
     seen: set[str] = set()
     for i, entry in enumerate(entries):
         root = _root(os.path.expanduser(str(entry)))
-        for p in expand_paths(source, fmt, (entry,), extensions):
-            if p in seen:  # a file two entries match belongs to the first (as in expand_paths)
+        for lf in expand_files(source, fmt, (entry,), extensions):
+            if lf.path in seen:  # a file two entries match belongs to the first (as in expand_files)
                 continue
-            seen.add(p)
-            st = os.stat(p)
-            files.append(p)
-            found.append(FileEntry(i, os.path.relpath(p, root), st.st_size, st.st_mtime_ns))
+            seen.add(lf.path)
+            files.append(lf.path)
+            found.append(FileEntry(i, _relative(lf.path, root), lf.size, lf.mtime_ns))
     return Listing(paths=tuple(files), entries=tuple(found))
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..storage import ListedFile, SourceMeta, get_store, is_uri
 from ._arrow import check_selected
 from ._units import UnitColumnsSource
 from .base import _Lru
@@ -28,6 +29,7 @@ class ParquetSource(UnitColumnsSource):
     cache_bytes: ClassVar[int] = 256 << 20
 
     def __init__(self, spec: Any, *, seed: int):
+        self._footers: dict[int, bytes] = {}  # remote files' footers (serialized FileMetaData): no re-read on open
         self._groups = _Lru(max_items=self.cache_groups or 8, max_bytes=self.cache_bytes)
         super().__init__(spec, seed=seed)
         self._groups.max_items = self.cache_groups or self._order.lanes * self._groups_per_window() + 8
@@ -46,9 +48,24 @@ class ParquetSource(UnitColumnsSource):
         return most
 
     def _open(self, path: str) -> pq.ParquetFile:
+        if is_uri(path):  # by ranges through the store: the footer in one suffix read (or kept), then column chunks
+            footer = self._footers.get(self._index[path])
+            md = pq.read_metadata(pa.BufferReader(footer)) if footer is not None else None
+            return pq.ParquetFile(self.open_bytes(path), metadata=md, page_checksum_verification=True)
         return pq.ParquetFile(path, page_checksum_verification=True)
 
+    def _prefetch(self, store: Any, obj: ListedFile) -> Any:
+        """A remote file's footer: one suffix-range read, no HEAD."""
+        return store.parquet_footer(obj)
+
     def _scan(self, i: int, path: str) -> np.ndarray:
+        if is_uri(path):  # the footer alone (fetched ahead in parallel); the file opens when first read
+            md = self.prefetched(path) or get_store().parquet_footer(self._listed[path])
+            check_selected(self.name, path, md.schema.to_arrow_schema(), self.column, self.columns)
+            out = pa.BufferOutputStream()
+            md.write_metadata_file(out)
+            self._footers[i] = out.getvalue().to_pybytes()
+            return np.array([md.row_group(g).num_rows for g in range(md.num_row_groups)], dtype=np.int64)
         pf = self._open(path)
         try:
             check_selected(self.name, path, pf.schema_arrow, self.column, self.columns)
@@ -63,6 +80,42 @@ class ParquetSource(UnitColumnsSource):
     def _unit_name(self) -> str:
         return "row group"
 
+    def _meta_arrays(self, i: int) -> dict[str, np.ndarray]:
+        footer = self._footers.get(i)
+        return {} if footer is None else {"footer": np.frombuffer(footer, dtype=np.uint8)}
+
+    def _meta_restore(self, meta: SourceMeta) -> None:
+        self._footers = {i: a["footer"].tobytes() for i, a in enumerate(meta.arrays) if "footer" in a}
+
+    def _prefetch_units(self, pairs: list[tuple[int, int]]) -> None:
+        """The row groups of a batch not decoded yet, of remote files, read at once in the store's threads (one
+        thread per file: a ParquetFile is read by one thread at a time); a failed one is left for ``_unit`` to
+        read again and judge."""
+        if not self._remote:
+            return
+        by_file: dict[int, list[int]] = {}
+        for f, g in pairs:
+            if self._groups.get((f, g)) is None:
+                by_file.setdefault(f, []).append(g)
+        if len(by_file) < 2:
+            return
+        names = list(self.columns) if self.columns is not None else [self.column]
+        files = list(by_file)
+
+        def read(k: int) -> list[tuple[int, list[pa.Array]]]:
+            f, got = files[k], []
+            for g in by_file[f]:
+                try:
+                    table = self.handle(f).read_row_group(g, columns=names)
+                except Exception:
+                    continue
+                got.append((g, [table.column(c).combine_chunks() for c in names]))
+            return got
+
+        for f, groups in zip(files, self._overlapped(files, read)):
+            for g, cols in groups:
+                self._groups.put((f, g), cols, sum(c.nbytes for c in cols))
+
     def _unit(self, f: int, g: int) -> list[pa.Array] | Exception:
         """The decoded columns (``columns`` order) of row group g of file f, or the exception that reading them
         raised."""
@@ -75,14 +128,15 @@ class ParquetSource(UnitColumnsSource):
                 got = [table.column(c).combine_chunks() for c in names]
                 size = sum(c.nbytes for c in got)
             except Exception as e:
-                if self.error_reason(e) == "read_error":
-                    return e  # persistent I/O trouble: try again next time
+                if self.error_reason(e) in ("read_error", "storage_error"):
+                    return e  # persistent I/O or store trouble: try again next time
                 got, size = e, 0  # cached too: a corrupt row group is not decoded again for every batch
             self._groups.put(key, got, size)
         return got
 
     def _trim_locked(self) -> None:
-        self._groups.clear()  # a source read rarely would hold its decoded window for nothing
+        if not self.keeps_decoded:
+            self._groups.clear()  # a source read rarely would hold its decoded window for nothing
         super()._trim_locked()
 
     def close(self) -> None:

@@ -1,4 +1,7 @@
-"""Expanding a source's ``paths`` (files, directories, globs) into a sorted, de-duplicated file list."""
+"""Expanding a source's ``paths`` (files, directories, globs; local or URIs) into a sorted, de-duplicated file
+list. Each entry's files are ordered by their path relative to its fixed part (the directory given, or a glob's
+part before its first wildcard), so the same entries under another prefix (local disk vs a bucket) give the
+same order."""
 
 from __future__ import annotations
 
@@ -7,8 +10,9 @@ import os
 from collections.abc import Iterable
 
 from ..errors import ConfigError
+from ..storage import ListedFile, get_store, is_uri, local_file, local_path
 
-__all__ = ["expand_paths"]
+__all__ = ["expand_files", "expand_paths"]
 
 _GLOB_CHARS = frozenset("*?[")
 
@@ -27,6 +31,11 @@ def _walk(directory: str, extensions: tuple[str, ...]) -> list[str]:
 
 
 def expand_paths(source: str, fmt: str, paths: Iterable[str], extensions: tuple[str, ...]) -> list[str]:
+    """The paths (local paths or URIs) of expand_files."""
+    return [f.path for f in expand_files(source, fmt, paths, extensions)]
+
+
+def expand_files(source: str, fmt: str, paths: Iterable[str], extensions: tuple[str, ...]) -> list[ListedFile]:
     """Files of a source in a stable order: each entry expanded in turn (directories recursively and
     sorted, keeping files whose name ends with one of ``extensions``; globs sorted), duplicates dropped.
 
@@ -37,10 +46,17 @@ def expand_paths(source: str, fmt: str, paths: Iterable[str], extensions: tuple[
     paths = tuple(paths)
     if not paths:
         raise ConfigError(f"source {source!r} ({fmt}) has no paths; give files, directories or globs in paths = [...]")
-    out: list[str] = []
+    out: list[ListedFile] = []
     seen: set[str] = set()
     for entry in paths:
-        entry = os.path.expanduser(str(entry))
+        entry = str(entry)
+        if is_uri(entry) and local_path(entry) is None:  # object storage: listed with sizes and mtimes at once
+            for lf in get_store().list_entry(source, entry, extensions):
+                if lf.path not in seen:
+                    seen.add(lf.path)
+                    out.append(lf)
+            continue
+        entry = os.path.expanduser(local_path(entry) or entry)
         if os.path.isdir(entry):
             matched = _walk(entry, extensions)
             hint = f"a directory with no {'/'.join(extensions)} files"
@@ -61,5 +77,5 @@ def expand_paths(source: str, fmt: str, paths: Iterable[str], extensions: tuple[
             p = os.path.abspath(p)
             if p not in seen:
                 seen.add(p)
-                out.append(p)
+                out.append(local_file(p))
     return out

@@ -12,17 +12,19 @@ are read, the one that lost a member is bad.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
 import tarfile
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any, BinaryIO, ClassVar
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
+from ..storage import RemoteFile, SourceMeta, is_uri
 from ._fd import Fd
 from .base import FileSource
 
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 # webdataset's rule: key = directory + basename up to its first dot; extension = the rest of the basename
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./][^./]*)\.([^/]+)$")
 _BLOCK = 512  # tar block size
+_REMOTE_SCAN_BUFFER = 8 << 20  # a remote shard's headers are scanned through reads of this size
 _SPAN_SLACK = 64 << 10  # a sample's unselected members up to this many bytes are read along in the one pread
 
 # why a sample is bad at scan time (ShardIndex.flags)
@@ -106,14 +109,24 @@ def _resync(fh, start: int, size: int) -> int | None:
     return None
 
 
-def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
+def shard_index(path: str, ext_ids: dict[str, int], remote: RemoteFile | None = None) -> ShardIndex:
     """Scan a tar shard's headers (data is skipped, never read); ``ext_ids`` assigns extension ids and grows.
+    A remote shard is scanned through a large read buffer (a few range reads, not one per header).
 
     tarfile.ReadError for a file that is no tar at all; a shard cut short keeps the samples before the cut and
     marks the ones it touches. A corrupt header mid-shard is skipped: the scan resumes at the next valid ustar
     header, and the samples on either side of the damage are bad if they lack a part (``damaged``).
     """
-    size = os.path.getsize(path)
+    if remote is not None:
+        with io.BufferedReader(remote, buffer_size=_REMOTE_SCAN_BUFFER) as fh:
+            return _scan_tar(fh, remote.size, ext_ids)
+    with open(path, "rb") as fh:
+        return _scan_tar(fh, os.path.getsize(path), ext_ids)
+
+
+def _scan_tar(fh: BinaryIO, size: int, ext_ids: dict[str, int]) -> ShardIndex:
+    """The index of a tar read from ``fh`` (``size`` bytes): members grouped into samples by key, each sample
+    flagged (cut, duplicate part, damaged); past a corrupt header the scan resumes at the next valid one."""
     offsets: list[int] = []
     sizes: list[int] = []
     exts: list[int] = []
@@ -124,54 +137,53 @@ def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
     after_damage = False
     key = None
     seen: set[int] = set()
-    with open(path, "rb") as fh:
-        tf = tarfile.open(fileobj=fh, mode="r:")  # noqa: SIM115  (reopened past a damaged header; fh owns it)
-        while True:
-            try:
-                m = tf.next()
-            except tarfile.ReadError as e:
-                m, err = None, str(e)
-            else:
-                err = ""
-            if m is None:
-                end = tf.offset  # where the next header would be: the end-of-archive blocks (zeros) must lie there
-                fh.seek(end)
-                tail = fh.read(_BLOCK)
-                if not err and len(tail) == _BLOCK and tail.count(0) == _BLOCK:
-                    break
-                resume = _resync(fh, end, size) if len(tail) == _BLOCK else None
-                if resume is None:
-                    truncated = err or f"no end-of-archive marker at byte {end} of {size}"
-                    break
-                damaged.append(f"a corrupt header at byte {end}, next valid one at byte {resume}")
-                if flags and flags[-1] == _OK:
-                    flags[-1] = _DAMAGED  # the lost member may have been one of its parts
-                after_damage = True  # ... or the first part of the sample that comes next
-                fh.seek(resume)
-                tf = tarfile.open(fileobj=fh, mode="r:")  # noqa: SIM115  (as above)
-                continue
-            if not m.isreg():
-                continue
-            ke = split_member_name(m.name)
-            if ke is None:
-                continue
-            if ke[0] != key:  # consecutive members with one key are one sample
-                key = ke[0]
-                seen.clear()
-                starts.append(len(offsets))
-                flags.append(_DAMAGED if after_damage else _OK)
-            after_damage = False
-            if m.offset_data + m.size > size:
-                flags[-1] = _CUT
-                truncated = f"member {m.name!r} ends at byte {m.offset_data + m.size} of {size}"
+    tf = tarfile.open(fileobj=fh, mode="r:")  # noqa: SIM115  (reopened past a damaged header; fh is the caller's)
+    while True:
+        try:
+            m = tf.next()
+        except tarfile.ReadError as e:
+            m, err = None, str(e)
+        else:
+            err = ""
+        if m is None:
+            end = tf.offset  # where the next header would be: the end-of-archive blocks (zeros) must lie there
+            fh.seek(end)
+            tail = fh.read(_BLOCK)
+            if not err and len(tail) == _BLOCK and tail.count(0) == _BLOCK:
                 break
-            e_id = ext_ids.setdefault(ke[1], len(ext_ids))
-            if e_id in seen:
-                flags[-1] = _DUPLICATE
-            seen.add(e_id)
-            offsets.append(m.offset_data)
-            sizes.append(m.size)
-            exts.append(e_id)
+            resume = _resync(fh, end, size) if len(tail) == _BLOCK else None
+            if resume is None:
+                truncated = err or f"no end-of-archive marker at byte {end} of {size}"
+                break
+            damaged.append(f"a corrupt header at byte {end}, next valid one at byte {resume}")
+            if flags and flags[-1] == _OK:
+                flags[-1] = _DAMAGED  # the lost member may have been one of its parts
+            after_damage = True  # ... or the first part of the sample that comes next
+            fh.seek(resume)
+            tf = tarfile.open(fileobj=fh, mode="r:")  # noqa: SIM115  (as above)
+            continue
+        if not m.isreg():
+            continue
+        ke = split_member_name(m.name)
+        if ke is None:
+            continue
+        if ke[0] != key:  # consecutive members with one key are one sample
+            key = ke[0]
+            seen.clear()
+            starts.append(len(offsets))
+            flags.append(_DAMAGED if after_damage else _OK)
+        after_damage = False
+        if m.offset_data + m.size > size:
+            flags[-1] = _CUT
+            truncated = f"member {m.name!r} ends at byte {m.offset_data + m.size} of {size}"
+            break
+        e_id = ext_ids.setdefault(ke[1], len(ext_ids))
+        if e_id in seen:
+            flags[-1] = _DUPLICATE
+        seen.add(e_id)
+        offsets.append(m.offset_data)
+        sizes.append(m.size)
+        exts.append(e_id)
     if truncated and flags and flags[-1] == _OK:
         flags[-1] = _LAST
     starts.append(len(offsets))
@@ -186,6 +198,19 @@ def shard_index(path: str, ext_ids: dict[str, int]) -> ShardIndex:
     )
 
 
+class _Block:
+    """A span of a remote shard read in one request: reads inside it are served from memory."""
+
+    def __init__(self, fh: RemoteFile, start: int, data: bytes):
+        self.fh, self.start, self.data = fh, start, data
+
+    def pread(self, n: int, offset: int) -> bytes:
+        at = offset - self.start
+        if at >= 0 and at + n <= len(self.data):
+            return self.data[at : at + n]
+        return self.fh.pread(n, offset)
+
+
 class WebDatasetSource(FileSource):
     """Samples of WebDataset tar shards as ``{extension: bytes}``: the extensions named by ``columns`` (an
     entry "jpg;png" takes the first of them a sample has), or else those that more than half of the samples
@@ -194,6 +219,7 @@ class WebDatasetSource(FileSource):
     format = "webdataset"
     extensions = (".tar",)
     span_slack: ClassVar[int] = _SPAN_SLACK
+    coalesce_bytes: ClassVar[int] = 4 << 20  # a remote read's samples of a shard within this span: one request
 
     def __init__(self, spec: Any, *, seed: int):
         self.shards: list[ShardIndex] = []
@@ -227,12 +253,14 @@ class WebDatasetSource(FileSource):
         self.ext_names: tuple[str, ...] = tuple(names)
         self._wanted_text = [self.columns[k] if self.columns else names[g[0]] for k, g in enumerate(wanted)]
 
-    def _open(self, path: str) -> Fd:
-        return Fd(path)
+    def _open(self, path: str) -> Fd | RemoteFile:
+        return self.open_bytes(path)
 
     def _scan(self, i: int, path: str) -> np.ndarray:
         try:
-            idx = shard_index(path, self.ext_ids)
+            remote = self.open_bytes(path) if is_uri(path) else None
+            assert remote is None or isinstance(remote, RemoteFile)
+            idx = shard_index(path, self.ext_ids, remote)
         except BaseException:
             self.shards.append(ShardIndex.empty())
             raise
@@ -260,23 +288,77 @@ class WebDatasetSource(FileSource):
     def _index_bytes(self) -> int:
         return super()._index_bytes() + sum(s.nbytes for s in self.shards)
 
+    _INDEX_FIELDS = ("offsets", "sizes", "exts", "starts", "flags")
+
+    def _meta_arrays(self, i: int) -> dict[str, np.ndarray]:
+        return {k: getattr(self.shards[i], k) for k in self._INDEX_FIELDS}
+
+    def _meta_extra(self) -> dict[str, Any]:
+        return {
+            "ext_names": list(self.ext_ids),
+            "truncated": [s.truncated for s in self.shards],
+            "damaged": [s.damaged for s in self.shards],
+        }
+
+    def _meta_restore(self, meta: SourceMeta) -> None:
+        self.ext_ids = {name: k for k, name in enumerate(meta.extra["ext_names"])}
+        self.shards = []
+        damaged = meta.extra.get("damaged") or [""] * len(meta.arrays)
+        for a, cut, dmg in zip(meta.arrays, meta.extra["truncated"], damaged):
+            if not a:
+                self.shards.append(ShardIndex.empty())
+                continue
+            self.shards.append(
+                ShardIndex(
+                    offsets=a["offsets"],
+                    sizes=a["sizes"],
+                    exts=a["exts"],
+                    starts=a["starts"],
+                    flags=a["flags"],
+                    truncated=str(cut),
+                    damaged=str(dmg),
+                )
+            )
+
     def _read_file(self, f: int, rows: np.ndarray) -> tuple[list, int]:
         shard = self.shards[f]
         out: list = [None] * len(rows)
         nbytes = 0
         try:
-            fd = self.handle(f).fd
-        except OSError as e:
+            fh = self.handle(f)
+        except (OSError, StorageError) as e:
             reason = self.error_reason(e)
             for k, r in enumerate(rows.tolist()):
                 out[k] = self.bad_sample(f, r, reason, str(e), f"{self.paths[f]}: {e}")
             return out, 0
+        if isinstance(fh, RemoteFile) and len(rows) > 1:
+            fh = self._coalesced(fh, shard, rows)
         for k, r in enumerate(rows.tolist()):
-            out[k], nb = self._sample(f, shard, fd, r)
+            out[k], nb = self._sample(f, shard, fh, r)
             nbytes += nb
         return out, nbytes
 
-    def _sample(self, f: int, shard: ShardIndex, fd: int, row: int) -> tuple[object, int]:
+    def _coalesced(self, fh: RemoteFile, shard: ShardIndex, rows: np.ndarray) -> Fd | RemoteFile | _Block:
+        """A remote shard's samples of one read in one range request when their members lie close together
+        (the read order keeps a read's rows of a shard within a window): a request costs its latency, bytes
+        in between little."""
+        lo, hi = shard.starts[rows], shard.starts[rows + 1]
+        has = hi > lo
+        if not has.any():
+            return fh
+        first, last = lo[has], hi[has] - 1
+        start = int(shard.offsets[first].min())
+        end = int((shard.offsets[last] + shard.sizes[last]).max())
+        need = int(sum(int(shard.sizes[a:b].sum()) for a, b in zip(first.tolist(), (last + 1).tolist())))
+        if end - start > max(4 * need, self.coalesce_bytes):
+            return fh
+        try:
+            return _Block(fh, start, fh.pread(end - start, start))
+        except StorageError as e:
+            self.error_reason(e)  # "fail": the job stops here; "skip": the samples' own reads say it again
+            return fh
+
+    def _sample(self, f: int, shard: ShardIndex, fh: Fd | RemoteFile | _Block, row: int) -> tuple[object, int]:
         """One sample's record and the bytes it took, or a BadSample and 0."""
         lo, hi = int(shard.starts[row]), int(shard.starts[row + 1])
         exts = shard.exts[lo:hi]
@@ -304,16 +386,16 @@ class WebDatasetSource(FileSource):
         start, end = int(offs.min()), int((offs + sizes).max())
         try:
             if end - start <= 2 * need + self.span_slack:  # one read of the span, headers and all
-                block = self._retry(lambda: os.pread(fd, end - start, start))
+                block = self._retry(lambda: fh.pread(end - start, start))
                 if len(block) != end - start:
                     raise EOFError(f"short read: {len(block)} of {end - start} bytes (file changed?)")
                 parts = [block[o - start : o - start + s] for o, s in zip(offs.tolist(), sizes.tolist())]
             else:  # unselected big members in between: read the wanted ones alone
                 spans = zip(offs.tolist(), sizes.tolist())
-                parts = [self._retry(partial(os.pread, fd, s, o)) for o, s in spans]
+                parts = [self._retry(partial(fh.pread, s, o)) for o, s in spans]
                 if [len(p) for p in parts] != sizes.tolist():
                     raise EOFError("short read (file changed?)")
-        except (OSError, EOFError) as e:
+        except (OSError, EOFError, StorageError) as e:
             reason = "read_error" if isinstance(e, EOFError) else self.error_reason(e)
             return self.bad_sample(f, row, reason, str(e)), 0
         return {self.ext_names[e]: p for e, p in zip(found, parts)}, need

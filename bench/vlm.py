@@ -373,7 +373,6 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--micro", type=int, default=MICRO, help="micro-batches per rank per step")
     ap.add_argument("--rows", type=int, default=ROWS, help="rows per micro-batch")
-    ap.add_argument("--smoke", action="store_true", help="seconds: tiny sizes, every code path (CI)")
     args = ap.parse_args()
     if args.smoke:
         args.steps, args.dp, args.images, args.micro, args.rows = 1, "8", 10, 2, 1

@@ -35,6 +35,7 @@ EXEMPT = {
     "progress": "result lines and progress bars for the benchmarks (a module)",
     "workloads": "the workload definitions the benchmarks share (a module)",
     "_autoscale_tf": "bench/autoscale.py's transform, imported by its server's workers (a module)",
+    "_remote_tf": "bench/remote.py's WebDataset transform, imported by its server's workers (a module)",
     "suite": "the runner of every benchmark and the plots (tests/test_bench_suite.py)",
 }
 BENCHES = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in EXEMPT)

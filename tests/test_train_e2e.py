@@ -66,7 +66,7 @@ def test_step_is_forward_and_backward(e2e):
 
 def test_placements_hold_the_same_kind_of_steps(e2e):
     seq_len, dp = 2048, 4
-    for placed, tokens in e2e.arrival_steps(seq_len, dp, 2, 0) + e2e.planner_steps(seq_len, dp, 2, 0, 1e-9, 1e-5):
+    for placed, tokens in e2e.arrival_steps(seq_len, dp, 2, 0) + e2e.planner_steps(seq_len, dp, 2, 0, 1e-9, 1e-5, 1e-5):
         assert len(placed) == dp
         assert all(len(rank) == e2e.MICRO for rank in placed)
         assert all(sum(mb) <= seq_len for rank in placed for mb in rank)

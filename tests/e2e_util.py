@@ -142,3 +142,15 @@ def finish(p: subprocess.Popen, kill: bool = True) -> int:
 
 def read_out(path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def status_json(endpoint: str) -> dict:
+    """A server's `msdata-server status --json`, run as a user would (a subprocess of the CLI)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "msdata_server", "status", "--endpoint", endpoint, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return json.loads(out.stdout)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
 import socket
@@ -18,17 +17,9 @@ import msdata_client as msd
 from msdata_client.wire import FrameReader, encode, recv_into_reader
 from msdata_server.shm import list_segments
 
-from .e2e_util import batch_record, finish, run_ranks, small_job, start_rank_process
+from .e2e_util import batch_record, finish, run_ranks, small_job, start_rank_process, status_json
 
-
-def status(endpoint) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "msdata_server", "status", "--endpoint", endpoint, "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout)
+status = status_json  # the one status helper (e2e_util)
 
 
 def test_dp_ranks_get_disjoint_packed_batches(server_factory):

@@ -3,9 +3,6 @@ worker pool of a real `msdata-server serve`, two DP ranks; the batches decode ba
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -17,6 +14,8 @@ import pyarrow.feather as feather
 import pyarrow.parquet as pq
 
 import msdata_client as msd
+
+from .e2e_util import status_json
 
 EOS, PAD = 256, 257
 SEQ_LEN = 256
@@ -156,15 +155,7 @@ def _job(name: str, sources: list[tuple[str, str, str]], weights: dict[str, floa
     return g.plan()
 
 
-def _status(endpoint: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "msdata_server", "status", "--endpoint", endpoint, "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    return json.loads(out.stdout)
+_status = status_json  # the one status helper (e2e_util)
 
 
 def test_three_formats_decode_back_to_their_documents(server_factory, tmp_path):

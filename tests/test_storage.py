@@ -5,7 +5,6 @@ and without throttling and resets; bad input is a clear error naming the source,
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from msdata_server.storage import configure, is_uri
 from msdata_server.storage.uri import check_uri, fixed_part, glob_regex
 
 from .cluster_util import run_spread, spread
-from .e2e_util import run_ranks
+from .e2e_util import run_ranks, status_json
 from .polling import wait_for
 from .s3_util import ACCESS_KEY, SECRET_KEY, FaultProxy, MotoS3, s3_env, write_formats
 
@@ -218,15 +217,7 @@ def _job(paths: dict[str, str], name: str = "remote", dp: int = 2):
     return g.plan()
 
 
-def _status(endpoint: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "msdata_server", "status", "--endpoint", endpoint, "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    return json.loads(out.stdout)
+_status = status_json  # the one status helper (e2e_util)
 
 
 def test_a_job_over_a_bucket_gives_the_local_batches(s3, proxy, server_factory):

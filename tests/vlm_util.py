@@ -5,9 +5,6 @@ a job and the server's status."""
 from __future__ import annotations
 
 import io
-import json
-import subprocess
-import sys
 import tarfile
 import threading
 from pathlib import Path
@@ -19,6 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import msdata_client as msd
+
+from .e2e_util import status_json
 
 Image = pytest.importorskip("PIL.Image")
 
@@ -167,15 +166,7 @@ def _copy(batch) -> dict[str, np.ndarray]:
     return {k: v.numpy().copy() for k, v in batch.items()}
 
 
-def status(endpoint: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "msdata_server", "status", "--endpoint", endpoint, "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    return json.loads(out.stdout)
+status = status_json  # the one status helper (e2e_util)
 
 
 def spec(path, name="wds", **kw):

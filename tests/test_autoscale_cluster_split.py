@@ -99,9 +99,18 @@ def test_three_nodes_split_and_merge_a_source_live_and_the_batches_equal_autosca
     runs = [r for st in on.statuses().values() for r in st["cluster"]["runs"]]
     assert all(r["partitions"]["b"] == n_split for r in runs), runs
     assert sum(r["partitions_here"] for r in runs) >= n_split + 3, runs  # the new partitions are open and read
-    for st in on.statuses().values():  # what the old partitions read past the split was dropped: within bounds
-        for name, fig in st["jobs"][0]["sources"].items():
-            assert fig["held"] <= fig["held_bound"], (name, fig)
+
+    def over_bound() -> list:
+        return [
+            (name, fig)
+            for st in on.statuses().values()
+            for name, fig in st["jobs"][0]["sources"].items()
+            if fig["held"] > fig["held_bound"]
+        ]
+
+    # what the old partitions read past the split was dropped: within bounds (a status is a snapshot taken while
+    # the partitions' reads land: a read that overshoots by one batch settles at the next look; a leak does not)
+    wait_for(lambda: not over_bound(), 10, "every source's held payloads within their bound")
     for srv in on.nodes.values():  # the storage is fast again: b's read need falls, it is merged back
         send_peer_frame(srv, secret, {"t": "fault", "slow_reads": 1.0})
     wait_for(lambda: f"source b partitions {n_split} -> 3: " in lead.log(), 60, "the merge")

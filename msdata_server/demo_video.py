@@ -11,7 +11,6 @@ temporal patch), and prints a summary: clips, frames and images delivered, and b
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import os
 import shutil
 import tarfile
@@ -23,8 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import NodeConfig, ServerConfig
-from .demo import follow_ranks, serve_in_thread, stop_server
-from .demo_vlm import MERGE, TRANSFORM, make_vlm_dataset
+from .demo_vlm import MERGE, TRANSFORM, make_vlm_dataset, serve_ranks
 from .errors import ConfigError
 
 __all__ = ["make_clip", "make_video_dataset", "run_video_demo", "video_demo_job"]
@@ -157,33 +155,10 @@ def _run(root: str, steps: int) -> int:
     cfg = ServerConfig(
         node=NodeConfig(id="demo-video", socket=sock, workers=2, shm_prefix="msdvid", log_level="WARNING")
     )
-    server, loop, thread = serve_in_thread(cfg)
-    print(f"  data ready in {time.perf_counter() - t0:.1f}s; server on {sock}; 2 ranks, {steps} steps", flush=True)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    world = spec.mesh.world_size
-    procs = [
-        ctx.Process(target=_rank_main, args=(spec.to_dict(), sock, r, world, steps, q), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    shown = [-1]
-
-    def tick(status: dict, progress: dict[int, int]) -> None:
-        lo = min(progress.values())
-        if lo // 10 != shown[0] // 10:
-            shown[0] = lo
-            print(f"  step {lo}/{steps}", flush=True)
-
-    followed = follow_ranks(procs, q, server, loop, tick, every=1.0)
+    followed = serve_ranks(cfg, spec, _rank_main, steps, t0)
     if followed is None:
-        stop_server(server, loop, thread)
         return 1
     done, status = followed
-    for p in procs:
-        p.join(30)
-    stop_server(server, loop, thread)
     _summary(done, status)
     print(f"demo --video finished in {time.perf_counter() - t0:.1f}s", flush=True)
     return 0

@@ -16,6 +16,8 @@ import shutil
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -138,13 +140,27 @@ def _run(root: str, steps: int) -> int:
     spec = vlm_demo_job(make_vlm_dataset(os.path.join(root, "data")))
     sock = os.path.join(root, "msdata.sock")
     cfg = ServerConfig(node=NodeConfig(id="demo-vlm", socket=sock, workers=2, shm_prefix="msdvlm", log_level="WARNING"))
+    followed = serve_ranks(cfg, spec, _rank_main, steps, t0)
+    if followed is None:
+        return 1
+    done, status = followed
+    _summary(done, status)
+    print(f"demo --vlm finished in {time.perf_counter() - t0:.1f}s", flush=True)
+    return 0
+
+
+def serve_ranks(cfg: ServerConfig, spec: Any, rank_main: Callable[..., None], steps: int, t0: float):
+    """A picture demo's run: the server in a thread, one spawned process per rank running ``rank_main(job_dict,
+    endpoint, rank, world, steps, queue)``, a progress line every 10 steps. Returns (done per rank, the last
+    status) once every rank is done, or None (after the failure was printed); the server is stopped either way."""
+    sock = cfg.node.socket
     server, loop, thread = serve_in_thread(cfg)
     print(f"  data ready in {time.perf_counter() - t0:.1f}s; server on {sock}; 2 ranks, {steps} steps", flush=True)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     world = spec.mesh.world_size
     procs = [
-        ctx.Process(target=_rank_main, args=(spec.to_dict(), sock, r, world, steps, q), daemon=True)
+        ctx.Process(target=rank_main, args=(spec.to_dict(), sock, r, world, steps, q), daemon=True)
         for r in range(world)
     ]
     for p in procs:
@@ -157,17 +173,14 @@ def _run(root: str, steps: int) -> int:
             shown[0] = lo
             print(f"  step {lo}/{steps}", flush=True)
 
-    followed = follow_ranks(procs, q, server, loop, tick, every=1.0)
-    if followed is None:
+    try:
+        followed = follow_ranks(procs, q, server, loop, tick, every=1.0)
+        if followed is not None:
+            for p in procs:
+                p.join(30)
+        return followed
+    finally:
         stop_server(server, loop, thread)
-        return 1
-    done, status = followed
-    for p in procs:
-        p.join(30)
-    stop_server(server, loop, thread)
-    _summary(done, status)
-    print(f"demo --vlm finished in {time.perf_counter() - t0:.1f}s", flush=True)
-    return 0
 
 
 def _summary(done: dict[int, dict], status: dict) -> None:

@@ -28,6 +28,7 @@ from msdata_server.clientframes import FRAME_TYPES
 from msdata_server.errors import ProtocolError
 
 from .e2e_util import small_job
+from .polling import wait_for
 from .server_util import ServerProc
 
 GOOD = small_job("fuzz-good", dp=1, samples=2_000)
@@ -55,9 +56,9 @@ class Fuzzed:
         b = next(self.good)
         assert int(b["step"]) >= 0
         del b
-        deadline = time.monotonic() + 10
-        while self.rejections() < self.expected and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(
+            lambda: self.rejections() >= self.expected, 10, "a log line per rejection", log=self.srv.log, every=0.01
+        )
         assert self.rejections() == self.expected, self.srv.log()[-3000:]
         new = self.srv.log()[self.mark :]
         self.mark += len(new)

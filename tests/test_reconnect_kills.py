@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ import orjson
 import msdata_client as msd
 
 from .e2e_util import batch_record, run_ranks
+from .polling import wait_for
 
 
 def children(pid: int) -> list[int]:
@@ -55,9 +55,8 @@ def test_killed_transform_worker_is_replaced_and_batches_are_unchanged(server_fa
         os.kill(before[0], signal.SIGKILL)
         got += [batch_record(next(dc)) for _ in range(30)]
     assert got == ref
-    deadline = time.monotonic() + 30
-    while (now := workers(srv.proc.pid)) == before or len(now) != 2:  # replaced: two workers, a new one among them
-        assert time.monotonic() < deadline, now
-        time.sleep(0.05)
+    now = wait_for(  # replaced: two workers, a new one among them
+        lambda: (w := workers(srv.proc.pid)) != before and len(w) == 2 and w, 30, "the killed worker's replacement"
+    )
     assert before[0] not in now
     assert srv.proc.poll() is None

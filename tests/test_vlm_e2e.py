@@ -19,6 +19,7 @@ from .vlm_util import (
     VLM,
     check_colours,
     documents,
+    encode,
     picture_job,
     pictures,
     read_with_status,
@@ -167,3 +168,25 @@ def test_resume_reshard_and_tp_with_images(server_factory, tmp_path):
     assert all(o >= n for o in state["carry"]["ordinal"])
     assert set(counts) == set(truth)
     assert sum(counts.values()) == state["cursor"][0] - carried
+
+
+def test_node_max_image_pixels_reaches_the_workers(server_factory, tmp_path):
+    """node.toml's [node] max_image_pixels bounds what the worker processes decode: an image over it is an
+    oversize bad sample of its source (counted, never delivered), the smaller ones arrive with their captions."""
+    small = pictures("s", 16, "PNG", 5)  # at most 259 x 199 pixels: under the limit
+    big = [(encode(c, (400, 300)), f"a {c} picture big-{i}") for i, c in enumerate(("red", "green", "blue"))]
+    rows = small[:5] + big[:1] + small[5:10] + big[1:] + small[10:]
+    truth = write_parquet(tmp_path / "pq", [rows])
+    spec = picture_job("bounded", [("pq", "parquet", tmp_path / "pq", ["image", "caption"])])
+    srv = server_factory(workers=2, extra="max_image_pixels = 65536\n").start()  # 400 x 300 = 120,000 over it
+    got, st = read_with_status(spec, srv.socket, 6)
+    seen = set()
+    for batches in got.values():
+        for b in batches:
+            for doc in documents(b):
+                assert "big" not in truth[doc["sid"]], f"an image over max_image_pixels was delivered: {doc['sid']}"
+                check_colours(doc, truth[doc["sid"]], tol=3.0)
+                seen.add(doc["sid"])
+    assert len(seen) >= 10
+    (job,) = st["jobs"]
+    assert set(job["sources"]["pq"]["bad_samples"]) == {"oversize"}, job["sources"]["pq"]["bad_samples"]

@@ -10,9 +10,13 @@ import pytest
 import msdata_client as msd
 from msdata_server.checkpoint import start_skip
 from msdata_server.errors import CheckpointError
+from msdata_server.lineage.replay import replay
+from msdata_server.lineage.skip import skip_pending
+from msdata_server.planner import Planner
 
 from .e2e_util import small_job
 from .lineage_util import run_job
+from .planner_util import MEDIANS, View, config
 from .server_util import ServerProc
 
 S, A, B, N = 1, 3, 5, 8  # state saved at S, skip A..B-1, read up to step N
@@ -117,3 +121,26 @@ def test_the_start_rule_places_the_range():
         start_skip({"planner": {"step": S}, "skip": {"start": S - 1, "stop": B, "defer": False}})
     with pytest.raises(CheckpointError, match="A must be below B"):
         start_skip({"planner": planner, "skip": {"start": B, "stop": A, "defer": False}})
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_every_state_kept_for_a_skipped_step_plans_the_skip_again(defer):
+    """A new leader re-plans from the newest state at or before the first step a node lacks, a rejoining node's
+    catch-up and lineage likewise: from the state kept for any step of A..B-1 the plans from B on are the job's,
+    and A..B-1 come back skipped (a state taken inside the range would deliver them and forget the skip)."""
+    cfg, view, sizes = config(), View(MEDIANS), [5000, 3000, 2000, 800]
+    planner = Planner(cfg)
+    for _ in range(A):
+        planner.plan_step(view)
+    planner = Planner(cfg, state={**planner.state_dict(), "pending_skip": {"start": A, "stop": B, "defer": defer}})
+    skipped, states = skip_pending(planner, view, sizes)
+    assert [p.step for p in skipped] == sorted(states) == list(range(A, B))
+    after = [planner.plan_step(view) for _ in range(3)]
+    for k, state in states.items():
+        again = Planner(cfg, state=state)
+        redo, _ = skip_pending(again, view, sizes)
+        assert [p.step for p in redo] == list(range(A, B)), f"the state kept for step {k} forgot the skip"
+        for want, got in zip(after, replay(cfg, state, view, B, B + 3, sizes=sizes), strict=True):
+            assert got.step == want.step
+            for key in ("source", "ordinal", "offset", "length", "group", "micro", "row"):
+                assert np.array_equal(getattr(got, key), getattr(want, key)), (k, want.step, key)

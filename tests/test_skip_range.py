@@ -133,12 +133,12 @@ def test_every_state_kept_for_a_skipped_step_plans_the_skip_again(defer):
     for _ in range(A):
         planner.plan_step(view)
     planner = Planner(cfg, state={**planner.state_dict(), "pending_skip": {"start": A, "stop": B, "defer": defer}})
-    skipped, states = skip_pending(planner, view, sizes)
+    skipped, states, _ = skip_pending(planner, view, sizes)
     assert [p.step for p in skipped] == sorted(states) == list(range(A, B))
     after = [planner.plan_step(view) for _ in range(3)]
     for k, state in states.items():
         again = Planner(cfg, state=state)
-        redo, _ = skip_pending(again, view, sizes)
+        redo, _, _ = skip_pending(again, view, sizes)
         assert [p.step for p in redo] == list(range(A, B)), f"the state kept for step {k} forgot the skip"
         for want, got in zip(after, replay(cfg, state, view, B, B + 3, sizes=sizes), strict=True):
             assert got.step == want.step

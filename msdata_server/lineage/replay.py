@@ -44,7 +44,7 @@ def replay(
         st = held.get(planner.step) if planner.step > first else None
         if st is not None and st.get("mixture") != planner.mixture.since(planner.step).to_dict():
             planner = Planner(cfg, state=st)  # a mixture change was cut here: continue as the job did
-        skipped, _ = skip_pending(planner, view, sizes)
+        skipped, _, _ = skip_pending(planner, view, sizes)
         for plan in skipped if skipped else [planner.plan_step(view)]:
             if start <= plan.step < stop:
                 yield plan

@@ -74,20 +74,23 @@ def skip_steps(
     return plans, states
 
 
-def skip_pending(planner: Planner, view: MetadataView, sizes: Sequence[int]) -> tuple[list[StepPlan], dict[int, dict]]:
+def skip_pending(
+    planner: Planner, view: MetadataView, sizes: Sequence[int]
+) -> tuple[list[StepPlan], dict[int, dict], dict[int, list[int]]]:
     """At the first step of the planner's pending skip (``loader.skip(steps=(A, B))``): plan A..B-1 in place never
     to deliver them (``skip_steps``); the skipped plans and, for each of A..B-1, the state to keep for it: the
     state at A, which still holds the pending skip. Whoever plans on from a state kept for a step of the range (a
     new leader, a node's catch-up, a lineage replay) skips the whole range again, as the job did; a state taken
-    inside the range would plan its rest as deliverable steps and lose the skip's record and deferral.
-    ([], {}) at any other step. Runs in a thread."""
+    inside the range would plan its rest as deliverable steps and lose the skip's record and deferral. Third, the
+    planner's real cursor at the start of each skipped step (where a partition change may start).
+    ([], {}, {}) at any other step. Runs in a thread."""
     pending = planner.pending_skip
     if pending is None or pending.start != planner.step:
-        return [], {}
+        return [], {}, {}
     at_start = planner.state_dict()
     planner.take_pending_skip()
-    plans, _ = skip_steps(planner, view, pending.stop - pending.start, sizes, defer=pending.defer)
-    return plans, {p.step: at_start for p in plans}
+    plans, inside = skip_steps(planner, view, pending.stop - pending.start, sizes, defer=pending.defer)
+    return plans, {p.step: at_start for p in plans}, {k: list(st["cursor"]) for k, st in inside.items()}
 
 
 def epoch_end_inserts(planner: Planner, plans: list, sizes: list[int]) -> list[Insert]:

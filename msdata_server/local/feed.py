@@ -67,7 +67,7 @@ class LocalPlanFeed:
         release what the loaders read ahead for them (their pieces count planned and done at once)."""
         assert self._view is not None
         sizes = [ld.source.num_samples for ld in self.payloads.loaders]
-        skipped, states = await asyncio.to_thread(skip_pending, planner, self._view, sizes)
+        skipped, states, _ = await asyncio.to_thread(skip_pending, planner, self._view, sizes)
         if not skipped:
             return
         for step, st in sorted(states.items()):

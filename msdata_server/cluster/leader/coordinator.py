@@ -572,13 +572,13 @@ class JobCoordinator:
         send their plans marked skipped (nodes release their pieces and hand them to nobody); False once we no
         longer lead. Nothing at any other step."""
         sizes = await source_sizes(self.spec) if planner.pending_skip and planner.pending_skip.defer else []
-        skipped, states = await asyncio.to_thread(skip_pending, planner, view, sizes)
+        skipped, states, cursors = await asyncio.to_thread(skip_pending, planner, view, sizes)
         for plan in skipped:
             state = states[plan.step]
             if not await self.store.save(plan.step, state):
                 log.warning("job %s: no longer leader at step %d; planning stops", self.spec.name, plan.step)
                 return False
-            parts = self.parts.at(plan.step, state.get("cursor"))
+            parts = self.parts.at(plan.step, cursors[plan.step])
             extra = {"state": state, "gen": self.gen, "run": self.run_id, "cut": self.last_cut, "parts": parts}
             extra["skipped"] = True  # nodes release the step's pieces and hand it to nobody
             self.sent[plan.step] = (plan, extra, self.parts.table)
@@ -794,7 +794,7 @@ class JobCoordinator:
                     planner = Planner(planner_config(self.spec), state=self.mix_states[planner.step])
                 pending = planner.pending_skip
                 sizes = await source_sizes(self.spec) if pending is not None and pending.defer else []
-                skipped, states = await asyncio.to_thread(skip_pending, planner, view, sizes)  # loader.skip
+                skipped, states, _ = await asyncio.to_thread(skip_pending, planner, view, sizes)  # loader.skip
                 for p in skipped:
                     table = self.parts.table
                     extra = {"state": states[p.step], "gen": gen, "run": self.run_id, "cut": last_cut, "skipped": True}

@@ -4,10 +4,14 @@ A rank's load is a vector (one entry per stage, each over its bound); what a ste
 largest entry. A round pairs the ranks heaviest-first with the ranks lightest-first (by the worst entry, or by
 one stage: the rounds cycle through the keys; from the second cycle on, the light ranks are rotated by ROTATE
 per cycle, so a heavy rank meets other partners) and, for every pair at once, tries each piece of the heavy rank
-moved to the light one and each pair of pieces swapped (among the WIDTH pieces of each rank with the largest
-loads), keeping the choice that leaves the pair's largest entry lowest, if it is lower than now; pieces must
-fit the rows they go to. Pairs are disjoint, so the round applies all their choices. A piece's row tables are
-kept as pieces move (no regrouping per round). Pure numpy over [pairs, WIDTH, WIDTH]; no loop per piece.
+moved to the light one, each pair of pieces swapped, and each two pieces of the heavy rank (among its
+DOUBLE_WIDTH largest) swapped for one of the light (moved too: among the WIDTH pieces of each rank with the
+largest loads), keeping the choice that leaves the pair's largest entry lowest, if it is lower than now; pieces
+must fit the rows they go to. The double swap is what a rank heavy in one stage and light in the other needs:
+two pieces cheap in its light stage out for one dense in it (a rank holding a long text document, its backbone
+full, trades two small images for one large). Pairs are disjoint, so the round applies all their choices at
+once. The rank tables of pieces are kept as pieces move (no regrouping per round). Pure numpy over
+[pairs, candidates, WIDTH]; no loop per piece or pair.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from .rows import Rows
 __all__ = ["WIDTH", "pair_exchange"]
 
 WIDTH = 16  # pieces of each rank considered in a round: its largest, by its largest normalised entry
+DOUBLE_WIDTH = 8  # the largest pieces of a heavy rank whose pairs are tried against one of the light rank
 ROTATE = 37  # from the second cycle of keys on, the light partners are rotated by this much per cycle
 _GAIN = 1e-9  # a choice must lower the pair's largest entry by this share (no churn on ties)
 
@@ -81,50 +86,60 @@ def _round(
     st: Rows, norm: np.ndarray, extra: np.ndarray, load: np.ndarray, worst: np.ndarray, table: np.ndarray,
     heavy: np.ndarray, light: np.ndarray,
 ) -> int:  # fmt: skip
-    """One round of `pair_exchange` over the pairs (heavy[i], light[i]); applies the choices, returns how many."""
-    L = st.L
+    """One round of `pair_exchange` over the pairs (heavy[i], light[i]): for each pair the best of a move, a swap
+    and a double swap (two pieces of the heavy rank for one of the light: what a rank heavy in one stage and
+    light in the other needs to trade two cheap pieces for one dense one); applies them, returns how many."""
+    L, k = st.L, heavy.size
     A, B = table[heavy], table[light]  # [k, W] pieces (-1: none)
     va, vb = A >= 0, B >= 0
     a, b = np.where(va, A, 0), np.where(vb, B, 0)
-    lh, ll = load[:, heavy][:, :, None], load[:, light][:, :, None]  # [S, k, 1]
+    lh, ll = load[:, heavy][:, :, None, None], load[:, light][:, :, None, None]  # [S, k, 1, 1]
     na, nb = norm[:, a], norm[:, b]  # [S, k, W]
-    top = np.maximum(worst[heavy], worst[light])  # [k]
-    # move: a piece of h to l (a row of l it fits)
-    mv = np.maximum((lh - na).max(axis=0), (ll + na).max(axis=0))  # [k, W]
-    mv = np.where(va & (L[a] <= st.maxrem[light][:, None]), mv, np.inf)
-    # swap: a of h with b of l, each fitting the other's row once it has left
-    d = na[:, :, :, None] - nb[:, :, None, :]  # [S, k, W, W]
-    sw = np.maximum((lh[..., None] - d).max(axis=0), (ll[..., None] + d).max(axis=0))
-    room_h = st.rem[heavy[:, None], np.maximum(st.slot[a], 0)] + L[a]  # [k, W]
-    room_l = st.rem[light[:, None], np.maximum(st.slot[b], 0)] + L[b]
-    fit = (L[b][:, None, :] <= room_h[:, :, None]) & (L[a][:, :, None] <= room_l[:, None, :])
-    sw = np.where(fit & va[:, :, None] & vb[:, None, :], sw, np.inf)
+    sa, sb = np.maximum(st.slot[a], 0), np.maximum(st.slot[b], 0)
+    room_h = st.rem[heavy[:, None], sa] + L[a]  # [k, W]: free in a's row once a has left
+    room_l = st.rem[light[:, None], sb] + L[b]
+    # candidates [k, X, W]: X pieces (or pairs of pieces) of h against W of l; a move is a swap with nothing
+    iu, ju = np.triu_indices(min(DOUBLE_WIDTH, A.shape[1]), 1)
+    give = np.concatenate([na, na[:, :, iu] + na[:, :, ju]], axis=2)  # [S, k, X]
+    take = np.concatenate([np.zeros((*nb.shape[:2], 1)), nb], axis=2)  # [S, k, 1 + W]
+    d = give[:, :, :, None] - take[:, :, None, :]
+    val = np.maximum((lh - d).max(axis=0), (ll + d).max(axis=0))  # [k, X, 1 + W]
+    # what fits: one piece a into b's row (or, moved, l's roomiest), b into a's row; a pair both into b's row
+    same = sa[:, iu] == sa[:, ju]
+    tok_in = np.concatenate([L[a], L[a][:, iu] + L[a][:, ju]], axis=1)  # [k, X]
+    room_in = np.concatenate([room_h, room_h[:, iu] + np.where(same, L[a][:, ju], 0)], axis=1)
+    ok_out = np.concatenate([va, va[:, iu] & va[:, ju]], axis=1)
+    fit = np.concatenate([st.maxrem[light][:, None, None], room_l[:, None, :]], axis=2) >= tok_in[:, :, None]
+    got = np.concatenate([np.zeros((k, 1), np.int64), L[b]], axis=1)  # tokens h takes
+    fit &= got[:, None, :] <= room_in[:, :, None]
+    fit &= ok_out[:, :, None] & np.concatenate([np.ones((k, 1), bool), vb], axis=1)[:, None, :]
+    val = np.where(fit, val, np.inf).reshape(k, -1)
+    j = np.argmin(val, axis=1)
+    best = val[np.arange(k), j]
+    i = np.flatnonzero(best < np.maximum(worst[heavy], worst[light]) * (1.0 - _GAIN))
+    if i.size == 0:
+        return 0
+    x, y = np.divmod(j[i], 1 + A.shape[1])  # x: a piece (< W) or a pair; y: 0 a move, else 1 + b's column
     W = A.shape[1]
-    rows = np.arange(heavy.size)
-    jm = np.argmin(mv, axis=1)
-    best_mv = mv[rows, jm]
-    flat = sw.reshape(heavy.size, -1)
-    js = np.argmin(flat, axis=1)
-    best_sw = flat[rows, js]
-    bar = top * (1.0 - _GAIN)
-    do_swap = (best_sw < bar) & (best_sw <= best_mv)
-    do_move = ~do_swap & (best_mv < bar)
-    # swaps: a to b's row on l, b to a's row on h
-    i = np.flatnonzero(do_swap)
-    ia, ib = js[i] // W, js[i] % W
-    pa, pb = A[i, ia], B[i, ib]
-    # moves: a to l's tightest row that fits it
-    m = np.flatnonzero(do_move)
-    ma = A[m, jm[m]]
-    free = st.rem[light[m]]
-    mw = np.argmin(np.where(free >= L[ma][:, None], free, np.iinfo(np.int64).max), axis=1)
-    pieces = np.concatenate([pa, pb, ma])
-    to_rank = np.concatenate([light[i], heavy[i], light[m]])
-    to_slot = np.concatenate([st.slot[pb], st.slot[pa], mw])
+    c1 = np.where(x < W, x, iu[np.maximum(x - W, 0)])
+    c2 = np.where(x < W, -1, ju[np.maximum(x - W, 0)])
+    p1, p2 = A[i, c1], np.where(c2 >= 0, A[i, np.maximum(c2, 0)], -1)
+    cb = y - 1
+    pb = np.where(cb >= 0, B[i, np.maximum(cb, 0)], -1)
+    h, q = heavy[i], light[i]
+    two, swapped = p2 >= 0, pb >= 0
+    free = st.rem[q]  # a move: l's tightest row that fits what moves
+    need = L[p1] + np.where(two, L[np.maximum(p2, 0)], 0)
+    tight = np.argmin(np.where(free >= need[:, None], free, np.iinfo(np.int64).max), axis=1)
+    dest = np.where(cb >= 0, st.slot[np.maximum(pb, 0)], tight)
+    pieces = np.concatenate([p1, p2[two], pb[swapped]])
+    to_rank = np.concatenate([q, q[two], h[swapped]])
+    to_slot = np.concatenate([dest, dest[two], st.slot[p1][swapped]])
     _relocate(st, extra, norm, pieces, to_rank, to_slot)
-    table[heavy[i], ia], table[light[i], ib] = pb, pa
-    table[heavy[m], jm[m]] = -1
-    return int(i.size + m.size)
+    table[h, c1] = pb  # (-1 after a move)
+    table[h[two], c2[two]] = -1
+    table[q[swapped], cb[swapped]] = p1[swapped]
+    return int(i.size)
 
 
 def _relocate(st: Rows, extra: np.ndarray, norm: np.ndarray, p: np.ndarray, r2: np.ndarray, w2: np.ndarray) -> None:

@@ -5,7 +5,8 @@ slowest rank: the step takes max_r V_r + max_r B_r, so both stages must balance,
 `place_stages` fills the rows (`rows.Rows`, whose cost is the backbone's) in an order that leaves each
 stage something to balance with: the carry-over and the long text first (no encoder cost; they need
 whole rows), then `place_images` by both stages, then the short text, which evens out the backbone;
-then `refine_stages` lowers the larger of the two normalised loads, rank by rank.
+then rounds of paired exchange (`exchange_stages`: every heavy rank trades with a light one at once) and a
+short `refine_stages` lower the larger of the two normalised loads.
 
 A rank holding a long text document has a backbone cost far above what its tokens suggest, so it can
 take only part of an average rank's images before its backbone passes the others': it ends light in
@@ -42,7 +43,7 @@ STAGE_PARTNERS = 4  # lightest ranks by each measure (backbone, encoder, their m
 DONE = 1e-3  # refine_stages stops once the worst rank is within this of both bounds
 FULL = 0.01  # a rank is full when less than this share of its rows is free...
 EXCHANGE_ROUNDS = 32  # exchange_stages rounds (each pairs every heavy rank with a light one) before refine_stages
-POLISH_ITERS = 128  # refine_stages passes after them at most (it works on the worst rank alone)
+POLISH_ITERS = 32  # refine_stages passes after them at most (it works on the worst rank alone)
 FULL_RANKS = 4  # ...and the second fill's cap is (1 + tolerance) x the full ranks' mean when dp / this are full
 
 

@@ -5,7 +5,8 @@ slowest rank: the step takes max_r V_r + max_r B_r, so both stages must balance,
 `place_stages` fills the rows (`rows.Rows`, whose cost is the backbone's) in an order that leaves each
 stage something to balance with: the carry-over and the long text first (no encoder cost; they need
 whole rows), then `place_images` by both stages, then the short text, which evens out the backbone;
-then `refine_stages` lowers the larger of the two normalised loads, rank by rank.
+then rounds of paired exchange (`exchange_stages`: every heavy rank trades with a light one at once) and a
+short `refine_stages` lower the larger of the two normalised loads.
 
 A rank holding a long text document has a backbone cost far above what its tokens suggest, so it can
 take only part of an average rank's images before its backbone passes the others': it ends light in
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .exchange import pair_exchange
 from .layout import Layout
 from .refine import CONSOLIDATE_PASSES, RankMembers, consolidate
 from .rows import ROUND_DIV, Rows, order_by
@@ -40,6 +42,8 @@ MAX_EXP = 600.0  # exp() arguments are clipped here (float64 overflows past 709)
 STAGE_PARTNERS = 4  # lightest ranks by each measure (backbone, encoder, their max) tried in a refine pass
 DONE = 1e-3  # refine_stages stops once the worst rank is within this of both bounds
 FULL = 0.01  # a rank is full when less than this share of its rows is free...
+EXCHANGE_ROUNDS = 32  # exchange_stages rounds (each pairs every heavy rank with a light one) before refine_stages
+POLISH_ITERS = 32  # refine_stages passes after them at most (it works on the worst rank alone)
 FULL_RANKS = 4  # ...and the second fill's cap is (1 + tolerance) x the full ranks' mean when dp / this are full
 
 
@@ -74,8 +78,28 @@ def place_stages(
         cap = max((float(base.mean()) + pad_base) * (1.0 + tolerance) - pad_base, float(costs.max(initial=0.0)))
         if float(st.rcost.max()) > cap:
             st = _fill(lengths, costs, vision, layout, desc, priority, tolerance, kk_budget, cap, pad_base)
-    refine_stages(st, vision, iters)
+    exchange_stages(st, vision, EXCHANGE_ROUNDS)
+    refine_stages(st, vision, min(iters, POLISH_ITERS))
     return st
+
+
+def _scales(st: Rows, vision: np.ndarray) -> np.ndarray | None:
+    """1 / each stage's bound (backbone, encoder): max(its mean over ranks, its costliest placed piece)."""
+    placed = st.rank >= 0
+    if not placed.any():
+        return None
+    enc = encoder_load(st, vision)
+    wb = _inv(max(float(st.rcost.mean()), float(st.c[placed].max())))
+    wv = _inv(max(float(enc.mean()), float(vision[placed].max())))
+    return np.array([wb, wv])
+
+
+def exchange_stages(st: Rows, vision: np.ndarray, rounds: int) -> int:
+    """`exchange.pair_exchange` on both stages' normalised loads: rounds of paired moves and swaps."""
+    scale = _scales(st, vision)
+    if scale is None:
+        return 0
+    return pair_exchange(st, np.stack([st.c, vision]), scale, rounds, DONE)
 
 
 def _fill(

@@ -393,13 +393,17 @@ class Planner:
             pad_cost=cfg.pad_cost,
         )
 
+        # the placed pieces by (rank, slot), then arrival; the left-over ones after them (a key past every row's)
+        n_rows = cfg.dp * cfg.layout.slots
         left = p.rank < 0
-        idx = np.flatnonzero(~left)
-        idx = idx[order_by(p.rank[idx] * cfg.layout.slots + p.slot[idx], cfg.dp * cfg.layout.slots)]  # then arrival
+        key = np.where(left, n_rows, p.rank * cfg.layout.slots + p.slot)
+        order = order_by(key, n_rows + 1)
+        n_left = int(np.count_nonzero(left))
+        idx, gone = order[: order.size - n_left], order[order.size - n_left :]  # (gone: in arrival order)
+        row_key = key[idx]  # rank * slots + slot = (rank * micro_batches + micro) * rows + row, ascending
         rank, slot = p.rank[idx], p.slot[idx]
         micro = slot // cfg.rows
-        bounds = np.zeros(cfg.dp * cfg.micro_batches + 1, np.int64)
-        np.cumsum(np.bincount(rank * cfg.micro_batches + micro, minlength=cfg.dp * cfg.micro_batches), out=bounds[1:])
+        bounds = np.searchsorted(row_key, np.arange(cfg.dp * cfg.micro_batches + 1) * cfg.rows).astype(np.int64)
         src_i, ords_i, off_i, lens_i = src[idx], ords[idx], off[idx], lens[idx]  # the placed pieces, in plan order
         per_source = np.bincount(src_i, weights=lens_i, minlength=len(cfg.sources)).astype(np.int64)
         counts["started"] += np.bincount(src_i[off_i == 0], minlength=n_src)
@@ -410,17 +414,18 @@ class Planner:
             rank_cost, micro_cost, stages = _two_stages(p.rank_cost, p.micro_cost, enc[idx], rank, micro)
             costs = costs + enc[idx]
         mean = float(rank_cost.sum()) / cfg.dp
-        last = _last_pieces(src_i, ords_i, off_i, lens_i, src[left], ords[left], cfg.seq_len)
+        carry_src, carry_ords = src[gone], ords[gone]
+        last = _last_pieces(src_i, ords_i, off_i, lens_i, carry_src, carry_ords, cfg.seq_len)
         lower = max(mean, float(costs.max()) if idx.size else 0.0)
         plan = StepPlan(
             step=pos.step,
-            source=src_i.astype(np.int32),
-            ordinal=ords_i.astype(np.int64),
+            source=src_i.astype(np.int32, copy=False),
+            ordinal=ords_i.astype(np.int64, copy=False),
             offset=off_i.astype(np.int32),
             length=lens_i.astype(np.int32),
             group=rank.astype(np.int32),
             micro=micro.astype(np.int32),
-            row=(slot % cfg.rows).astype(np.int32),
+            row=(slot % cfg.rows).astype(np.int32) if cfg.rows > 1 else np.zeros(idx.size, np.int32),
             last=last,
             stats=PlanStats(
                 cost=rank_cost,
@@ -430,7 +435,7 @@ class Planner:
                 padding_fraction=1.0 - float(lens_i.sum()) / cfg.capacity,
                 tokens={name: int(per_source[i]) for i, name in enumerate(cfg.sources)},
                 docs=int(idx.size),
-                carried=int(left.sum()),
+                carried=n_left,
                 plan_ms=(time.perf_counter() - t0) * 1e3 - ingest[0],
                 ingest_ms=ingest[0],
                 **stages,
@@ -448,11 +453,11 @@ class Planner:
             target=target,
             placed=pos.placed + per_source,
             carry={
-                "source": src[left],
-                "ordinal": ords[left],
-                "offset": off[left],
-                "length": lens[left],
-                **{k: m[left] for k, m in zip(VISION_KEYS, mom)},
+                "source": carry_src,
+                "ordinal": carry_ords,
+                "offset": off[gone],
+                "length": lens[gone],
+                **{k: m[gone] for k, m in zip(VISION_KEYS, mom)},
             },
             mixture=self._pos.mixture,  # plan_step never changes the mixture
             skips=pos.skips,
@@ -488,14 +493,19 @@ def _pool(carry: dict, parts: list, vision: bool) -> tuple[np.ndarray, np.ndarra
     src, ords, off, lens = (carry[k] for k in CARRY_KEYS)
     mom = [carry[k] for k in VISION_KEYS] if vision else []
     if parts:
-        cols = [np.concatenate(c) for c in zip(*parts)]
-        order = np.argsort(cols[4], kind="stable")
-        src = np.concatenate([src, cols[0][order]])
-        ords = np.concatenate([ords, cols[1][order]])
-        off = np.concatenate([off, cols[2][order]])
-        lens = np.concatenate([lens, cols[3][order]])
-        mom = [np.concatenate([m, c[order]]) for m, c in zip(mom, cols[5:])]
+        order = np.argsort(np.concatenate([p[4] for p in parts]), kind="stable")  # (column 4: the arrival keys)
+        heads = [src, ords, off, lens, *mom]
+        cols = [_after(h, [p[j] for p in parts], order) for h, j in zip(heads, (0, 1, 2, 3, 5, 6))]
+        src, ords, off, lens, mom = *cols[:4], cols[4:]
     return src, ords, off, lens, mom
+
+
+def _after(head: np.ndarray, parts: list[np.ndarray], order: np.ndarray) -> np.ndarray:
+    """``head`` followed by the concatenated ``parts`` in ``order`` (one gather into the result, no temporaries)."""
+    out = np.empty(head.size + order.size, np.result_type(head, *parts))
+    out[: head.size] = head
+    np.take(np.concatenate(parts) if len(parts) > 1 else parts[0], order, out=out[head.size :])
+    return out
 
 
 def _two_stages(

@@ -115,9 +115,11 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     left = left[order_by(L[left], st.lay.seq_len + 1)][:excess]  # the shortest go first
     if left.size == 0:
         return False
-    cand = np.flatnonzero(st.rank >= 0) if movable is None else np.flatnonzero((st.rank >= 0) & movable)
     lo = CONSOLIDATE_RATIO * float(L[left].mean())
-    cand = cand[(cand >= priority) & (L[cand] >= lo) & (L[cand] <= st.lay.seq_len // 2)]
+    ok = (st.rank >= 0) & (lo <= L) & (st.lay.seq_len // 2 >= L)  # (one pass over the pieces, no gathers)
+    if movable is not None:
+        ok &= movable
+    cand = np.flatnonzero(ok[priority:]) + priority
     if cand.size == 0:
         return False
     heavy_first = np.empty(st.lay.dp, np.int64)

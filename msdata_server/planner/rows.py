@@ -20,6 +20,37 @@ TINY = 32  # ...and pieces shorter than seq_len / TINY go several per row (`_tin
 TAIL_GIVE_UP = 16  # a tiny round that places under 1/16 of the pieces left ends the step's filling
 
 _BIG = np.iinfo(np.int64).max
+_COLUMNS = 8  # row_max/row_min: a loop over up to this many columns, else argmax and a gather
+
+
+def row_max(a: np.ndarray) -> np.ndarray:
+    """a.max(axis=1) of a 2-d array, faster: numpy reduces a short last axis row by row (10-20x slower)."""
+    if a.shape[1] > _COLUMNS:
+        return a[np.arange(a.shape[0]), np.argmax(a, axis=1)]
+    m = a[:, 0].copy()
+    for j in range(1, a.shape[1]):
+        np.maximum(m, a[:, j], out=m)
+    return m
+
+
+def row_sum(a: np.ndarray) -> np.ndarray:
+    """a.sum(axis=1) of a 2-d integer array (see row_max; integers: the same in any order)."""
+    if a.shape[1] > _COLUMNS:
+        return a.sum(axis=1)
+    m = a[:, 0].copy()
+    for j in range(1, a.shape[1]):
+        m += a[:, j]
+    return m
+
+
+def row_min(a: np.ndarray) -> np.ndarray:
+    """a.min(axis=1) of a 2-d array (see row_max)."""
+    if a.shape[1] > _COLUMNS:
+        return a[np.arange(a.shape[0]), np.argmin(a, axis=1)]
+    m = a[:, 0].copy()
+    for j in range(1, a.shape[1]):
+        np.minimum(m, a[:, j], out=m)
+    return m
 
 
 def order_by(keys: np.ndarray, bound: int) -> np.ndarray:
@@ -92,6 +123,8 @@ class Rows:
         k = self.lay.slots
         if k == 1:
             w = np.zeros(idx.size, np.int64)
+            self.rem[ranks, 0] -= toks
+            self.maxrem[ranks] -= toks
         else:
             rr = self.rem[ranks]
             fit = rr >= toks[:, None]
@@ -100,10 +133,11 @@ class Rows:
                 if self.lay.rows > 1:
                     score = score[:, self.micro_of]
                 score = np.where(fit, score, np.inf)
-                fit = score == score.min(axis=1, keepdims=True)
+                fit = score == row_min(score)[:, None]
             w = np.argmin(np.where(fit, rr, _BIG), axis=1)
-        self.rem.reshape(-1)[ranks * k + w] -= toks
-        self.maxrem[ranks] = self.rem[ranks].max(axis=1) if k > 1 else self.rem[ranks, 0]
+            rr[np.arange(w.size), w] -= toks  # (distinct ranks: rr is their rows now)
+            self.rem[ranks] = rr
+            self.maxrem[ranks] = row_max(rr)
         self.rtok[ranks] -= toks
         self.rcost[ranks] += c
         if self.lay.micro > 1:
@@ -220,15 +254,18 @@ class Rows:
         k = lay.slots
         ranks, w = rows // k, rows % k
         toks, cc = L[idx], c[idx]
-        rem = self.rem.reshape(-1)
-        rem -= np.bincount(rows, toks, minlength=rem.size).astype(np.int64)
-        touched = np.flatnonzero(np.bincount(ranks, minlength=lay.dp))
-        self.maxrem[touched] = self.rem[touched].max(axis=1)
-        self.rtok -= np.bincount(ranks, toks, minlength=lay.dp).astype(np.int64)
+        # tokens per row, and from them per rank and micro-batch (integers: exact in any order)
+        drow = np.bincount(rows, toks, minlength=self.rem.size).astype(np.int64).reshape(lay.dp, k)
+        self.rem -= drow
+        dmicro = drow.reshape(lay.dp, lay.micro, lay.rows).sum(axis=2) if lay.rows > 1 else drow
+        drank = row_sum(dmicro)
+        touched = np.flatnonzero(drank)
+        self.maxrem[touched] = row_max(self.rem[touched])
+        self.rtok -= drank
         self.rcost += np.bincount(ranks, cc, minlength=lay.dp)
         mi = ranks * lay.micro + self.micro_of[w]
         self.mcost += np.bincount(mi, cc, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
-        self.mtok -= np.bincount(mi, toks, minlength=lay.dp * lay.micro).astype(np.int64).reshape(lay.dp, lay.micro)
+        self.mtok -= dmicro
         self.rank[idx] = ranks
         self.slot[idx] = w
         self.pool_cost -= float(cc.sum())
@@ -283,7 +320,7 @@ class Rows:
         np.add.at(self.mcost, (r, m), dcost)
         np.add.at(self.mtok, (r, m), dtok)
         touched = np.flatnonzero(np.bincount(r, minlength=self.lay.dp))
-        self.maxrem[touched] = self.rem[touched].max(axis=1)
+        self.maxrem[touched] = row_max(self.rem[touched])
         self.rank[out] = self.slot[out] = -1
         self.rank[into] = np.repeat(r, counts)
         self.slot[into] = np.repeat(w, counts)
@@ -300,7 +337,7 @@ class Rows:
         self.mcost -= np.bincount(mi, c, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
         self.mtok += np.bincount(mi, L, minlength=lay.dp * lay.micro).astype(np.int64).reshape(lay.dp, lay.micro)
         touched = np.flatnonzero(np.bincount(r, minlength=lay.dp))
-        self.maxrem[touched] = self.rem[touched].max(axis=1)
+        self.maxrem[touched] = row_max(self.rem[touched])
         self.rank[idx] = self.slot[idx] = -1
 
     def _take(self, p: int) -> tuple[int, int]:

@@ -35,13 +35,16 @@ def pair_round(
     grow = bool(delta[0] >= 0)
     same = delta >= 0 if grow else delta < 0
     run = lengths.size if same[-1] and same.all() else int(np.argmin(same))
-    proj = rcost[elig] + rtok[elig] * rate
+    every = elig.size == rcost.size  # (elig is ascending: then every rank, in order)
+    proj = rcost + rtok * rate if every else rcost[elig] + rtok[elig] * rate
     if grow:
         near = int(np.count_nonzero(proj <= proj.min() + delta[0]))
     else:
         near = int(np.count_nonzero(proj >= proj.max() + delta[:run].min()))
     take = min(run, max(near, floor))
-    by_proj = elig[np.argsort(proj, kind="stable")]
+    by_proj = np.argsort(proj, kind="stable")
+    if not every:
+        by_proj = elig[by_proj]
     if grow:  # the largest raise to the lowest projection
         return by_proj[:take]
     ranks = np.empty(take, np.int64)  # the largest lowering to the highest projection

@@ -129,9 +129,10 @@ class Rows:
             rr = self.rem[ranks]
             fit = rr >= toks[:, None]
             if self.spread and self.lay.micro > 1:
-                score = self.mcost[ranks] + self.mtok[ranks] * rate  # micro-batch projections
-                if self.lay.rows > 1:
-                    score = score[:, self.micro_of]
+                if self.lay.rows > 1:  # micro-batch projections
+                    score = (self.mcost[ranks] + self.mtok[ranks] * rate)[:, self.micro_of]
+                else:  # (a row per micro-batch: its free tokens are the micro-batch's)
+                    score = self.mcost[ranks] + rr * rate
                 score = np.where(fit, score, np.inf)
                 fit = score == row_min(score)[:, None]
             w = np.argmin(np.where(fit, rr, _BIG), axis=1)
@@ -141,7 +142,7 @@ class Rows:
         self.rtok[ranks] -= toks
         self.rcost[ranks] += c
         if self.lay.micro > 1:
-            mi = ranks * self.lay.micro + self.micro_of[w]
+            mi = ranks * self.lay.micro + (self.micro_of[w] if self.lay.rows > 1 else w)
             self.mcost.reshape(-1)[mi] += c
             self.mtok.reshape(-1)[mi] -= toks
         else:
@@ -164,18 +165,20 @@ class Rows:
         floor = max(1, self.lay.dp // ROUND_DIV)
         tiny = self.lay.seq_len / TINY
         retry: list[np.ndarray] = []
-        i, n = 0, queue.size
+        i, n, own = 0, queue.size, False
         while i < n:
             head = queue[i]
             elig = self.eligible(int(head))
             if elig.size == 0:
-                queue, i = self._drop_infeasible(queue, i), 0
+                queue, i, own = self._drop_infeasible(queue, i), 0, True
                 n = queue.size
                 continue
             if L[head] < tiny and self.spread:  # (not for carry-over: it would touch every row)
-                rest = self._tiny_round(queue, i)
-                if rest is not None:
-                    queue, i, n = rest, 0, rest.size
+                if not own:  # _tiny_round reorders the queue in place: ours, not the caller's
+                    queue, own = queue.copy(), True
+                at = self._tiny_round(queue, i)
+                if at is not None:
+                    i = at
                     continue
             rate = self.pool_cost / self.pool_tok if self.pool_tok > 0 else 0.0
             cand = queue[i : i + elig.size]
@@ -226,8 +229,9 @@ class Rows:
             mask &= self.rcost <= self.cap - self.c[piece]
         return np.flatnonzero(mask)
 
-    def _tiny_round(self, queue: np.ndarray, i: int) -> np.ndarray | None:
-        """Place the next tiny pieces (`fit.match_tiny`); returns the queue left (None: none placed).
+    def _tiny_round(self, queue: np.ndarray, i: int) -> int | None:
+        """Place the next tiny pieces (`fit.match_tiny`); returns where the queue left starts (None: none placed).
+        The pieces that waited move up in place, before the rest of the queue (no copy of the queue).
 
         Tiny pieces barely move a projection, so placing thousands at once costs no balance, and the
         tail (many short pieces, few rows with room) takes a few rounds instead of one per rank. When
@@ -240,13 +244,14 @@ class Rows:
         if match is None:
             return None
         got, rows = match
-        idx = cand[got]
+        idx, wait = cand[got], cand[~got]  # (copies: cand is a view of the queue)
         self._put_rows(idx, rows)
-        rest = np.concatenate([cand[~got], queue[i + cand.size :]])
-        if idx.size * TAIL_GIVE_UP < rest.size:  # a trickle: the room left is on ranks at the cap
-            self.give_up(rest)
-            return rest[:0]
-        return rest
+        at = i + cand.size - wait.size
+        queue[at : i + cand.size] = wait
+        if idx.size * TAIL_GIVE_UP < queue.size - at:  # a trickle: the room left is on ranks at the cap
+            self.give_up(queue[at:])
+            return queue.size
+        return at
 
     def _put_rows(self, idx: np.ndarray, rows: np.ndarray) -> None:
         """Put pieces idx into the given flat rows (rank * slots + slot), several per rank and row."""

@@ -126,18 +126,20 @@ class Rows:
             self.rem[ranks, 0] -= toks
             self.maxrem[ranks] -= toks
         else:
-            rr = self.rem[ranks]
+            rr = np.take(self.rem, ranks, axis=0)  # (np.take of whole rows: several times faster than rem[ranks])
             fit = rr >= toks[:, None]
             if self.spread and self.lay.micro > 1:
                 if self.lay.rows > 1:  # micro-batch projections
-                    score = (self.mcost[ranks] + self.mtok[ranks] * rate)[:, self.micro_of]
+                    mproj = np.take(self.mcost, ranks, axis=0) + np.take(self.mtok, ranks, axis=0) * rate
+                    score = mproj[:, self.micro_of]
                 else:  # (a row per micro-batch: its free tokens are the micro-batch's)
-                    score = self.mcost[ranks] + rr * rate
+                    score = np.take(self.mcost, ranks, axis=0) + rr * rate
                 score = np.where(fit, score, np.inf)
                 fit = score == row_min(score)[:, None]
             w = np.argmin(np.where(fit, rr, _BIG), axis=1)
-            rr[np.arange(w.size), w] -= toks  # (distinct ranks: rr is their rows now)
-            self.rem[ranks] = rr
+            flat = ranks * k + w
+            self.rem.reshape(-1)[flat] -= toks  # (distinct ranks)
+            rr.reshape(-1)[np.arange(0, w.size * k, k) + w] -= toks  # rr: their rows now
             self.maxrem[ranks] = row_max(rr)
         self.rtok[ranks] -= toks
         self.rcost[ranks] += c
@@ -265,7 +267,7 @@ class Rows:
         dmicro = drow.reshape(lay.dp, lay.micro, lay.rows).sum(axis=2) if lay.rows > 1 else drow
         drank = row_sum(dmicro)
         touched = np.flatnonzero(drank)
-        self.maxrem[touched] = row_max(self.rem[touched])
+        self.maxrem[touched] = row_max(np.take(self.rem, touched, axis=0))
         self.rtok -= drank
         self.rcost += np.bincount(ranks, cc, minlength=lay.dp)
         mi = ranks * lay.micro + self.micro_of[w]
@@ -325,7 +327,7 @@ class Rows:
         np.add.at(self.mcost, (r, m), dcost)
         np.add.at(self.mtok, (r, m), dtok)
         touched = np.flatnonzero(np.bincount(r, minlength=self.lay.dp))
-        self.maxrem[touched] = row_max(self.rem[touched])
+        self.maxrem[touched] = row_max(np.take(self.rem, touched, axis=0))
         self.rank[out] = self.slot[out] = -1
         self.rank[into] = np.repeat(r, counts)
         self.slot[into] = np.repeat(w, counts)
@@ -342,7 +344,7 @@ class Rows:
         self.mcost -= np.bincount(mi, c, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
         self.mtok += np.bincount(mi, L, minlength=lay.dp * lay.micro).astype(np.int64).reshape(lay.dp, lay.micro)
         touched = np.flatnonzero(np.bincount(r, minlength=lay.dp))
-        self.maxrem[touched] = row_max(self.rem[touched])
+        self.maxrem[touched] = row_max(np.take(self.rem, touched, axis=0))
         self.rank[idx] = self.slot[idx] = -1
 
     def _take(self, p: int) -> tuple[int, int]:

@@ -379,7 +379,9 @@ class Planner:
         drawn = sum((np.bincount(p[0][p[2] == 0], minlength=n_src) for p in parts), np.zeros(n_src, np.int64))
         counts["bad"] += (cursor - pos.cursor) - drawn
 
-        src, ords, off, lens, mom = _pool(carry, parts, vision)
+        pool = _pool(carry, parts, vision)  # int64 [pieces, column]: gathered by rows below (one access per piece)
+        lens = np.ascontiguousarray(pool[:, 3])
+        mom = [np.ascontiguousarray(pool[:, j]) for j in range(4, pool.shape[1])]
         costs = self._cost(lens)
         enc = self._vlm.from_moments(*mom) if self._vlm is not None else None
         p = place(
@@ -404,7 +406,8 @@ class Planner:
         rank, slot = p.rank[idx], p.slot[idx]
         micro = slot // cfg.rows
         bounds = np.searchsorted(row_key, np.arange(cfg.dp * cfg.micro_batches + 1) * cfg.rows).astype(np.int64)
-        src_i, ords_i, off_i, lens_i = src[idx], ords[idx], off[idx], lens[idx]  # the placed pieces, in plan order
+        placed, kept = np.take(pool, idx, axis=0), np.take(pool, gone, axis=0)  # in plan order; left over
+        src_i, ords_i, off_i, lens_i = (placed[:, j] for j in range(4))
         per_source = np.bincount(src_i, weights=lens_i, minlength=len(cfg.sources)).astype(np.int64)
         counts["started"] += np.bincount(src_i[off_i == 0], minlength=n_src)
         rank_cost, micro_cost, stages = p.rank_cost, p.micro_cost, dict[str, Any]()
@@ -414,13 +417,13 @@ class Planner:
             rank_cost, micro_cost, stages = _two_stages(p.rank_cost, p.micro_cost, enc[idx], rank, micro)
             costs = costs + enc[idx]
         mean = float(rank_cost.sum()) / cfg.dp
-        carry_src, carry_ords = src[gone], ords[gone]
+        carry_src, carry_ords = kept[:, 0].astype(np.int32), np.ascontiguousarray(kept[:, 1])
         last = _last_pieces(src_i, ords_i, off_i, lens_i, carry_src, carry_ords, cfg.seq_len)
         lower = max(mean, float(costs.max()) if idx.size else 0.0)
         plan = StepPlan(
             step=pos.step,
             source=src_i.astype(np.int32, copy=False),
-            ordinal=ords_i.astype(np.int64, copy=False),
+            ordinal=np.ascontiguousarray(ords_i),
             offset=off_i.astype(np.int32),
             length=lens_i.astype(np.int32),
             group=rank.astype(np.int32),
@@ -455,9 +458,9 @@ class Planner:
             carry={
                 "source": carry_src,
                 "ordinal": carry_ords,
-                "offset": off[gone],
-                "length": lens[gone],
-                **{k: m[gone] for k, m in zip(VISION_KEYS, mom)},
+                "offset": np.ascontiguousarray(kept[:, 2]),
+                "length": np.ascontiguousarray(kept[:, 3]),
+                **{k: np.ascontiguousarray(kept[:, 4 + j]) for j, k in enumerate(VISION_KEYS[: len(mom)])},
             },
             mixture=self._pos.mixture,  # plan_step never changes the mixture
             skips=pos.skips,
@@ -487,24 +490,26 @@ def _last_pieces(
     return last
 
 
-def _pool(carry: dict, parts: list, vision: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list]:
+def _pool(carry: dict, parts: list, vision: bool) -> np.ndarray:
     """The pieces a step places: the carry-over first, then the drawn parts in arrival order (ties: by source,
-    then position); (source, ordinal, offset, length, [patches, patches squared] with vision)."""
-    src, ords, off, lens = (carry[k] for k in CARRY_KEYS)
-    mom = [carry[k] for k in VISION_KEYS] if vision else []
+    then position); int64 [pieces, 4 or 6]: source, ordinal, offset, length (, patches, patches squared with
+    vision). By rows, so that a gather of pieces reads each piece once, not once per column (5-10x faster)."""
+    keys = CARRY_KEYS + VISION_KEYS if vision else CARRY_KEYS
+    cols = (0, 1, 2, 3, 5, 6)[: len(keys)]  # a part's columns (4: its arrival keys)
+    n_carry = carry["length"].size
+    n = n_carry + sum(p[3].size for p in parts)
+    out = np.empty((n, len(keys)), np.int64)
+    for j, k in enumerate(keys):
+        out[:n_carry, j] = carry[k]
     if parts:
-        order = np.argsort(np.concatenate([p[4] for p in parts]), kind="stable")  # (column 4: the arrival keys)
-        heads = [src, ords, off, lens, *mom]
-        cols = [_after(h, [p[j] for p in parts], order) for h, j in zip(heads, (0, 1, 2, 3, 5, 6))]
-        src, ords, off, lens, mom = *cols[:4], cols[4:]
-    return src, ords, off, lens, mom
-
-
-def _after(head: np.ndarray, parts: list[np.ndarray], order: np.ndarray) -> np.ndarray:
-    """``head`` followed by the concatenated ``parts`` in ``order`` (one gather into the result, no temporaries)."""
-    out = np.empty(head.size + order.size, np.result_type(head, *parts))
-    out[: head.size] = head
-    np.take(np.concatenate(parts) if len(parts) > 1 else parts[0], order, out=out[head.size :])
+        drawn = np.empty((n - n_carry, len(keys)), np.int64)
+        at = 0
+        for p in parts:
+            for j, c in enumerate(cols):
+                drawn[at : at + p[3].size, j] = p[c]
+            at += p[3].size
+        order = np.argsort(np.concatenate([p[4] for p in parts]), kind="stable")
+        np.take(drawn, order, axis=0, out=out[n_carry:])
     return out
 
 

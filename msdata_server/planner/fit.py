@@ -89,6 +89,8 @@ def match_tiny(
     # the full slots (all `size` long: every piece fits) come first, round-robin over the rows; then the
     # remainders, roomiest first (then by nth slot of the row, i.e. its full slots, and the row order above)
     n_full = int(full.sum())
+    if n_full >= lengths.size:  # every piece fits a full slot: all matched, in order (the greedy below agrees)
+        return np.ones(lengths.size, bool), rows[_round_robin(full, lengths.size)]
     tail = np.flatnonzero(part)
     tail_size = rem.reshape(-1)[rows[tail]] % size
     o = np.lexsort((tail, full[tail], -tail_size))  # (rows here are few: one remainder each)

@@ -408,16 +408,8 @@ class Planner:
         bounds = np.searchsorted(row_key, np.arange(cfg.dp * cfg.micro_batches + 1) * cfg.rows).astype(np.int64)
         placed, kept = np.take(pool, idx, axis=0), np.take(pool, gone, axis=0)  # in plan order; left over
         src_i, ords_i, off_i, lens_i = (placed[:, j] for j in range(4))
-        # tokens placed and documents started per source: the pool's (the carry-over's and what was drawn) less
-        # what is carried on (small sums, not a pass over the placed pieces)
-        old_src, new_src = carry["source"], kept[:, 0]
-        per_source = (
-            _per_source(old_src, carry["length"], n_src) + (taken - pos.taken) - _per_source(new_src, kept[:, 3], n_src)
-        )
-        counts["started"] += (
-            _per_source(old_src[carry["offset"] == 0], None, n_src) + drawn
-            - _per_source(new_src[kept[:, 2] == 0], None, n_src)
-        )  # fmt: skip
+        per_source, started = _placed_by_source(carry, kept, taken - pos.taken, drawn)
+        counts["started"] += started
         rank_cost, micro_cost, stages = p.rank_cost, p.micro_cost, dict[str, Any]()
         # a placed piece's least rank cost (the lower bound's): its priced cost plus the rank's priced tokens
         costs = priced(costs[idx], lens_i, cfg.pad_cost) + cfg.pad_cost * cfg.layout.slots * cfg.seq_len
@@ -480,11 +472,21 @@ class Planner:
         return pos.deferred.translate(plan) if pos.deferred else plan
 
 
-def _per_source(src: np.ndarray, values: np.ndarray | None, n_src: int) -> np.ndarray:
-    """int64 [n_src]: the sum of ``values`` (None: the count) per source."""
-    if values is None:
-        return np.bincount(src, minlength=n_src).astype(np.int64)
-    return np.bincount(src, weights=values, minlength=n_src).astype(np.int64)  # (exact: int sums below 2**53)
+def _placed_by_source(
+    carry: dict, kept: np.ndarray, drawn_tokens: np.ndarray, drawn_docs: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens placed and documents started (pieces at offset 0 placed) per source: the pool's (the carry-over
+    ``carry`` and what was drawn) less what is carried on (``kept``, pool rows): sums over the few carried pieces,
+    not a pass over the placed ones."""
+    n_src = drawn_tokens.size
+
+    def per(src: np.ndarray, values: np.ndarray | None = None) -> np.ndarray:
+        return np.bincount(src, weights=values, minlength=n_src).astype(np.int64)  # (exact: int sums below 2**53)
+
+    old, new = carry["source"], kept[:, 0]
+    tokens = per(old, carry["length"]) + drawn_tokens - per(new, kept[:, 3])
+    started = per(old[carry["offset"] == 0]) + drawn_docs - per(new[kept[:, 2] == 0])
+    return tokens, started
 
 
 def _last_pieces(

@@ -22,7 +22,7 @@ class RankMembers:
     def __init__(self, rank: np.ndarray, dp: int):
         self.rank = rank
         self.order = order_by(rank + 1, dp + 1)
-        self.bounds = np.searchsorted(rank[self.order], np.arange(dp + 1))  # rank -1 comes first
+        self.bounds = np.cumsum(np.bincount(rank + 1, minlength=dp + 1))  # pieces below each rank (-1 first)
         self.moved: dict[int, list[int]] = {}
 
     def __call__(self, r: int) -> np.ndarray:

@@ -91,18 +91,13 @@ class StateHistory:
         """``held_window`` of the states held, the thinned older ones included: the newest at or before ``start``,
         those in (start, stop)."""
         base, held = held_window(self.states, start, stop)
-        if base is not None or not self.sparse:  # (the thinned states are all older than the newest)
+        sparse = dict(self.sparse)  # a copy: a planning thread may record a state meanwhile
+        if base is not None or not sparse:  # (the thinned states are all older than the newest)
             return base, held
-        steps = [s for s in self.sparse if s < stop]
+        steps = [s for s in sparse if s < stop]
         before = [s for s in steps if s <= start]
-        found = (before[-1], self._decoded(before[-1])) if before else None
-        return found, {**{s: self._decoded(s) for s in steps if s > start}, **held}
-
-    def _decoded(self, step: int) -> dict:
-        state = decode(self.sparse[step], f"the kept planner state of step {step}").state
-        if state is None:  # (never: encode_base wrote it)
-            raise CheckpointError(f"the kept planner state of step {step} is not a whole state")
-        return state
+        found = (before[-1], _decoded(before[-1], sparse)) if before else None
+        return found, {**{s: _decoded(s, sparse) for s in steps if s > start}, **held}
 
     def get(self, step: int) -> dict | None:
         return self.states.get(step)
@@ -132,6 +127,14 @@ class StateHistory:
         self.forget_from(cut + 1)
         self.states[cut] = rebased.state_dict()  # in order: every state held is of a step before it
         return rebased
+
+
+def _decoded(step: int, sparse: Mapping[int, bytes]) -> dict:
+    """The state of ``step`` among a history's thinned (encoded) ones."""
+    state = decode(sparse[step], f"the kept planner state of step {step}").state
+    if state is None:  # (never: encode_base wrote it)
+        raise CheckpointError(f"the kept planner state of step {step} is not a whole state")
+    return state
 
 
 def held_window(states: Mapping[int, dict], start: int, stop: int) -> tuple[tuple[int, dict] | None, dict[int, dict]]:

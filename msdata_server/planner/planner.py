@@ -526,7 +526,7 @@ def _pool(carry: dict, parts: list, vision: bool) -> np.ndarray:
                 drawn[at : at + p[3].size, j] = p[c]
             at += p[3].size
         order = np.argsort(np.concatenate([p[4] for p in parts]), kind="stable")
-        np.take(drawn, order, axis=0, out=out[n_carry:])
+        np.take(drawn, order, axis=0, out=out[n_carry:], mode="clip")  # (with out, mode "raise" buffers: 10x slower)
     return out
 
 

@@ -61,18 +61,21 @@ def plan_load(dp: int, steps: int) -> dict:
     )
     view = SyntheticLengths(TEXT4, SEQ, seed=0)
     planner = Planner(cfg)
-    walls, docs = [], []
+    walls, cpus, docs = [], [], []
     for i in range(steps + 1):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         plan = planner.plan_step(view)
         if i:  # the first step is warm-up
             walls.append((time.perf_counter() - t) * 1e3)
+            cpus.append((time.thread_time() - c) * 1e3)  # (CPU: what other processes on the machine cannot add)
             docs.append(len(plan))
     state = orjson.dumps(planner.state_dict())
     ms = statistics.median(walls)
     return {
         "dp": dp,
         "plan_ms": ms,
+        "plan_cpu_ms": statistics.median(cpus),
+        "load": os.getloadavg()[0],
         "plans_per_s": 1e3 / ms,
         "docs": int(statistics.median(docs)),
         "state_bytes": len(state),
@@ -612,6 +615,9 @@ def main() -> None:
                 "lease_ttl_s": args.ttl,
                 "plan_ms_dp512": round(res[512]["plan_ms"], 2),
                 "plan_ms_dp4096": round(res[4096]["plan_ms"], 2),
+                "plan_cpu_ms_dp512": round(res[512]["plan_cpu_ms"], 2),
+                "plan_cpu_ms_dp4096": round(res[4096]["plan_cpu_ms"], 2),
+                "plan_load_avg": round(res[4096]["load"], 2),
                 "plans_per_s_dp4096": round(res[4096]["plans_per_s"], 3),
                 "state_bytes_dp4096": res[4096]["state_bytes"],
                 "state_write_ms": round(w, 3),

@@ -123,3 +123,26 @@ def test_accounting_of_a_state_counts_tokens_documents_and_bad_samples():
         assert acc[name]["bad_samples"] == bad
         assert acc[name]["epochs_completed"] == 0
     assert acc["b"]["bad_samples"] > 0
+
+
+def test_replay_from_the_thinned_states_of_a_history_follows_a_mixture_cut():
+    """Beyond its newest ``keep`` steps a history keeps every ``every``-th state and every state where more than the
+    per-step counters changed (here the mixture cut at 7, not a multiple of 4): a replay of any older step from the
+    state it finds there plans what the job planned, across the cut."""
+    view, history = Lengths(), StateHistory(2, every=4, sparse=16)
+    planner, plans = Planner(CFG), []
+    for _ in range(20):
+        history.record(planner.step, planner.state_dict())
+        if planner.step == 7:
+            planner = history.rebase(planner, 7, {"a": 0.9, "b": 0.1})
+        plans.append(planner.plan_step(view))
+    assert list(history.states) == [18, 19]
+    assert list(history.sparse) == [0, 4, 7, 8, 12, 16]  # 7: the cut
+    for start in range(0, 16):
+        base, held = history.window(start, 18)
+        assert base is not None
+        assert base[0] == max(s for s in (0, 4, 7, 8, 12, 16) if s <= start)
+        assert 7 in held or start >= 7
+        got = list(replay(CFG, base[1], view, start, 18, held))
+        assert [p.step for p in got] == list(range(start, 18))
+        assert all(same(p, q) for p, q in zip(got, plans[start:18]))

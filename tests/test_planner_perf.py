@@ -18,7 +18,7 @@ from msdata_server.errors import ConfigError
 from msdata_server.planner import Planner
 from msdata_server.planner.balance import Layout, place
 from msdata_server.planner.cost import attention_cost, priced
-from msdata_server.planner.fit import _slot_order
+from msdata_server.planner.fit import match_tiny
 from msdata_server.planner.refine import refine, trim
 from msdata_server.planner.rows import Rows, order_by
 from msdata_server.planner.spec import planner_config
@@ -170,20 +170,73 @@ def test_refinement_never_raises_the_costliest_rank(seed, dp, k, pad):
     np.testing.assert_allclose(np.bincount(st_.rank[placed], costs[placed], minlength=dp), st_.rcost, rtol=1e-9)
 
 
-@settings(max_examples=50, deadline=None)
-@given(seed=st.integers(0, 2**31), dp=st.integers(1, 40), k=st.integers(1, 6), ties=st.booleans())
-def test_the_slot_order_is_the_lexsort_it_replaced(seed, dp, k, ties):
+def _match_tiny_by_sort(rem, rcost, rtok, lengths, costs, cap, rate):
+    """fit.match_tiny as it was written first: every slot listed, then one lexsort of them (roomiest first, then
+    nth slot of its row, the rank's projection, the row); the reference the faster one must equal."""
+    k = rem.shape[1]
+    size = int(lengths[0])
+    full = rem // size
+    part = rem % size >= lengths[-1]
+    if cap is not None and float(costs.max()) > 0:
+        allow = np.floor(np.minimum((cap - rcost) / float(costs.max()), 2.0**40)).astype(np.int64)
+        room = allow[:, None] - (np.cumsum(full + part, axis=1) - (full + part))
+        full = np.clip(np.minimum(full, room), 0, None)
+        part &= full < room
+    rows = np.flatnonzero(full + part)
+    if rows.size == 0:
+        return None
+    full, part = full.reshape(-1)[rows], part.reshape(-1)[rows]
+    full = np.minimum(full, -(-lengths.size // rows.size) + 1)
+    reps = full + part
+    slot_row = np.repeat(rows, reps)
+    nth = np.arange(slot_row.size) - np.repeat(np.cumsum(reps) - reps, reps)
+    slot_size = np.where(nth < np.repeat(full, reps), size, rem.reshape(-1)[slot_row] % size)
+    proj = rcost + rtok * rate
+    place = np.empty(proj.size, np.int64)
+    place[np.argsort(proj, kind="stable")] = np.arange(proj.size)
+    o = np.lexsort((slot_row % k, place[slot_row // k], nth, -slot_size))
+    slot_row, slot_size = slot_row[o], slot_size[o]
+    fits = np.searchsorted(-slot_size, -lengths, side="right")
+    n = np.arange(lengths.size)
+    matched = np.minimum(n + 1, np.minimum.accumulate(fits - n) + n)
+    got = np.diff(matched, prepend=0) > 0
+    if not got.any():
+        return None
+    return got, slot_row[matched[got] - 1]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    dp=st.integers(1, 40),
+    k=st.integers(1, 6),
+    ties=st.booleans(),
+    capped=st.booleans(),
+    many=st.booleans(),
+)
+def test_match_tiny_matches_what_the_sorted_slots_matched(seed, dp, k, ties, capped, many):
+    """The tiny-piece matcher deals its slots without sorting them (rows in projection order, round-robin, then
+    the remainders): the same pieces to the same rows as sorting every slot, ties and the cost cap included, and
+    with more rounds of slots than its loop takes (`many`: few rows, many pieces)."""
     rng = np.random.default_rng(seed)
-    n = int(rng.integers(1, 400))
-    slot_row = rng.integers(0, dp * k, n)
-    slot_size = rng.integers(1, 600, n) if not ties else rng.integers(1, 4, n)
-    nth = rng.integers(0, 5, n)
-    proj = rng.integers(0, 3, dp).astype(float) if ties else rng.random(dp)
-    want = np.lexsort((slot_row, proj[slot_row // k], nth, -slot_size))
-    got = _slot_order(slot_row, slot_size, nth, proj, k)
-    # equal keys may come in either order (a row's slots of one size and nth are interchangeable)
-    keys = np.stack([slot_size, nth, slot_row])
-    np.testing.assert_array_equal(keys[:, got], keys[:, want])
+    seq = 512
+    rem = rng.integers(0, seq + 1, (dp, k))
+    if many:
+        rem[rng.random((dp, k)) < 0.8] = 0
+    n = int(rng.integers(1, 2000 if many else 300))
+    lengths = np.sort(rng.integers(1, 3 if many else 40, n))[::-1].copy()
+    costs = attention_cost(lengths)
+    rcost = rng.integers(0, 3, dp).astype(float) * 1e5 if ties else rng.random(dp) * 1e6
+    rtok = rem.sum(axis=1)
+    cap = float(rcost.max()) + float(costs.max()) * int(rng.integers(1, 50)) if capped else None
+    want = _match_tiny_by_sort(rem, rcost, rtok, lengths, costs, cap, 3000.0)
+    got = match_tiny(rem, rcost, rtok, lengths, costs, cap, 3000.0)
+    if want is None:
+        assert got is None
+        return
+    assert got is not None
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
 
 
 def test_the_last_piece_flags_match_the_carry_over():

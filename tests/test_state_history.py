@@ -40,3 +40,31 @@ def test_forget_from_drops_the_cut_steps_and_later_records_stay_in_order():
     h.record(3, {"step": "3 again"})
     assert list(h.states) == [0, 1, 2, 3]
     assert h.get(3) == {"step": "3 again"}
+
+
+def _state(step: int, mixture: str = "m") -> dict:
+    return {"step": step, "cursor": [step], "mixture": mixture}
+
+
+def test_older_states_are_thinned_to_every_nth_and_the_changes_and_bounded():
+    h = StateHistory(4, every=8, sparse=3)
+    for step in range(40):
+        h.record(step, _state(step, "m" if step < 21 else "n"))
+    assert list(h.states) == [36, 37, 38, 39]
+    assert list(h.sparse) == [21, 24, 32]  # 0, 8 and 16 forgotten beyond sparse=3; 21: the mixture changed there
+    base, held = h.window(30, 34)
+    assert base == (24, _state(24, "n"))
+    assert held == {32: _state(32, "n")}
+    assert h.window(37, 39) == ((37, _state(37, "n")), {38: _state(38, "n")})  # the newest: as before
+    assert h.window(20, 22) == (None, {21: _state(21, "n")})  # older than every state kept
+    h.forget_from(24)
+    assert list(h.sparse) == [21]
+    assert not h.states
+
+
+def test_a_history_without_thinned_states_keeps_only_the_newest():
+    h = StateHistory(4, sparse=0)
+    for step in range(40):
+        h.record(step, _state(step))
+    assert not h.sparse
+    assert h.window(20, 22) == (None, {})

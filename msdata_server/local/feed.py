@@ -16,7 +16,7 @@ from ..job.seams import CutLog, Steps
 from ..job.view import ThreadView
 from ..lineage.skip import skip_pending
 from ..planner import Mixture, Planner, StepPlan
-from ..planner.history import StateHistory, held_window
+from ..planner.history import StateHistory
 from .payloads import LocalPayloads
 
 __all__ = ["LocalPlanFeed"]
@@ -125,7 +125,7 @@ class LocalPlanFeed:
         return self.planner.step, self.planner.mixture  # it plans here: its planner is the newest word
 
     def saved_states(self, start: int, stop: int) -> tuple[tuple[int, dict] | None, dict[int, dict]]:
-        base, held = held_window(self.history.states, start, stop)
+        base, held = self.history.window(start, stop)  # (its thinned older states too)
         if base is None:  # older than the memory holds: the node's stored states
             base = self.store.load_at_or_before(start)
         return base, held

@@ -148,7 +148,7 @@ def _fill(
     st.greedy(desc[early])
     st.spread = True
     rest = desc[~early]
-    if method is Method.KARMARKAR_KARP and layout.dp > 1 and rest.size:
+    if method is Method.KARMARKAR_KARP and layout.dp > 1 and rest.size and not _over_budget(st, rest):
         rate = st.rate()
         long = costs[rest] - lengths[rest] * rate > 0
         big = rest[long]
@@ -166,6 +166,13 @@ def _fill(
         st.cap = min(st.cap, trim(st, tolerance * TRIM_AIM, base, priority))
         _settle(st, priority)  # (under that cap)
     return st
+
+
+def _over_budget(st: Rows, rest: np.ndarray) -> bool:
+    """More long pieces in `rest` than Rows.partition_long takes (KK_BUDGET pieces x ranks), so it would decline:
+    told from the first that many + 1 of them (the pieces are longest first) instead of all."""
+    head = rest[: KK_BUDGET // st.lay.dp + 1]
+    return bool(np.all(st.c[head] - st.L[head] * st.rate() > 0)) and head.size * st.lay.dp > KK_BUDGET
 
 
 def _settle(st: Rows, priority: int) -> None:

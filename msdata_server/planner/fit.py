@@ -10,6 +10,8 @@ import numpy as np
 
 __all__ = ["match_tiny", "pair_round", "scan_infeasible"]
 
+ROUND_ROBIN_LOOP = 16  # _round_robin: a loop over up to this many rounds of slots, else one sort
+
 
 def pair_round(
     rcost: np.ndarray,
@@ -33,13 +35,16 @@ def pair_round(
     grow = bool(delta[0] >= 0)
     same = delta >= 0 if grow else delta < 0
     run = lengths.size if same[-1] and same.all() else int(np.argmin(same))
-    proj = rcost[elig] + rtok[elig] * rate
+    every = elig.size == rcost.size  # (elig is ascending: then every rank, in order)
+    proj = rcost + rtok * rate if every else rcost[elig] + rtok[elig] * rate
     if grow:
         near = int(np.count_nonzero(proj <= proj.min() + delta[0]))
     else:
         near = int(np.count_nonzero(proj >= proj.max() + delta[:run].min()))
     take = min(run, max(near, floor))
-    by_proj = elig[np.argsort(proj, kind="stable")]
+    by_proj = np.argsort(proj, kind="stable")
+    if not every:
+        by_proj = elig[by_proj]
     if grow:  # the largest raise to the lowest projection
         return by_proj[:take]
     ranks = np.empty(take, np.int64)  # the largest lowering to the highest projection
@@ -69,10 +74,10 @@ def match_tiny(
     k = rem.shape[1]
     size = int(lengths[0])
     full = rem // size
-    part = rem % size >= lengths[-1]
+    part = rem - full * size >= lengths[-1]  # (the remainder, without a second division)
     if cap is not None and float(costs.max()) > 0:  # (free pieces, as priced padding makes them when alpha = 0)
         allow = np.floor(np.minimum((cap - rcost) / float(costs.max()), 2.0**40)).astype(np.int64)
-        room = allow[:, None] - (np.cumsum(full + part, axis=1) - (full + part))  # slots left in the rank
+        room = allow[:, None] - _before(full + part)  # slots left in the rank
         full = np.clip(np.minimum(full, room), 0, None)
         part &= full < room
     rows = np.flatnonzero(full + part)
@@ -80,34 +85,65 @@ def match_tiny(
         return None
     full, part = full.reshape(-1)[rows], part.reshape(-1)[rows]
     full = np.minimum(full, -(-lengths.size // rows.size) + 1)  # enough for this round
-    reps = full + part
-    slot_row = np.repeat(rows, reps)
-    nth = np.arange(slot_row.size) - np.repeat(np.cumsum(reps) - reps, reps)
-    slot_size = np.where(nth < np.repeat(full, reps), size, rem.reshape(-1)[slot_row] % size)
-    o = _slot_order(slot_row, slot_size, nth, rcost + rtok * rate, k)
-    slot_row, slot_size = slot_row[o], slot_size[o]
-    fits = np.searchsorted(-slot_size, -lengths, side="right")  # slots with room for each piece
+    rows, full, part = _by_projection(rows, full, part, rcost + rtok * rate, k)
+    # the full slots (all `size` long: every piece fits) come first, round-robin over the rows; then the
+    # remainders, roomiest first (then by nth slot of the row, i.e. its full slots, and the row order above)
+    n_full = int(full.sum())
+    if n_full >= lengths.size:  # every piece fits a full slot: all matched, in order (the greedy below agrees)
+        return np.ones(lengths.size, bool), rows[_round_robin(full, lengths.size)]
+    tail = np.flatnonzero(part)
+    tail_size = rem.reshape(-1)[rows[tail]] % size
+    o = np.lexsort((tail, full[tail], -tail_size))  # (rows here are few: one remainder each)
+    tail, tail_size = tail[o], tail_size[o]
+    fits = n_full + np.searchsorted(-tail_size, -lengths, side="right")  # slots with room for each piece
     n = np.arange(lengths.size)
     matched = np.minimum(n + 1, np.minimum.accumulate(fits - n) + n)  # greedy matches so far
     got = np.diff(matched, prepend=0) > 0
-    if not got.any():
+    m = int(matched[-1])  # the pieces matched take the first m slots, in order
+    if m == 0:
         return None
-    return got, slot_row[matched[got] - 1]
+    head = _round_robin(full, min(m, n_full))
+    return got, rows[np.concatenate([head, tail[: m - head.size]])]
 
 
-def _slot_order(slot_row: np.ndarray, slot_size: np.ndarray, nth: np.ndarray, proj: np.ndarray, k: int) -> np.ndarray:
-    """The order of match_tiny's slots: roomiest first, then by nth slot of its row, the rank's projection `proj`
-    and the row; the four keys packed into one int64 (a rank's projection as its place among the ranks: ties by
-    rank, as by row), one sort instead of a lexsort of four (4-5x faster)."""
+def _before(a: np.ndarray) -> np.ndarray:
+    """Per row of a 2-d int array, the sum of the entries before each (an exclusive cumsum along axis 1), by
+    columns: numpy's cumsum along a short last axis is several times slower."""
+    out = np.zeros_like(a)
+    for j in range(1, a.shape[1]):
+        np.add(out[:, j - 1], a[:, j - 1], out=out[:, j])
+    return out
+
+
+def _by_projection(
+    rows: np.ndarray, full: np.ndarray, part: np.ndarray, proj: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows (flat: rank * k + slot) with their full-slot counts and remainder flags, lower projected rank
+    first (ties by rank), then by slot: one scatter over the dp * k rows, no sort of them."""
     dp = proj.size
     place = np.empty(dp, np.int64)
     place[np.argsort(proj, kind="stable")] = np.arange(dp)
-    span = int(nth.max(initial=0)) + 1
-    size = int(slot_size.max(initial=0)) + 1
-    if size * span * dp * k >= 1 << 62:  # (no real layout comes near)
-        return np.lexsort((slot_row, proj[slot_row // k], nth, -slot_size))
-    key = ((size - slot_size) * span + nth) * (dp * k) + place[slot_row // k] * k + slot_row % k
-    return np.argsort(key)  # distinct keys: one per slot
+    at = np.full(dp * k, -1, np.int64)
+    at[place[rows // k] * k + rows % k] = np.arange(rows.size)
+    o = at[at >= 0]
+    return rows[o], full[o], part[o]
+
+
+def _round_robin(full: np.ndarray, m: int) -> np.ndarray:
+    """The first m of the slots dealt round-robin over rows holding full[i] slots each: row i once per round,
+    while it has slots left; as indices of the rows. (The rounds are few: a loop when so, else one stable sort.)"""
+    rounds = int(full.max(initial=0))
+    if rounds <= ROUND_ROBIN_LOOP:
+        out, have, j = [], 0, 0
+        while have < m:
+            sel = np.flatnonzero(full > j)
+            out.append(sel)
+            have += sel.size
+            j += 1
+        return np.concatenate(out)[:m] if out else np.zeros(0, np.int64)
+    row = np.repeat(np.arange(full.size), full)
+    nth = np.arange(row.size) - np.repeat(np.cumsum(full) - full, full)
+    return row[np.argsort(nth.astype(np.uint16) if rounds <= 1 << 16 else nth, kind="stable")][:m]
 
 
 def scan_infeasible(

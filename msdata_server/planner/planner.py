@@ -379,7 +379,9 @@ class Planner:
         drawn = sum((np.bincount(p[0][p[2] == 0], minlength=n_src) for p in parts), np.zeros(n_src, np.int64))
         counts["bad"] += (cursor - pos.cursor) - drawn
 
-        src, ords, off, lens, mom = _pool(carry, parts, vision)
+        pool = _pool(carry, parts, vision)  # int64 [pieces, column]: gathered by rows below (one access per piece)
+        lens = np.ascontiguousarray(pool[:, 3])
+        mom = [np.ascontiguousarray(pool[:, j]) for j in range(4, pool.shape[1])]
         costs = self._cost(lens)
         enc = self._vlm.from_moments(*mom) if self._vlm is not None else None
         p = place(
@@ -393,16 +395,21 @@ class Planner:
             pad_cost=cfg.pad_cost,
         )
 
+        # the placed pieces by (rank, slot), then arrival; the left-over ones after them (a key past every row's)
+        n_rows = cfg.dp * cfg.layout.slots
         left = p.rank < 0
-        idx = np.flatnonzero(~left)
-        idx = idx[order_by(p.rank[idx] * cfg.layout.slots + p.slot[idx], cfg.dp * cfg.layout.slots)]  # then arrival
+        key = np.where(left, n_rows, p.rank * cfg.layout.slots + p.slot)
+        order = order_by(key, n_rows + 1)
+        n_left = int(np.count_nonzero(left))
+        idx, gone = order[: order.size - n_left], order[order.size - n_left :]  # (gone: in arrival order)
+        row_key = key[idx]  # rank * slots + slot = (rank * micro_batches + micro) * rows + row, ascending
         rank, slot = p.rank[idx], p.slot[idx]
         micro = slot // cfg.rows
-        bounds = np.zeros(cfg.dp * cfg.micro_batches + 1, np.int64)
-        np.cumsum(np.bincount(rank * cfg.micro_batches + micro, minlength=cfg.dp * cfg.micro_batches), out=bounds[1:])
-        src_i, ords_i, off_i, lens_i = src[idx], ords[idx], off[idx], lens[idx]  # the placed pieces, in plan order
-        per_source = np.bincount(src_i, weights=lens_i, minlength=len(cfg.sources)).astype(np.int64)
-        counts["started"] += np.bincount(src_i[off_i == 0], minlength=n_src)
+        bounds = np.searchsorted(row_key, np.arange(cfg.dp * cfg.micro_batches + 1) * cfg.rows).astype(np.int64)
+        placed, kept = np.take(pool, idx, axis=0), np.take(pool, gone, axis=0)  # in plan order; left over
+        src_i, ords_i, off_i, lens_i = (placed[:, j] for j in range(4))
+        per_source, started = _placed_by_source(carry, kept, taken - pos.taken, drawn)
+        counts["started"] += started
         rank_cost, micro_cost, stages = p.rank_cost, p.micro_cost, dict[str, Any]()
         # a placed piece's least rank cost (the lower bound's): its priced cost plus the rank's priced tokens
         costs = priced(costs[idx], lens_i, cfg.pad_cost) + cfg.pad_cost * cfg.layout.slots * cfg.seq_len
@@ -410,17 +417,18 @@ class Planner:
             rank_cost, micro_cost, stages = _two_stages(p.rank_cost, p.micro_cost, enc[idx], rank, micro)
             costs = costs + enc[idx]
         mean = float(rank_cost.sum()) / cfg.dp
-        last = _last_pieces(src_i, ords_i, off_i, lens_i, src[left], ords[left], cfg.seq_len)
+        carry_src, carry_ords = kept[:, 0].astype(np.int32), np.ascontiguousarray(kept[:, 1])
+        last = _last_pieces(src_i, ords_i, off_i, lens_i, carry_src, carry_ords, cfg.seq_len)
         lower = max(mean, float(costs.max()) if idx.size else 0.0)
         plan = StepPlan(
             step=pos.step,
-            source=src_i.astype(np.int32),
-            ordinal=ords_i.astype(np.int64),
+            source=src_i.astype(np.int32, copy=False),
+            ordinal=np.ascontiguousarray(ords_i),
             offset=off_i.astype(np.int32),
             length=lens_i.astype(np.int32),
             group=rank.astype(np.int32),
             micro=micro.astype(np.int32),
-            row=(slot % cfg.rows).astype(np.int32),
+            row=(slot % cfg.rows).astype(np.int32) if cfg.rows > 1 else np.zeros(idx.size, np.int32),
             last=last,
             stats=PlanStats(
                 cost=rank_cost,
@@ -430,7 +438,7 @@ class Planner:
                 padding_fraction=1.0 - float(lens_i.sum()) / cfg.capacity,
                 tokens={name: int(per_source[i]) for i, name in enumerate(cfg.sources)},
                 docs=int(idx.size),
-                carried=int(left.sum()),
+                carried=n_left,
                 plan_ms=(time.perf_counter() - t0) * 1e3 - ingest[0],
                 ingest_ms=ingest[0],
                 **stages,
@@ -448,11 +456,11 @@ class Planner:
             target=target,
             placed=pos.placed + per_source,
             carry={
-                "source": src[left],
-                "ordinal": ords[left],
-                "offset": off[left],
-                "length": lens[left],
-                **{k: m[left] for k, m in zip(VISION_KEYS, mom)},
+                "source": carry_src,
+                "ordinal": carry_ords,
+                "offset": np.ascontiguousarray(kept[:, 2]),
+                "length": np.ascontiguousarray(kept[:, 3]),
+                **{k: np.ascontiguousarray(kept[:, 4 + j]) for j, k in enumerate(VISION_KEYS[: len(mom)])},
             },
             mixture=self._pos.mixture,  # plan_step never changes the mixture
             skips=pos.skips,
@@ -462,6 +470,23 @@ class Planner:
             pending=pos.pending if pos.pending is not None and pos.pending.start > pos.step else None,  # a replay
         )
         return pos.deferred.translate(plan) if pos.deferred else plan
+
+
+def _placed_by_source(
+    carry: dict, kept: np.ndarray, drawn_tokens: np.ndarray, drawn_docs: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens placed and documents started (pieces at offset 0 placed) per source: the pool's (the carry-over
+    ``carry`` and what was drawn) less what is carried on (``kept``, pool rows): sums over the few carried pieces,
+    not a pass over the placed ones."""
+    n_src = drawn_tokens.size
+
+    def per(src: np.ndarray, values: np.ndarray | None = None) -> np.ndarray:
+        return np.bincount(src, weights=values, minlength=n_src).astype(np.int64)  # (exact: int sums below 2**53)
+
+    old, new = carry["source"], kept[:, 0]
+    tokens = per(old, carry["length"]) + drawn_tokens - per(new, kept[:, 3])
+    started = per(old[carry["offset"] == 0]) + drawn_docs - per(new[kept[:, 2] == 0])
+    return tokens, started
 
 
 def _last_pieces(
@@ -482,20 +507,27 @@ def _last_pieces(
     return last
 
 
-def _pool(carry: dict, parts: list, vision: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list]:
+def _pool(carry: dict, parts: list, vision: bool) -> np.ndarray:
     """The pieces a step places: the carry-over first, then the drawn parts in arrival order (ties: by source,
-    then position); (source, ordinal, offset, length, [patches, patches squared] with vision)."""
-    src, ords, off, lens = (carry[k] for k in CARRY_KEYS)
-    mom = [carry[k] for k in VISION_KEYS] if vision else []
+    then position); int64 [pieces, 4 or 6]: source, ordinal, offset, length (, patches, patches squared with
+    vision). By rows, so that a gather of pieces reads each piece once, not once per column (5-10x faster)."""
+    keys = CARRY_KEYS + VISION_KEYS if vision else CARRY_KEYS
+    cols = (0, 1, 2, 3, 5, 6)[: len(keys)]  # a part's columns (4: its arrival keys)
+    n_carry = carry["length"].size
+    n = n_carry + sum(p[3].size for p in parts)
+    out = np.empty((n, len(keys)), np.int64)
+    for j, k in enumerate(keys):
+        out[:n_carry, j] = carry[k]
     if parts:
-        cols = [np.concatenate(c) for c in zip(*parts)]
-        order = np.argsort(cols[4], kind="stable")
-        src = np.concatenate([src, cols[0][order]])
-        ords = np.concatenate([ords, cols[1][order]])
-        off = np.concatenate([off, cols[2][order]])
-        lens = np.concatenate([lens, cols[3][order]])
-        mom = [np.concatenate([m, c[order]]) for m, c in zip(mom, cols[5:])]
-    return src, ords, off, lens, mom
+        drawn = np.empty((n - n_carry, len(keys)), np.int64)
+        at = 0
+        for p in parts:
+            for j, c in enumerate(cols):
+                drawn[at : at + p[3].size, j] = p[c]
+            at += p[3].size
+        order = np.argsort(np.concatenate([p[4] for p in parts]), kind="stable")
+        np.take(drawn, order, axis=0, out=out[n_carry:], mode="clip")  # (with out, mode "raise" buffers: 10x slower)
+    return out
 
 
 def _two_stages(

@@ -22,7 +22,7 @@ class RankMembers:
     def __init__(self, rank: np.ndarray, dp: int):
         self.rank = rank
         self.order = order_by(rank + 1, dp + 1)
-        self.bounds = np.searchsorted(rank[self.order], np.arange(dp + 1))  # rank -1 comes first
+        self.bounds = np.cumsum(np.bincount(rank + 1, minlength=dp + 1))  # pieces below each rank (-1 first)
         self.moved: dict[int, list[int]] = {}
 
     def __call__(self, r: int) -> np.ndarray:
@@ -115,9 +115,11 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     left = left[order_by(L[left], st.lay.seq_len + 1)][:excess]  # the shortest go first
     if left.size == 0:
         return False
-    cand = np.flatnonzero(st.rank >= 0) if movable is None else np.flatnonzero((st.rank >= 0) & movable)
     lo = CONSOLIDATE_RATIO * float(L[left].mean())
-    cand = cand[(cand >= priority) & (L[cand] >= lo) & (L[cand] <= st.lay.seq_len // 2)]
+    ok = (st.rank >= 0) & (lo <= L) & (st.lay.seq_len // 2 >= L)  # (one pass over the pieces, no gathers)
+    if movable is not None:
+        ok &= movable
+    cand = np.flatnonzero(ok[priority:]) + priority
     if cand.size == 0:
         return False
     heavy_first = np.empty(st.lay.dp, np.int64)

@@ -20,6 +20,37 @@ TINY = 32  # ...and pieces shorter than seq_len / TINY go several per row (`_tin
 TAIL_GIVE_UP = 16  # a tiny round that places under 1/16 of the pieces left ends the step's filling
 
 _BIG = np.iinfo(np.int64).max
+_COLUMNS = 8  # row_max/row_min: a loop over up to this many columns, else argmax and a gather
+
+
+def row_max(a: np.ndarray) -> np.ndarray:
+    """a.max(axis=1) of a 2-d array, faster: numpy reduces a short last axis row by row (10-20x slower)."""
+    if a.shape[1] > _COLUMNS:
+        return a[np.arange(a.shape[0]), np.argmax(a, axis=1)]
+    m = a[:, 0].copy()
+    for j in range(1, a.shape[1]):
+        np.maximum(m, a[:, j], out=m)
+    return m
+
+
+def row_sum(a: np.ndarray) -> np.ndarray:
+    """a.sum(axis=1) of a 2-d integer array (see row_max; integers: the same in any order)."""
+    if a.shape[1] > _COLUMNS:
+        return a.sum(axis=1)
+    m = a[:, 0].copy()
+    for j in range(1, a.shape[1]):
+        m += a[:, j]
+    return m
+
+
+def row_min(a: np.ndarray) -> np.ndarray:
+    """a.min(axis=1) of a 2-d array (see row_max)."""
+    if a.shape[1] > _COLUMNS:
+        return a[np.arange(a.shape[0]), np.argmin(a, axis=1)]
+    m = a[:, 0].copy()
+    for j in range(1, a.shape[1]):
+        np.minimum(m, a[:, j], out=m)
+    return m
 
 
 def order_by(keys: np.ndarray, bound: int) -> np.ndarray:
@@ -92,22 +123,28 @@ class Rows:
         k = self.lay.slots
         if k == 1:
             w = np.zeros(idx.size, np.int64)
+            self.rem[ranks, 0] -= toks
+            self.maxrem[ranks] -= toks
         else:
-            rr = self.rem[ranks]
+            rr = np.take(self.rem, ranks, axis=0)  # (np.take of whole rows: several times faster than rem[ranks])
             fit = rr >= toks[:, None]
             if self.spread and self.lay.micro > 1:
-                score = self.mcost[ranks] + self.mtok[ranks] * rate  # micro-batch projections
-                if self.lay.rows > 1:
-                    score = score[:, self.micro_of]
+                if self.lay.rows > 1:  # micro-batch projections
+                    mproj = np.take(self.mcost, ranks, axis=0) + np.take(self.mtok, ranks, axis=0) * rate
+                    score = mproj[:, self.micro_of]
+                else:  # (a row per micro-batch: its free tokens are the micro-batch's)
+                    score = np.take(self.mcost, ranks, axis=0) + rr * rate
                 score = np.where(fit, score, np.inf)
-                fit = score == score.min(axis=1, keepdims=True)
+                fit = score == row_min(score)[:, None]
             w = np.argmin(np.where(fit, rr, _BIG), axis=1)
-        self.rem.reshape(-1)[ranks * k + w] -= toks
-        self.maxrem[ranks] = self.rem[ranks].max(axis=1) if k > 1 else self.rem[ranks, 0]
+            flat = ranks * k + w
+            self.rem.reshape(-1)[flat] -= toks  # (distinct ranks)
+            rr.reshape(-1)[np.arange(0, w.size * k, k) + w] -= toks  # rr: their rows now
+            self.maxrem[ranks] = row_max(rr)
         self.rtok[ranks] -= toks
         self.rcost[ranks] += c
         if self.lay.micro > 1:
-            mi = ranks * self.lay.micro + self.micro_of[w]
+            mi = ranks * self.lay.micro + (self.micro_of[w] if self.lay.rows > 1 else w)
             self.mcost.reshape(-1)[mi] += c
             self.mtok.reshape(-1)[mi] -= toks
         else:
@@ -130,18 +167,20 @@ class Rows:
         floor = max(1, self.lay.dp // ROUND_DIV)
         tiny = self.lay.seq_len / TINY
         retry: list[np.ndarray] = []
-        i, n = 0, queue.size
+        i, n, own = 0, queue.size, False
         while i < n:
             head = queue[i]
             elig = self.eligible(int(head))
             if elig.size == 0:
-                queue, i = self._drop_infeasible(queue, i), 0
+                queue, i, own = self._drop_infeasible(queue, i), 0, True
                 n = queue.size
                 continue
             if L[head] < tiny and self.spread:  # (not for carry-over: it would touch every row)
-                rest = self._tiny_round(queue, i)
-                if rest is not None:
-                    queue, i, n = rest, 0, rest.size
+                if not own:  # _tiny_round reorders the queue in place: ours, not the caller's
+                    queue, own = queue.copy(), True
+                at = self._tiny_round(queue, i)
+                if at is not None:
+                    i = at
                     continue
             rate = self.pool_cost / self.pool_tok if self.pool_tok > 0 else 0.0
             cand = queue[i : i + elig.size]
@@ -192,8 +231,9 @@ class Rows:
             mask &= self.rcost <= self.cap - self.c[piece]
         return np.flatnonzero(mask)
 
-    def _tiny_round(self, queue: np.ndarray, i: int) -> np.ndarray | None:
-        """Place the next tiny pieces (`fit.match_tiny`); returns the queue left (None: none placed).
+    def _tiny_round(self, queue: np.ndarray, i: int) -> int | None:
+        """Place the next tiny pieces (`fit.match_tiny`); returns where the queue left starts (None: none placed).
+        The pieces that waited move up in place, before the rest of the queue (no copy of the queue).
 
         Tiny pieces barely move a projection, so placing thousands at once costs no balance, and the
         tail (many short pieces, few rows with room) takes a few rounds instead of one per rank. When
@@ -206,13 +246,14 @@ class Rows:
         if match is None:
             return None
         got, rows = match
-        idx = cand[got]
+        idx, wait = cand[got], cand[~got]  # (copies: cand is a view of the queue)
         self._put_rows(idx, rows)
-        rest = np.concatenate([cand[~got], queue[i + cand.size :]])
-        if idx.size * TAIL_GIVE_UP < rest.size:  # a trickle: the room left is on ranks at the cap
-            self.give_up(rest)
-            return rest[:0]
-        return rest
+        at = i + cand.size - wait.size
+        queue[at : i + cand.size] = wait
+        if idx.size * TAIL_GIVE_UP < queue.size - at:  # a trickle: the room left is on ranks at the cap
+            self.give_up(queue[at:])
+            return queue.size
+        return at
 
     def _put_rows(self, idx: np.ndarray, rows: np.ndarray) -> None:
         """Put pieces idx into the given flat rows (rank * slots + slot), several per rank and row."""
@@ -220,15 +261,18 @@ class Rows:
         k = lay.slots
         ranks, w = rows // k, rows % k
         toks, cc = L[idx], c[idx]
-        rem = self.rem.reshape(-1)
-        rem -= np.bincount(rows, toks, minlength=rem.size).astype(np.int64)
-        touched = np.flatnonzero(np.bincount(ranks, minlength=lay.dp))
-        self.maxrem[touched] = self.rem[touched].max(axis=1)
-        self.rtok -= np.bincount(ranks, toks, minlength=lay.dp).astype(np.int64)
+        # tokens per row, and from them per rank and micro-batch (integers: exact in any order)
+        drow = np.bincount(rows, toks, minlength=self.rem.size).astype(np.int64).reshape(lay.dp, k)
+        self.rem -= drow
+        dmicro = drow.reshape(lay.dp, lay.micro, lay.rows).sum(axis=2) if lay.rows > 1 else drow
+        drank = row_sum(dmicro)
+        touched = np.flatnonzero(drank)
+        self.maxrem[touched] = row_max(np.take(self.rem, touched, axis=0))
+        self.rtok -= drank
         self.rcost += np.bincount(ranks, cc, minlength=lay.dp)
         mi = ranks * lay.micro + self.micro_of[w]
         self.mcost += np.bincount(mi, cc, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
-        self.mtok -= np.bincount(mi, toks, minlength=lay.dp * lay.micro).astype(np.int64).reshape(lay.dp, lay.micro)
+        self.mtok -= dmicro
         self.rank[idx] = ranks
         self.slot[idx] = w
         self.pool_cost -= float(cc.sum())
@@ -283,7 +327,7 @@ class Rows:
         np.add.at(self.mcost, (r, m), dcost)
         np.add.at(self.mtok, (r, m), dtok)
         touched = np.flatnonzero(np.bincount(r, minlength=self.lay.dp))
-        self.maxrem[touched] = self.rem[touched].max(axis=1)
+        self.maxrem[touched] = row_max(np.take(self.rem, touched, axis=0))
         self.rank[out] = self.slot[out] = -1
         self.rank[into] = np.repeat(r, counts)
         self.slot[into] = np.repeat(w, counts)
@@ -300,7 +344,7 @@ class Rows:
         self.mcost -= np.bincount(mi, c, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
         self.mtok += np.bincount(mi, L, minlength=lay.dp * lay.micro).astype(np.int64).reshape(lay.dp, lay.micro)
         touched = np.flatnonzero(np.bincount(r, minlength=lay.dp))
-        self.maxrem[touched] = self.rem[touched].max(axis=1)
+        self.maxrem[touched] = row_max(np.take(self.rem, touched, axis=0))
         self.rank[idx] = self.slot[idx] = -1
 
     def _take(self, p: int) -> tuple[int, int]:

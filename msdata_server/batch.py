@@ -286,7 +286,7 @@ def build_micro_batch(
         idx = zigzag_index(seq_len, cp)
         for name, full in (("tokens", tok), ("labels", lab), ("loss_mask", msk), ("position_ids", pos)):
             for i in range(cp):
-                np.take(full, idx[i], axis=1, out=out[f"{name}@{i}"])
+                np.take(full, idx[i], axis=1, out=out[f"{name}@{i}"], mode="clip")  # in range; "raise" buffers
 
 
 def _fill_images(out: dict[str, np.ndarray], pieces: MicroBatchPieces) -> None:

@@ -592,7 +592,7 @@ class JobCoordinator:
 
     def frames(
         self, plan: StepPlan, extra: dict, table: PartsTable, nodes: list[str], only: str | None = None
-    ) -> dict[str, tuple[dict, bytes]]:
+    ) -> Mapping[str, tuple[dict, bytes | memoryview]]:
         """The plan frame of every node in ``nodes`` (``only``: of that one): its slice, with ``extra`` in the
         header. Without this node's run of the job (no layout to slice by) every node gets the whole plan."""
         run = self.runs.held(self.digest, self.run_id)

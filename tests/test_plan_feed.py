@@ -179,3 +179,35 @@ def test_a_node_that_only_owns_data_keeps_the_plans_of_recent_steps_only():
         assert len(run.shard.refs) < counted[-1], "the cut plans' references were not taken back"
 
     asyncio.run(main())
+
+
+def test_a_node_acknowledges_every_few_steps_and_at_once_when_the_leader_waits_on_it():
+    """Acknowledgements (``context.ack_due``): the first step fed at once; then every ACK_EVERY steps while the
+    leader plans ahead unhindered; and as soon as the plans held reach the last acknowledged step + the
+    leader's window (prefetch_steps + 1: the leader has planned all it may and waits), whether that happens
+    at a feed or at a plan's arrival. A node never waits for a plan because its acknowledgement was held."""
+    from msdata_server.cluster.context import ACK_EVERY, ack_due
+
+    assert ack_due(3, None, 3, 2) and ack_due(2, 5, 9, 2)  # the first; a position moved back (a cut)
+    assert not ack_due(5, 5, 9, 2)  # nothing new fed
+    spec = small_job("feed", dp=3, samples=400, seed=5, prefetch=8)  # window 9: the leader is far from waiting
+    plans = _plans(20)
+
+    async def main():
+        host = _Host()
+        run = Run(host, spec, "digest", _start_frame())
+        run.adopt(_Job(), {"1": [0, 0]})
+        for p in plans[:12]:  # a leader slower than the feed: each plan fed as it comes
+            run.add_plan(*p)
+            plan, _epoch = await asyncio.wait_for(run.next(), 2)
+            run.fed(plan)
+        assert host.acks == [0, ACK_EVERY, 2 * ACK_EVERY], "acknowledged more often than every ACK_EVERY steps"
+        # now the leader gets ahead: it may plan up to 2 * ACK_EVERY + 9 = 17 (the window past the last
+        # acknowledgement) and then waits; the plan of step 17 arriving makes the node say where it is at once
+        for p in plans[12:17]:
+            run.add_plan(*p)
+        assert host.acks[-1] == 2 * ACK_EVERY
+        run.add_plan(*plans[17])
+        assert host.acks[-1] == 11, "the node did not tell a leader waiting on it where it is"
+
+    asyncio.run(main())

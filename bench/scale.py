@@ -20,9 +20,11 @@ decoded its slice (p50/p99 ms; every process reads the one system-wide monotonic
 of the same on machines of their own (``plan_to_all_model_ms_p99``: the CPU the leader's event loop spends
 from the plan ready to its last slice handed to the kernel, plus one node's decode CPU, p99), since here the
 leader, 512 nodes and etcd share two cores; leader CPU s per step (the process) beside the planner's own (its
-thread's CPU); etcd request bytes and writes per step (the leader's client); steps/s the leader sustains
-(nodes feed at once: planning and distribution are the limit). The plan-ready instant, the last slice's send
-and the planner's CPU are read by wrapping ``JobCoordinator.frames``, ``JobCoordinator._plan_one`` and
+thread's CPU) and the CPU making up the synthetic lengths it reads (through the event loop; a cluster's
+partition owners read them), the leader's overhead being the rest (``leader_overhead_with_lengths_ms``: with
+them); etcd request bytes and writes per step (the leader's client); steps/s the leader sustains (nodes feed at
+once: planning and distribution are the limit). The plan-ready instant, the last slice's send and the
+planner's CPU are read by wrapping ``JobCoordinator.frames``, ``JobCoordinator._plan_one`` and
 ``Planner.plan_step`` in this process (measurement only).
 
 The last line is one JSON object (keys of DESIGN 4.7). Loopback only.
@@ -275,13 +277,17 @@ class BenchRun:
         self.id = ""
         self._layout = layout
         self._lengths = lengths
+        self.cpu = 0.0  # seconds making up lengths (in a cluster the partitions' owners read them)
 
     @property
     def layout(self):
         return self._layout
 
     async def lengths(self, s: int, start: int, count: int) -> np.ndarray:
-        return self._lengths.lengths(s, start, count)
+        t = time.thread_time()
+        out = self._lengths.lengths(s, start, count)
+        self.cpu += time.thread_time() - t
+        return out
 
     async def vision(self, s: int, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError("text only")
@@ -305,8 +311,9 @@ class Probe:
         self.sent: dict[int, tuple[float, float]] = {}  # step -> when the leader handed its last slice to the
         # kernel, and the CPU its event loop's thread had used by then
         self.ready_cpu: dict[int, float] = {}  # step -> that thread's CPU when the plan was ready
-        self.snap: dict[int, tuple[float, float, int, int, int, float]] = {}  # step -> counters when ready
+        self.snap: dict[int, tuple[float, float, int, int, int, float, float]] = {}  # step -> counters when ready
         self.plan_cpu = 0.0  # the planner thread's CPU seconds so far
+        self.run: BenchRun | None = None  # its synthetic lengths' CPU
         self.traffic = None
         self.last_plan = None
         self.etcd_bytes = 0
@@ -334,6 +341,7 @@ class Probe:
                     probe.etcd_bytes,
                     probe.etcd_writes,
                     probe.plan_cpu,
+                    probe.run.cpu if probe.run is not None else 0.0,
                 )
                 probe.last_plan = plan
             return frames0(self, plan, extra, table, nodes, only)
@@ -443,7 +451,7 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
             ctx.live_nodes,
             "leader",
         )
-        runs.run = BenchRun(layout, SyntheticLengths(wl, SEQ, seed=0))
+        runs.run = probe.run = BenchRun(layout, SyntheticLengths(wl, SEQ, seed=0))
         runs.digest = spec.digest()
         probe.traffic = node.traffic
         probe.install()
@@ -484,7 +492,7 @@ def _figures(probe: Probe, got: dict, first: int, end: int, spec, digest: str, e
     a, b = probe.snap[first], probe.snap[end]  # counters from step first's plan ready to step end's
     k = end - first
     wall, cpu, out = b[0] - a[0], b[1] - a[1], b[2] - a[2]
-    etcd_b, etcd_w, plan_cpu = b[3] - a[3], b[4] - a[4], b[5] - a[5]
+    etcd_b, etcd_w, plan_cpu, made = b[3] - a[3], b[4] - a[4], b[5] - a[5], b[6] - a[6]
     timed = range(first + 1, end + 1)
     arrive = [(max(r[0] for r in got[s]) - probe.ready[s]) * 1e3 for s in timed]
     out_ms = [(probe.sent[s][0] - probe.ready[s]) * 1e3 for s in timed]
@@ -516,7 +524,11 @@ def _figures(probe: Probe, got: dict, first: int, end: int, spec, digest: str, e
         "node_decode_cpu_ms_p99": dec_cpu,
         "leader_cpu_s_per_step": cpu / k,
         "planner_cpu_s_per_step": plan_cpu / k,
-        "leader_overhead_ms": (cpu - plan_cpu) / k * 1e3,
+        "lengths_cpu_s_per_step": made / k,
+        # beyond planning: slicing, encoding, sending, etcd, acknowledgements (not making up the synthetic
+        # lengths the planner reads, which a cluster's partition owners read; with them: the next key)
+        "leader_overhead_ms": (cpu - plan_cpu - made) / k * 1e3,
+        "leader_overhead_with_lengths_ms": (cpu - plan_cpu) / k * 1e3,
         "etcd_bytes_per_step": etcd_b / k,
         "etcd_writes_per_step": etcd_w / k,
         "steps_per_s": k / wall,
@@ -545,7 +557,8 @@ def run_leader(cases: Sequence[tuple[int, ...]]) -> list[dict]:
                 f"{r['send_all_cpu_ms_p99']:.1f} + decode CPU {r['node_decode_cpu_ms_p99']:.2f} = "
                 f"{r['plan_to_all_model_ms_p99']:.1f}); "
                 f"leader CPU {r['leader_cpu_s_per_step'] * 1e3:.0f} ms/step "
-                f"(planner {r['planner_cpu_s_per_step'] * 1e3:.0f}); "
+                f"(planner {r['planner_cpu_s_per_step'] * 1e3:.0f}, its synthetic lengths "
+                f"{r['lengths_cpu_s_per_step'] * 1e3:.0f}; beyond: {r['leader_overhead_ms']:.0f}); "
                 f"etcd {r['etcd_bytes_per_step'] / 1e3:.1f} kB, {r['etcd_writes_per_step']:.1f} writes/step; "
                 f"{r['steps_per_s']:.2f} steps/s"
             )
@@ -592,6 +605,7 @@ def main() -> None:
         "plan_to_all_ms_p99_n512": big["plan_to_all_ms_p99"],
         "plan_to_all_model_ms_p99_n512": big["plan_to_all_model_ms_p99"],
         "leader_overhead_ms_n512": big["leader_overhead_ms"],
+        "leader_overhead_with_lengths_ms_n512": big["leader_overhead_with_lengths_ms"],
         "largest_nodes": big["nodes"],
         "cases": rows,
         "load": list(os.getloadavg()),

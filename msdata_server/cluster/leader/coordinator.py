@@ -615,11 +615,19 @@ class JobCoordinator:
         if only is not None:
             cuts = {only: cuts[only]}
         rest = {k: v for k, v in extra.items() if k != "state"}
-        out = encode_slices(
-            plan, cuts, job=self.spec.name, digest=self.digest, token=self.token, state=extra.get("state")
+        out: dict[str, tuple[dict, bytes | memoryview]] = dict(
+            encode_slices(
+                plan, cuts, job=self.spec.name, digest=self.digest, token=self.token, state=extra.get("state")
+            )
         )
         for header, _ in out.values():
             header.update(rest)
+        # this node's own slice is handed over in memory, not sent: a copy of it, or the plans this node holds
+        # (up to KEEP_STATES steps) would each keep the one buffer of every node's slices alive
+        me = self.ctx.node_id
+        if me in out:
+            header, buf = out[me]
+            out[me] = (header, bytes(buf))
         return out
 
     async def set_mixture(self, weights: dict) -> int:

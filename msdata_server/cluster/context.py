@@ -30,20 +30,21 @@ if TYPE_CHECKING:
 
 __all__ = ["ACK_EVERY", "ClusterContext", "RunId", "Settle", "ack_due"]
 
-# A node acknowledges the last step it fed every ACK_EVERY steps, and at once when the leader waits for it
-# (``ack_due``): a leader that plans faster than nodes feed hears from each node once per ACK_EVERY steps, not
+# A node acknowledges the last step it fed every ACK_EVERY steps, and at once when the leader is about to wait
+# for it (``ack_due``): a leader that plans faster than nodes feed hears from each node every few steps, not
 # every step; one that waits on its nodes hears from each at every step it may plan, as before.
 ACK_EVERY = 4
 
 
 def ack_due(fed: int, last: int | None, newest: int, window: int) -> bool:
     """Whether a node tells the leader now that it fed up to step ``fed``, having last told it ``last`` (None:
-    nothing yet) and holding the plans up to ``newest``: every ``ACK_EVERY`` steps; at once when the leader
-    has planned all that ``last`` lets it (it plans up to the lowest acknowledged step + ``window``) and so
-    waits for us; at once when our position moved back (a mixture change's cut)."""
+    nothing yet) and holding the plans up to ``newest``: every ``ACK_EVERY`` steps; at once when our plans
+    reach one step short of all that ``last`` lets the leader plan (up to the lowest acknowledged step +
+    ``window``), so the acknowledgement travels while the leader plans that last step and it never waits for
+    it; at once when our position moved back (a mixture change's cut)."""
     if last is None or fed < last:
         return True
-    return fed > last and (fed >= last + ACK_EVERY or newest >= last + window)
+    return fed > last and (fed >= last + ACK_EVERY or newest >= last + window - 1)
 
 
 class RunId(Protocol):

@@ -184,7 +184,7 @@ class Run:
                 self.passed = {s for s in self.passed if s > plan.step - KEEP_STATES}
         self.arrived.set()
         if self.inst is not None and self.acked is not None:
-            self._ack()  # the leader may wait for our position to plan further
+            self._ack()  # the leader may be about to wait for our position to plan further
 
     def repartition(self, parts: list | None) -> None:
         """The leader's partition table, with a plan or a resumed run's start (``cluster.parts``; None: none
@@ -241,7 +241,7 @@ class Run:
 
     def _ack(self) -> None:
         """Tell the leader the last step fed, when that is due (``context.ack_due``: every few steps, at once
-        when the leader waits for it)."""
+        when the leader is about to wait for it)."""
         if ack_due(self.fed_step, self.acked, self.next_step - 1, self.spec.prefetch_steps + 1):
             self.acked = self.fed_step
             self.ctx.ack(self)

@@ -10,7 +10,8 @@ Plan slices: every node receives only its slice of each step (the pieces its gro
 partitions it reads or stands by for, with the step's figures; ``slices``, ``planwire.encode_slices``), so the
 leader's bytes per step stay near one plan's whatever the node count. Re-sends and re-plans slice again.
 Planning runs at most ``prefetch_steps + 1`` steps past the lowest step a node acknowledged it fed; nodes
-acknowledge every few steps, and at once when that bound holds the leader back (``context.ack_due``).
+acknowledge every few steps, and at once when that bound is one step from holding the leader back
+(``context.ack_due``).
 
 Catching up: links break and nodes restart; frames sent meanwhile are lost. The leader keeps the encoded plans
 of the steps not yet fed on every live node and re-sends them; a step it no longer holds (or that an earlier

@@ -332,6 +332,14 @@ def test_a_payload_goes_out_as_views_of_the_buffer_in_one_write(loop):
             assert [len(ps) for _, ps in slog.calls] == ([2, 1, 1, 1] if small._vectored else [1] * 5)
             got = await inbox.wait(4)
             assert sorted((f["i"], p == blob) for _, f, p in got) == [(0, True), (1, True), (2, True), (3, True)]
+            wlog.calls.clear()
+            one = np.arange(1000, dtype=np.int32)  # one chunk: no vectored writes: header and payload in one write
+            await link.send_payload({"t": "b", "i": 4}, one.data.cast("B").toreadonly())
+            want = [("writelines", 2)] if link._vectored else [("write", 1)]
+            assert [(k, len(ps)) for k, ps in wlog.calls] == want
+            got = await inbox.wait(5)
+            assert got[4][1]["i"] == 4
+            assert got[4][2] == one.tobytes()
         finally:
             link._transport, small._transport = wlog._t, slog._t
             await link.aclose()

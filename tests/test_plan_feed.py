@@ -108,7 +108,7 @@ def test_plans_that_came_before_the_ranks_said_where_they_are_take_their_turn():
             run.fed(plan)
             fed.append(plan.step)
         assert fed == [6, 7]
-        assert host.acks == [6, 7]
+        assert host.acks == [6, 7]  # step 7: the leader (window 2) may plan up to 8 only: about to wait on us
         assert host.needs == []
         assert run.states[6] == plans[6][1]
         # a duplicate after the turn is ignored; the next step is asked for when it does not come
@@ -177,5 +177,39 @@ def test_a_node_that_only_owns_data_keeps_the_plans_of_recent_steps_only():
         assert sorted(run.plans)[-1] == steps - 4
         assert run.next_step == steps - 3
         assert len(run.shard.refs) < counted[-1], "the cut plans' references were not taken back"
+
+    asyncio.run(main())
+
+
+def test_a_node_acknowledges_every_few_steps_and_at_once_when_the_leader_waits_on_it():
+    """Acknowledgements (``context.ack_due``): the first step fed at once; then every ACK_EVERY steps while the
+    leader plans ahead unhindered; and as soon as the plans held reach one short of the last acknowledged step
+    + the leader's window (prefetch_steps + 1: the leader plans its last allowed step and would then wait),
+    whether that happens at a feed or at a plan's arrival. Neither the leader nor a node waits for a plan
+    because an acknowledgement was held back."""
+    from msdata_server.cluster.context import ACK_EVERY, ack_due
+
+    assert ack_due(3, None, 3, 2)
+    assert ack_due(2, 5, 9, 2)
+    assert not ack_due(5, 5, 9, 2)  # nothing new fed
+    spec = small_job("feed", dp=3, samples=400, seed=5, prefetch=8)  # window 9: the leader is far from waiting
+    plans = _plans(20)
+
+    async def main():
+        host = _Host()
+        run = Run(host, spec, "digest", _start_frame())
+        run.adopt(_Job(), {"1": [0, 0]})
+        for p in plans[:12]:  # a leader slower than the feed: each plan fed as it comes
+            run.add_plan(*p)
+            plan, _epoch = await asyncio.wait_for(run.next(), 2)
+            run.fed(plan)
+        assert host.acks == [0, ACK_EVERY, 2 * ACK_EVERY], "acknowledged more often than every ACK_EVERY steps"
+        # now the leader gets ahead: it may plan up to 2 * ACK_EVERY + 9 = 17 (the window past the last
+        # acknowledgement), then waits; the plan of step 16 arriving makes the node say where it is at once
+        for p in plans[12:16]:
+            run.add_plan(*p)
+        assert host.acks[-1] == 2 * ACK_EVERY
+        run.add_plan(*plans[16])
+        assert host.acks[-1] == 11, "the node did not tell a leader about to wait on it where it is"
 
     asyncio.run(main())

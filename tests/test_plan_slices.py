@@ -8,7 +8,7 @@ import pytest
 from msdata_server.cluster.leader.slices import PlanSlicer, partitions_of
 from msdata_server.cluster.parts import PartsTable
 from msdata_server.cluster.placement import PartitionLayout, partition_costs
-from msdata_server.cluster.planwire import decode_plan, encode_plan, encode_slices, plan_state
+from msdata_server.cluster.planwire import Cut, decode_plan, encode_plan, encode_slices, plan_state
 from msdata_server.planner import Mixture, Planner, PlannerConfig
 
 SOURCES = ("a", "b", "c")
@@ -141,3 +141,29 @@ def test_a_group_with_a_reader_nowhere_goes_to_every_node_whole():
     got = _slices(plan, nodes, {r: nodes[r // 2] for r in range(dp)}, _layout(nodes, 0, table), table)
     assert 5 not in got["n0"][0]["groups"]
     assert 5 in got["n2"][0]["groups"]
+
+
+def test_a_node_without_groups_or_pieces_gets_a_slice_that_decodes():
+    """A node that builds no group (it only owns data) and whose partitions hold none of the step's pieces: an
+    empty slice, with the step's figures and the state, beside the others' in the one buffer."""
+    dp, nodes = 4, ["n0", "n1", "n2"]
+    plan = _plan(dp)
+    rank_nodes = {r: "n0" for r in range(dp)}
+    table = PartsTable.base(len(SOURCES), len(nodes))
+    cuts = PlanSlicer(lambda r: r, lambda g: (g,)).cuts(
+        plan.source, plan.ordinal, plan.group, dp=dp, nodes=nodes, rank_nodes=rank_nodes,
+        layout=_layout(nodes, 0, table), table=table,
+    )  # fmt: skip
+    cuts["n2"] = Cut(cuts["n2"].idx[:0], cuts["n2"].built[:0], [])
+    frames = encode_slices(plan, cuts, job="j", digest="d" * 64, token=3, state={"step": 5})
+    h, b = frames["n2"]
+    sl = decode_plan(orjson.loads(orjson.dumps(h)), b)
+    assert len(sl) == 0
+    assert sl.stats.micro_cost.shape == (dp, 2)
+    assert not sl.stats.micro_cost.any()
+    assert sl.stats.imbalance == plan.stats.imbalance
+    assert plan_state(h, b) == {"step": 5}
+    whole = decode_plan(*frames["n0"])  # the builder of every group: its micro-batches are the plan's
+    for g in range(dp):
+        for m in range(2):
+            assert np.array_equal(whole.micro_batch(g, m).ordinal, plan.micro_batch(g, m).ordinal)

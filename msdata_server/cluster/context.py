@@ -28,7 +28,23 @@ if TYPE_CHECKING:
     from .net.peers import PeerLink
     from .net.runtime import ClusterNode
 
-__all__ = ["ClusterContext", "RunId", "Settle"]
+__all__ = ["ACK_EVERY", "ClusterContext", "RunId", "Settle", "ack_due"]
+
+# A node acknowledges the last step it fed every ACK_EVERY steps, and at once when the leader is about to wait
+# for it (``ack_due``): a leader that plans faster than nodes feed hears from each node every few steps, not
+# every step; one that waits on its nodes hears from each at every step it may plan, as before.
+ACK_EVERY = 4
+
+
+def ack_due(fed: int, last: int | None, newest: int, window: int) -> bool:
+    """Whether a node tells the leader now that it fed up to step ``fed``, having last told it ``last`` (None:
+    nothing yet) and holding the plans up to ``newest``: every ``ACK_EVERY`` steps; at once when our plans
+    reach one step short of all that ``last`` lets the leader plan (up to the lowest acknowledged step +
+    ``window``), so the acknowledgement travels while the leader plans that last step and it never waits for
+    it; at once when our position moved back (a mixture change's cut)."""
+    if last is None or fed < last:
+        return True
+    return fed > last and (fed >= last + ACK_EVERY or newest >= last + window - 1)
 
 
 class RunId(Protocol):
@@ -132,7 +148,7 @@ class ClusterContext:
         self.to_leader({**frame, "step": run.next_step, "fed": run.fed_step})
 
     def ack(self, run: RunId) -> None:
-        """Tell the leader the last step fed here (planning may run ahead of it)."""
+        """Tell the leader the last step fed here (planning may run ahead of it; the run says when: ``ack_due``)."""
         self.to_leader({"t": "ack", "digest": run.digest, "run": run.id, "node": self.node_id, "step": run.fed_step})
 
     async def set_mixture(self, run: RunId, weights: dict) -> int:

@@ -99,10 +99,15 @@ def _figures(plan: StepPlan) -> dict:
 
 def encode_slices(
     plan: StepPlan, cuts: Mapping[str, Cut], *, job: str, digest: str, token: int, state: dict | None = None
-) -> dict[str, tuple[dict, bytes]]:
+) -> dict[str, tuple[dict, memoryview]]:
     """Per node, (header, buffer) of its slice of ``plan`` (``cuts[node]``: its pieces, those it builds, its
     groups; ``leader.slices``). ``state``: the planner state at the step's start, sent compact (a
-    ``planner.delta`` base record, encoded once) at the payload's end; ``plan_state`` reads it back."""
+    ``planner.delta`` base record, encoded once) at the payload's end; ``plan_state`` reads it back.
+
+    One pass for all nodes (the leader's cost per step must not grow with them): each column is gathered once,
+    node after node; every node's sizes and offsets come from a few array operations; the payloads are
+    consecutive read-only views of one buffer (every array in it 8-byte aligned), filled by one copy per
+    array and node. Per node, only its header is built in Python."""
     st = plan.stats
     cost = np.asarray(st.cost, dtype="<f8")
     micro_cost = np.asarray(st.micro_cost, dtype="<f8")
@@ -119,39 +124,77 @@ def encode_slices(
         "dp": dp,
         "micro_batches": mb,
     }
-    record = encode_base(plan.step, state) if state is not None else None
     cuts_ = list(cuts.items())
-    every = np.concatenate([c.idx for _, c in cuts_]) if cuts_ else np.zeros(0, np.int64)
-    built = np.concatenate([c.idx[c.built] for _, c in cuts_]) if cuts_ else np.zeros(0, np.int64)
-    cols = {  # gathered once for all nodes (their pieces node after node), then cut per node
-        name: np.ascontiguousarray(np.asarray(getattr(plan, name))[built if name in _BUILT else every], dtype=dt)
-        for name, dt in _PIECES
-    }
-    out: dict[str, tuple[dict, bytes]] = {}
-    at = at_built = 0
-    for nid, cut in cuts_:
-        g = np.asarray(cut.groups, dtype=np.int64)
-        n, nb = len(cut.idx), int(np.count_nonzero(cut.built))
-        parts: list[Buffer] = []
-        arrays: list[list] = []
-        off = 0
-        for name, _dt in _PIECES:
-            lo, k = (at_built, nb) if name in _BUILT else (at, n)
-            b = cols[name][lo : lo + k].data
-            arrays.append([name, [k], off, b.nbytes])
-            parts.append(b)
-            off += b.nbytes
-        for name, a in (("cost", cost[g] if dp else cost[:0]), ("micro_cost", micro_cost[g] if dp else micro_cost)):
-            c = np.ascontiguousarray(a, dtype="<f8").tobytes()
-            arrays.append([name, list(a.shape), off, len(c)])
-            parts.append(c)
-            off += len(c)
-        at, at_built = at + n, at_built + nb
-        head = {**base, "arrays": arrays, "groups": g.tolist()}
-        if record is not None:
-            head["state_rec"] = [off, len(record)]
-            parts.append(record)
-        out[nid] = (head, b"".join(parts))
+    if not cuts_:
+        return {}
+    every = np.concatenate([c.idx for _, c in cuts_]).astype(np.int64, copy=False)
+    built_mask = np.concatenate([c.built for _, c in cuts_]).astype(bool, copy=False)
+    n = np.fromiter((len(c.idx) for _, c in cuts_), np.int64, len(cuts_))
+    nb = np.diff(np.concatenate([[0], np.cumsum(built_mask, dtype=np.int64)])[np.concatenate([[0], np.cumsum(n)])])
+    groups = [np.asarray(c.groups, dtype=np.int64) for _, c in cuts_]
+    ng = np.fromiter((len(g) for g in groups), np.int64, len(groups))
+    record = encode_base(plan.step, state) if state is not None else b""
+    arrays = _slice_arrays(plan, every, every[built_mask], np.concatenate(groups), cost, micro_cost, dp, record)
+    counts = {"n": n, "nb": nb, "g": ng, "one": np.ones_like(n)}
+    per = np.stack([counts[k] * unit for _, _, k, unit, _ in arrays], axis=1)  # [nodes, arrays] bytes
+    size = (per + 7) & ~7
+    off = np.zeros_like(size)
+    np.cumsum(size[:, :-1], axis=1, out=off[:, 1:])  # each array's offset in its node's payload
+    total = size.sum(axis=1)
+    at = np.zeros(len(n) + 1, np.int64)
+    np.cumsum(total, out=at[1:])  # each node's payload in the one buffer
+    buf = np.zeros(int(at[-1]), np.uint8)
+    dst = buf.data  # uint8: one byte per item
+    src_at = [np.concatenate([[0], np.cumsum(counts[k] * unit)[:-1]]) if k != "one" else np.zeros_like(n)
+              for _, _, k, unit, _ in arrays]  # fmt: skip
+    srcs = [a.reshape(-1).view(np.uint8).data for _, a, _, _, _ in arrays]  # bytes (also when empty)
+    for j in range(len(arrays)):  # one copy per array and node, into place
+        mv, lo_, n_, to_ = srcs[j], src_at[j].tolist(), per[:, j].tolist(), (at[:-1] + off[:, j]).tolist()
+        for lo, k, to in zip(lo_, n_, to_):
+            dst[to : to + k] = mv[lo : lo + k]
+    view = dst.toreadonly()
+    out: dict[str, tuple[dict, memoryview]] = {}
+    names = [name for name, _, _, _, _ in arrays[:-1]]
+    lead = np.stack([counts[k] for _, _, k, _, _ in arrays[:-1]], axis=1).tolist()  # each array's first dimension
+    tail = [shape for _, _, _, _, shape in arrays[:-1]]  # its other dimensions (all of them: the same for all)
+    fixed = [k == "one" for _, _, k, _, _ in arrays[:-1]]
+    rows = zip(cuts_, lead, off.tolist(), per.tolist(), groups, at[:-1].tolist(), at[1:].tolist())
+    for (nid, _), ks, offs, nbs, g, lo, hi in rows:
+        spec = [[name, t if f else [k, *t], o, b] for name, k, t, f, o, b in zip(names, ks, tail, fixed, offs, nbs)]
+        head = {**base, "arrays": spec, "groups": g.tolist()}
+        if state is not None:
+            head["state_rec"] = [offs[-1], nbs[-1]]
+        out[nid] = (head, view[lo:hi])
+    return out
+
+
+def _slice_arrays(
+    plan: StepPlan,
+    every: np.ndarray,
+    built: np.ndarray,
+    groups: np.ndarray,
+    cost: np.ndarray,
+    micro_cost: np.ndarray,
+    dp: int,
+    record: bytes = b"",
+) -> list:
+    """The arrays of the slices, each gathered once for every node (their entries node after node): (name,
+    values, which count sizes it per node ("n" pieces, "nb" built pieces, "g" groups, "one": the same block
+    for every node), bytes per counted entry, its shape in the header past the count (all of it for "one"))."""
+    out: list = []
+    for name, dt in _PIECES:
+        sel, k = (built, "nb") if name in _BUILT else (every, "n")
+        vals = np.ascontiguousarray(np.asarray(getattr(plan, name))[sel], dtype=dt)
+        out.append((name, vals, k, vals.itemsize, []))
+    if dp:
+        mb = int(micro_cost.shape[1])
+        out.append(("cost", np.ascontiguousarray(cost[groups]), "g", 8, []))
+        out.append(("micro_cost", np.ascontiguousarray(micro_cost[groups]), "g", 8 * mb, [mb]))
+    else:  # no groups: the (empty) cost arrays as they are, for every node
+        out.append(("cost", np.ascontiguousarray(cost[:0]), "one", 0, [0]))
+        mc = np.ascontiguousarray(micro_cost)
+        out.append(("micro_cost", mc, "one", mc.nbytes, list(mc.shape)))
+    out.append(("state", np.frombuffer(record, np.uint8), "one", len(record), None))
     return out
 
 

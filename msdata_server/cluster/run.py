@@ -33,7 +33,7 @@ from ..job.seams import CutLog, Steps
 from ..planner import Mixture, StepPlan
 from ..planner.history import StateHistory
 from ..planner.state import K_MIXTURE, K_STEP
-from .context import ClusterContext
+from .context import ClusterContext, ack_due
 from .placement import PartitionLayout
 from .shard import JobShard, ShardPayloads, answer, repartition, retire
 
@@ -86,6 +86,7 @@ class Run:
         self.next_step = self.start_step  # the lowest step not yet received
         self.fed_step = self.start_step - 1  # the last step every constructor here queued
         self.feed_next = self.start_step  # the next step to hand to the job
+        self.acked: int | None = None  # the last fed step the leader was told of (None: none yet)
         self.arrived = asyncio.Event()
         self.job: Job | None = None  # the registration of this job on this node, once started here
         self.closed = False  # the job this run fed closed
@@ -182,6 +183,8 @@ class Run:
                 _forget_through(self.plans, plan.step - KEEP_STATES)  # a cut or joining ranks take none older
                 self.passed = {s for s in self.passed if s > plan.step - KEEP_STATES}
         self.arrived.set()
+        if self.inst is not None and self.acked is not None:
+            self._ack()  # the leader may be about to wait for our position to plan further
 
     def repartition(self, parts: list | None) -> None:
         """The leader's partition table, with a plan or a resumed run's start (``cluster.parts``; None: none
@@ -234,7 +237,14 @@ class Run:
     def fed(self, plan: StepPlan) -> None:
         self.fed_step = plan.step
         self.feed_next = plan.step + 1
-        self.ctx.ack(self)
+        self._ack()
+
+    def _ack(self) -> None:
+        """Tell the leader the last step fed, when that is due (``context.ack_due``: every few steps, at once
+        when the leader is about to wait for it)."""
+        if ack_due(self.fed_step, self.acked, self.next_step - 1, self.spec.prefetch_steps + 1):
+            self.acked = self.fed_step
+            self.ctx.ack(self)
 
     async def take(self, plan: StepPlan) -> bool:
         """A constructor's gate before it takes up a step: waits out a hold; False if the step was cut."""

@@ -9,6 +9,9 @@ re-sent ones equal the old ones and nodes ignore them. The planner state of each
 Plan slices: every node receives only its slice of each step (the pieces its groups build and those of the
 partitions it reads or stands by for, with the step's figures; ``slices``, ``planwire.encode_slices``), so the
 leader's bytes per step stay near one plan's whatever the node count. Re-sends and re-plans slice again.
+Planning runs at most ``prefetch_steps + 1`` steps past the lowest step a node acknowledged it fed; nodes
+acknowledge every few steps, and at once when that bound is one step from holding the leader back
+(``context.ack_due``).
 
 Catching up: links break and nodes restart; frames sent meanwhile are lost. The leader keeps the encoded plans
 of the steps not yet fed on every live node and re-sends them; a step it no longer holds (or that an earlier
@@ -592,7 +595,7 @@ class JobCoordinator:
 
     def frames(
         self, plan: StepPlan, extra: dict, table: PartsTable, nodes: list[str], only: str | None = None
-    ) -> dict[str, tuple[dict, bytes]]:
+    ) -> Mapping[str, tuple[dict, bytes | memoryview]]:
         """The plan frame of every node in ``nodes`` (``only``: of that one): its slice, with ``extra`` in the
         header. Without this node's run of the job (no layout to slice by) every node gets the whole plan."""
         run = self.runs.held(self.digest, self.run_id)
@@ -613,11 +616,19 @@ class JobCoordinator:
         if only is not None:
             cuts = {only: cuts[only]}
         rest = {k: v for k, v in extra.items() if k != "state"}
-        out = encode_slices(
-            plan, cuts, job=self.spec.name, digest=self.digest, token=self.token, state=extra.get("state")
+        out: dict[str, tuple[dict, bytes | memoryview]] = dict(
+            encode_slices(
+                plan, cuts, job=self.spec.name, digest=self.digest, token=self.token, state=extra.get("state")
+            )
         )
         for header, _ in out.values():
             header.update(rest)
+        # this node's own slice is handed over in memory, not sent: a copy of it, or the plans this node holds
+        # (up to KEEP_STATES steps) would each keep the one buffer of every node's slices alive
+        me = self.ctx.node_id
+        if me in out:
+            header, buf = out[me]
+            out[me] = (header, bytes(buf))
         return out
 
     async def set_mixture(self, weights: dict) -> int:

@@ -12,8 +12,9 @@ bytes queued. A malformed frame closes that link only.
 
 Copies: a payload leaves as its header and as many CHUNK views of the caller's buffer as the transport has room
 for, in one ``writelines`` (uvloop: one ``writev`` of the views, and what the kernel does not take stays a view;
-a mutable buffer is copied unless ``copy=False``); it arrives by the transport reading straight into the one
-buffer allocated from the header's length.
+a mutable buffer is copied unless ``copy=False``); a payload of one chunk on a transport without vectored writes
+(asyncio before 3.12) leaves joined to its header, one write and one system call per frame; it arrives by the
+transport reading straight into the one buffer allocated from the header's length.
 
 This module holds the link's lifecycle (connect, authenticate, deliver in order, close) and the server that
 accepts links; the bytes on the wire and the proof of the token live in the two modules named above.
@@ -290,6 +291,10 @@ class PeerLink(asyncio.BufferedProtocol):
             copy = not isinstance(buffer, bytes)
         async with self._send_lock:
             self._check_open()
+            if not self._vectored and len(pieces) <= 1:  # one chunk: header and payload in one write (one send)
+                self._write(b"".join([head, *pieces]))
+                await self._drain()
+                return
             parts: list[bytes | memoryview] = [head]
             at = 0
             while True:

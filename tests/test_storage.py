@@ -438,6 +438,20 @@ def test_a_three_node_cluster_over_a_bucket_gives_the_local_batches(
     s3_env(monkeypatch, endpoint=proxy.endpoint)  # the nodes' endpoint from AWS_ENDPOINT_URL (no [storage])
     c = cluster_factory(etcd_server.url).start()
     wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
+    proxy.reset_counts()
     got = run_spread(c, remote, 6, spread(3))
     assert {r: got[r] for r in range(3)} == want
     assert proxy.faults["slowdown"] > 0
+    # listing and metadata once in the cluster: the leader lists each source and reads each footer (a read that
+    # ends at the object's end: row groups end before it); the other nodes fetch its kept copy over the links
+    assert [kind for kind, _, _ in proxy.served].count("LIST") == len(fmts), proxy.served
+    sizes = {
+        f"/data/parquet/{p.relative_to(dirs['parquet']).as_posix()}": p.stat().st_size
+        for p in dirs["parquet"].rglob("*.parquet")
+    }
+    tails = [
+        path
+        for method, path, rng in proxy.served
+        if method == "GET" and path in sizes and rng.endswith(f"-{sizes[path] - 1}")
+    ]
+    assert sorted(tails) == sorted(sizes), tails

@@ -81,8 +81,8 @@ def list_source(spec: Any) -> Listing | None:
     if not issubclass(cls, FileSource):
         return None
     if any(is_uri(str(p)) and local_path(str(p)) is None for p in spec.paths):
-        meta_cache = get_store().meta  # a restart: the listing kept in the state_dir, not another LIST
-        meta = meta_cache.load(meta_identity(spec)) if meta_cache is not None else None
+        meta_cache = get_store().meta  # a restart (or the leader's copy): the kept listing, not another LIST
+        meta = meta_cache.load(meta_identity(spec), spec) if meta_cache is not None else None
         if meta is not None:
             return listing_of(spec.paths, meta.files)
     return list_files(spec.name, spec.format, spec.paths, cls.extensions)

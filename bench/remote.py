@@ -268,7 +268,7 @@ def main() -> None:
         )
 
         def server(name: str, *, storage: str = "") -> ServerProc:
-            d = work / name
+            d = work / f"{len(servers):02d}-{name}"  # arms of one name run more than once
             d.mkdir()
             extra = f'allow_transforms = ["_remote_tf"]\nstate_dir = "{state}"\n'
             extra += f'[storage]\ns3_endpoint = "{proxy.endpoint}"\n{storage}'

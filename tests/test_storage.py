@@ -19,6 +19,7 @@ from msdata_client.source import SourceSpec
 from msdata_server.config import StorageConfig, parse_config
 from msdata_server.errors import ConfigError, StorageError
 from msdata_server.sources import BadSample, open_source
+from msdata_server.sources.base import meta_identity
 from msdata_server.storage import configure, is_uri
 from msdata_server.storage.uri import check_uri, fixed_part, glob_regex
 
@@ -309,6 +310,42 @@ def test_a_restart_opens_without_listing_or_footers(s3, proxy, fmt, tmp_path):
     assert warm.paths == cold.paths
     assert warm.read(ords) == local.read(ords)
     warm.close(), local.close()
+
+
+class _Share:
+    """A MetaCache.share that hands out fixed bytes (in a cluster: the leader's kept file, cluster/metashare.py)."""
+
+    def __init__(self, blob: bytes):
+        self.blob, self.asked = blob, 0
+
+    def fetch(self, identity, spec) -> bytes:
+        self.asked += 1
+        return self.blob
+
+
+def test_another_nodes_kept_metadata_opens_a_source_without_listing(s3, proxy, tmp_path):
+    spec = _spec("parquet", ["s3://data/parquet/"])
+    first = configure(StorageConfig(s3_endpoint=proxy.endpoint), state_dir=str(tmp_path / "a"))
+    cold = open_source(spec, seed=2)
+    assert first.meta is not None
+    blob = first.meta.read_bytes(meta_identity(spec))
+    assert blob is not None
+    for given, listed in ((blob, False), (b"not a metadata file", True)):  # a foreign or torn copy: listed here
+        store = configure(StorageConfig(s3_endpoint=proxy.endpoint), state_dir=str(tmp_path / f"b{int(listed)}"))
+        assert store.meta is not None
+        store.meta.share = share = _Share(given)
+        proxy.reset_counts()
+        src = open_source(spec, seed=2)
+        assert share.asked == 1
+        assert (proxy.counts.get("LIST", 0) > 0) is listed, proxy.counts
+        assert src.paths == cold.paths
+        assert src.read(np.arange(10)) == cold.read(np.arange(10))
+        src.close()
+        proxy.reset_counts()
+        open_source(spec, seed=2).close()  # kept here now: neither asked again nor listed
+        assert share.asked == 1
+        assert proxy.total() == 0
+    cold.close()
 
 
 def test_changed_or_vanished_objects_after_a_restart_are_named(s3, proxy, tmp_path):

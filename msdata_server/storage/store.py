@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _LIST_PAGE = 1000  # keys per listing page (S3 ListObjectsV2)
 _RECENT_BYTES = 64 << 20  # ranges read lately, kept in memory for the other partitions of a source
+_ETAGS = 1 << 17  # object versions whose first ETag is kept (~200 bytes each)
 _REVALIDATE_S = 300.0  # seconds an object stays open before its next read opens (and checks) it again
 
 
@@ -99,7 +100,9 @@ class Store:
         self._read_pool: ThreadPoolExecutor | None = None
         self._recent: OrderedDict[str, bytes] = OrderedDict()  # ranges read lately, within _RECENT_BYTES
         self._recent_bytes = 0
-        self._etags: dict[tuple[str, int, int], str] = {}  # each listed object version's ETag at its first open
+        # each listed object version's ETag at its first open, the latest _ETAGS (beyond them, a rewrite within
+        # the second of the listing's mtime goes unseen; the Last-Modified check still holds)
+        self._etags: OrderedDict[tuple[str, int, int], str] = OrderedDict()
         # an object held open longer than this is opened again (a HEAD) at its next read, which checks its
         # version: a rewrite of the same size under a running job is found within this time
         self.revalidate_s = _REVALIDATE_S
@@ -251,6 +254,9 @@ class Store:
             if etag:
                 with self._lock:
                     seen = self._etags.setdefault(_version(obj), obj.etag or etag)
+                    self._etags.move_to_end(_version(obj))
+                    if len(self._etags) > _ETAGS:
+                        self._etags.popitem(last=False)
                 if etag != seen:
                     raise StorageError(self.changed(obj, f"its ETag is {etag} now, {seen} when first read"))
         except BaseException:

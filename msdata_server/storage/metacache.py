@@ -47,7 +47,7 @@ class MetaShare(Protocol):
 
 class MetaCache:
     """``<state_dir>/storage-meta/<identity digest>.npz``. In a cluster ``share`` fetches a file this node lacks
-    from the node that listed the source first (the bytes of the same file: a JSON head and arrays, no pickle)."""
+    from the leader, which lists each source once (the bytes of the same file: a JSON head and arrays, no pickle)."""
 
     def __init__(self, state_dir: str):
         self.dir = os.path.join(state_dir, "storage-meta")

@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 SHAPES = {
-    #         sources, files/source, rows/file, wds shards, samples/shard, steps, warmup
-    "full": dict(sources=64, files=31, rows=48, shards=16, samples=96, steps=800, warmup=300),
-    "quick": dict(sources=64, files=31, rows=32, shards=16, samples=64, steps=320, warmup=160),
-    "smoke": dict(sources=8, files=4, rows=32, shards=2, samples=32, steps=30, warmup=8),
+    #         sources, files/source, rows/file, wds shards, samples/shard, steps, warmup, paced pairs
+    "full": dict(sources=64, files=31, rows=48, shards=16, samples=96, steps=800, warmup=300, pairs=3),
+    "quick": dict(sources=64, files=31, rows=32, shards=16, samples=64, steps=320, warmup=160, pairs=3),
+    "smoke": dict(sources=8, files=4, rows=32, shards=2, samples=32, steps=30, warmup=8, pairs=1),
 }
 SEQ_LEN, ROWS = 2048, 2
 
@@ -158,6 +158,27 @@ def make_job(prefix: str, shape: dict, name: str = "remote"):
     return g.plan()
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its live descendants so far, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    procs: dict[int, tuple[int, float]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            rest = text[text.rindex(")") + 2 :].split()  # state, ppid, ... utime (14th field), stime (15th)
+            procs[int(d)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / tick)
+    tree, grew = {pid}, True
+    while grew:
+        more = {p for p, (ppid, _) in procs.items() if ppid in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return sum(procs[p][1] for p in tree if p in procs)
+
+
 def run_arm(srv, spec, *, steps: int, warmup: int, compute_s: float) -> dict:
     """A trainer of `steps` steps (compute_s of 'compute' after each): steady-state steps/s and data-wait share
     after `warmup` steps, and each batch's record (hashes and sample ids)."""
@@ -247,7 +268,7 @@ def main() -> None:
         )
 
         def server(name: str, *, storage: str = "") -> ServerProc:
-            d = work / name
+            d = work / f"{len(servers):02d}-{name}"  # arms of one name run more than once
             d.mkdir()
             extra = f'allow_transforms = ["_remote_tf"]\nstate_dir = "{state}"\n'
             extra += f'[storage]\ns3_endpoint = "{proxy.endpoint}"\n{storage}'
@@ -255,15 +276,24 @@ def main() -> None:
             servers.append(srv)
             return srv.start(timeout=120)
 
-        def arm(name: str, spec, compute_s: float, storage: str = "") -> dict:
+        def arm(name: str, spec, compute_s: float, storage: str = "", steps: int = shape["steps"]) -> dict:
             srv = server(name, storage=storage)
             proxy.ctl(reset=1)
-            out = run_arm(srv, spec, steps=shape["steps"], warmup=shape["warmup"], compute_s=compute_s)
-            out["requests_per_step"] = proxy.total() / shape["steps"]
+            assert srv.proc is not None
+            cpu0 = tree_cpu_s(srv.proc.pid), tree_cpu_s(proxy.proc.pid)
+            out = run_arm(srv, spec, steps=steps, warmup=shape["warmup"], compute_s=compute_s)
+            cpu1 = tree_cpu_s(srv.proc.pid), tree_cpu_s(proxy.proc.pid)
+            counts = proxy.ctl()["counts"]
+            n = steps
+            out["requests_per_step"] = sum(counts.values()) / n
+            out["by_kind"] = {k: round(v / n, 2) for k, v in sorted(counts.items())}
+            out["server_cpu_ms"] = (cpu1[0] - cpu0[0]) * 1e3 / n
+            out["s3_cpu_ms"] = (cpu1[1] - cpu0[1]) * 1e3 / n
             srv.stop()
             print(
                 f"  {name:<16} {out['steps_s']:8.1f} steps/s  wait {out['wait_frac']:6.1%}  "
-                f"{out['requests_per_step']:6.2f} requests/step",
+                f"{out['requests_per_step']:6.2f} requests/step {out['by_kind']}  CPU ms/step: server "
+                f"{out['server_cpu_ms']:.1f}, S3 {out['s3_cpu_ms']:.1f}  load {os.getloadavg()[0]:.2f}",
                 flush=True,
             )
             return out
@@ -276,12 +306,25 @@ def main() -> None:
             if loc["wait_frac"] < 0.1 or compute > 1.0:
                 break
             compute *= 2
-        rem = arm(f"remote-{compute * 1e3:.0f}ms", remote, compute)
+        # paced pairs back to back (local, then remote at the same compute time); the ratio is the median pair's,
+        # so that load from outside drifting between two arms does not decide it
+        pairs = [(loc, arm(f"remote-{compute * 1e3:.0f}ms", remote, compute))]
+        for _ in range(shape["pairs"] - 1):
+            pairs.append(
+                (
+                    arm(f"local-{compute * 1e3:.0f}ms", local, compute),
+                    arm(f"remote-{compute * 1e3:.0f}ms", remote, compute),
+                )
+            )
+        ratios = [r["steps_s"] / lo["steps_s"] for lo, r in pairs]
+        loc, rem = pairs[sorted(range(len(pairs)), key=ratios.__getitem__)[len(pairs) // 2]]
         proxy.ctl(slowdown_share=0.05, burst=3.0)
         thr = arm("remote-throttled", remote, 0.0)
         thr_stats = proxy.ctl(slowdown_share=0.0)["faults"]
         cache = f'cache_dir = "{work / "cache"}"\ncache_gib = 4\n'
-        arm("remote-fill-cache", remote, 0.0, storage=cache)
+        # the fill reads half as many steps again: what the cached arm's read-ahead reads past its last step is
+        # then in the cache too (else requests/step depends on how far each arm's read-ahead got)
+        arm("remote-fill-cache", remote, 0.0, storage=cache, steps=shape["steps"] * 3 // 2)
         cached = arm("remote-cached", remote, 0.0, storage=cache)
 
         out = {
@@ -291,13 +334,19 @@ def main() -> None:
             "latency_ms": args.latency_ms,
             "compute_ms_per_step": round(compute * 1e3, 2),
             "remote_local_ratio": round(rem["steps_s"] / loc["steps_s"], 3),
+            "remote_local_ratio_pairs": [round(r, 3) for r in ratios],
             "remote_local_ratio_unpaced": round(rem_u["steps_s"] / loc_u["steps_s"], 3),
             "local_steps_s": round(loc["steps_s"], 2),
             "remote_steps_s": round(rem["steps_s"], 2),
             "local_wait_frac": round(loc["wait_frac"], 3),
             "remote_wait_frac": round(rem["wait_frac"], 3),
             "remote_requests_per_step": round(rem["requests_per_step"], 2),
-            "identical": rem["records"] == loc["records"] and rem_u["records"] == loc_u["records"],
+            "remote_requests_per_step_by_kind": rem["by_kind"],
+            "local_server_cpu_ms_per_step": round(loc["server_cpu_ms"], 2),
+            "remote_server_cpu_ms_per_step": round(rem["server_cpu_ms"], 2),
+            "remote_s3_cpu_ms_per_step": round(rem["s3_cpu_ms"], 2),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+            "identical": all(r["records"] == lo["records"] for lo, r in pairs) and rem_u["records"] == loc_u["records"],
             "throttled_identical": thr["records"] == loc_u["records"],
             "throttled_slowdowns": thr_stats.get("slowdown", 0),
             "cold_requests_per_object": round(cold_req / objects, 4),

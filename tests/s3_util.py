@@ -90,7 +90,8 @@ class FaultProxy:
     """An HTTP proxy on 127.0.0.1 in front of an S3 endpoint. Knobs (change them any time): ``latency_s`` per
     request, ``slowdown_share`` of GETs answered 503 SlowDown, ``reset_share`` of GETs whose connection is
     reset, ``burst(seconds)``: every GET answered 503 SlowDown for that long, ``deny``: 403 to all.
-    ``counts``: requests seen by method (GET, HEAD, LIST: a GET of a bucket listing)."""
+    ``counts``: requests seen by method (GET, HEAD, LIST: a GET of a bucket listing); ``served``: those passed
+    on to the store (not faulted), with their paths and ranges."""
 
     def __init__(self, upstream: tuple[str, int], *, seed: int = 0):
         self.upstream = upstream
@@ -102,6 +103,7 @@ class FaultProxy:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.counts: dict[str, int] = {}
+        self.served: list[tuple[str, str, str]] = []  # (kind as in counts, path, Range header) sent upstream
         self.faults: dict[str, int] = {"slowdown": 0, "reset": 0, "denied": 0}
         proxy = self
 
@@ -130,6 +132,7 @@ class FaultProxy:
     def reset_counts(self) -> None:
         with self._lock:
             self.counts = {}
+            self.served = []
 
     def total(self) -> int:
         with self._lock:
@@ -165,6 +168,8 @@ class FaultProxy:
                 h.close_connection = True
                 h.connection.close()
                 return
+        with self._lock:
+            self.served.append((kind, h.path.split("?", 1)[0], h.headers.get("Range", "")))
         conn = http.client.HTTPConnection(*self.upstream, timeout=60)
         try:
             headers = {k: v for k, v in h.headers.items() if k.lower() not in ("connection",)}

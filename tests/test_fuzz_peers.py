@@ -36,7 +36,7 @@ from .polling import wait_for
 
 JOB_FRAMES = [
     "rep", "plan", "jstart", "jstop", "len", "vis", "fetch", "skip", "mixhold", "mixcut", "mix", "mixstate",
-    "jobs", "ack", "need", "ping", "nope",
+    "smeta", "jobs", "ack", "need", "ping", "nope",
 ]  # fmt: skip
 _ids = itertools.count()
 

@@ -8,6 +8,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from msdata_client.source import SourceSpec
 from msdata_server.config import StorageConfig, parse_config
 from msdata_server.errors import ConfigError, StorageError
 from msdata_server.sources import BadSample, open_source
+from msdata_server.sources.base import meta_identity
 from msdata_server.storage import configure, is_uri
 from msdata_server.storage.uri import check_uri, fixed_part, glob_regex
 
@@ -207,6 +209,38 @@ def test_an_object_changed_under_a_running_source_is_named(s3, proxy, tmp_path):
     src.close()
 
 
+def test_an_object_rewritten_with_the_same_size_is_named(s3, proxy, tmp_path):
+    """pyarrow's open of an object is a HEAD, which answers its ETag and Last-Modified: a rewrite of the same
+    size is named at the object's next open, under a running source (the store opens an object held longer than
+    revalidate_s again; 0 here) and after a restart (the listing kept in state_dir); no request is added."""
+    server, _, dirs = s3
+    server.upload(dirs["jsonl"], "samesize")
+    store = configure(StorageConfig(s3_endpoint=proxy.endpoint, give_up_s=2), state_dir=str(tmp_path / "state"))
+    store.revalidate_s = 0.0
+    src = open_source(_spec("jsonl", ["s3://samesize/"]), seed=0)
+    ords = np.arange(src.num_samples)
+    _, files, rows = src.locate_many(ords)
+    mine = ords[files == 0][np.argsort(rows[files == 0])]
+    src.read(mine[:5])
+    listed = src.files[0].mtime_ns // 1_000_000_000
+    wait_for(lambda: time.time() >= listed + 1.05, 5, "the clock past the second the object was written in")
+    target = src.paths[0].removeprefix("s3://")
+    with server.fs().open_input_file(target) as fh:
+        data = fh.read()
+    server.put(target, data.replace(b"doc", b"DOC"))  # the same size, other bytes
+    with pytest.raises(StorageError, match=f"object {src.paths[0]} changed since it was listed"):
+        src.read(mine[-5:])
+    src.close()
+    configure(StorageConfig(s3_endpoint=proxy.endpoint, give_up_s=2), state_dir=str(tmp_path / "state"))
+    proxy.reset_counts()
+    again = open_source(_spec("jsonl", ["s3://samesize/"]), seed=0)  # from state_dir: nothing listed
+    assert proxy.total() == 0
+    with pytest.raises(StorageError, match=f"object {src.paths[0]} changed since it was listed .modified at"):
+        again.read(mine[:1])
+    again.read(ords[files == 1][:3])  # the other objects read on
+    again.close()
+
+
 # ---- end to end: a server reading a bucket --------------------------------------------------------------------
 def _job(paths: dict[str, str], name: str = "remote", dp: int = 2):
     g = msd.DGraph(name, seed=11)
@@ -278,6 +312,42 @@ def test_a_restart_opens_without_listing_or_footers(s3, proxy, fmt, tmp_path):
     warm.close(), local.close()
 
 
+class _Share:
+    """A MetaCache.share that hands out fixed bytes (in a cluster: the leader's kept file, cluster/metashare.py)."""
+
+    def __init__(self, blob: bytes):
+        self.blob, self.asked = blob, 0
+
+    def fetch(self, identity, spec) -> bytes:
+        self.asked += 1
+        return self.blob
+
+
+def test_another_nodes_kept_metadata_opens_a_source_without_listing(s3, proxy, tmp_path):
+    spec = _spec("parquet", ["s3://data/parquet/"])
+    first = configure(StorageConfig(s3_endpoint=proxy.endpoint), state_dir=str(tmp_path / "a"))
+    cold = open_source(spec, seed=2)
+    assert first.meta is not None
+    blob = first.meta.read_bytes(meta_identity(spec))
+    assert blob is not None
+    for given, listed in ((blob, False), (b"not a metadata file", True)):  # a foreign or torn copy: listed here
+        store = configure(StorageConfig(s3_endpoint=proxy.endpoint), state_dir=str(tmp_path / f"b{int(listed)}"))
+        assert store.meta is not None
+        store.meta.share = share = _Share(given)
+        proxy.reset_counts()
+        src = open_source(spec, seed=2)
+        assert share.asked == 1
+        assert (proxy.counts.get("LIST", 0) > 0) is listed, proxy.counts
+        assert src.paths == cold.paths
+        assert src.read(np.arange(10)) == cold.read(np.arange(10))
+        src.close()
+        proxy.reset_counts()
+        open_source(spec, seed=2).close()  # kept here now: neither asked again nor listed
+        assert share.asked == 1
+        assert proxy.total() == 0
+    cold.close()
+
+
 def test_changed_or_vanished_objects_after_a_restart_are_named(s3, proxy, tmp_path):
     server, _, dirs = s3
     server.upload(dirs["parquet"], "evolving")
@@ -302,7 +372,7 @@ def test_a_server_restart_starts_the_job_without_listing(s3, proxy, server_facto
     extra = f'\n[storage]\ns3_endpoint = "{proxy.endpoint}"\n'
     srv = server_factory(workers=0, extra=extra).start()
     first = run_ranks(spec, srv.socket, 6)
-    assert proxy.counts.get("LIST", 0) >= 2
+    assert proxy.counts.get("LIST", 0) == 2  # once per source: the data-change check's listing is kept for the open
     srv.stop()
     proxy.reset_counts()
     srv.start()
@@ -405,6 +475,20 @@ def test_a_three_node_cluster_over_a_bucket_gives_the_local_batches(
     s3_env(monkeypatch, endpoint=proxy.endpoint)  # the nodes' endpoint from AWS_ENDPOINT_URL (no [storage])
     c = cluster_factory(etcd_server.url).start()
     wait_for(lambda: c.settled(set(c.nodes)), 30, "one leader that every node agrees on")
+    proxy.reset_counts()
     got = run_spread(c, remote, 6, spread(3))
     assert {r: got[r] for r in range(3)} == want
     assert proxy.faults["slowdown"] > 0
+    # listing and metadata once in the cluster: the leader lists each source and reads each footer (a read that
+    # ends at the object's end: row groups end before it); the other nodes fetch its kept copy over the links
+    assert [kind for kind, _, _ in proxy.served].count("LIST") == len(fmts), proxy.served
+    sizes = {
+        f"/data/parquet/{p.relative_to(dirs['parquet']).as_posix()}": p.stat().st_size
+        for p in dirs["parquet"].rglob("*.parquet")
+    }
+    tails = [
+        path
+        for method, path, rng in proxy.served
+        if method == "GET" and path in sizes and rng.endswith(f"-{sizes[path] - 1}")
+    ]
+    assert sorted(tails) == sorted(sizes), tails

@@ -25,6 +25,7 @@ mix         node -> leader     a rank's set_mixture (replied with the cut step o
 mixhold     leader -> nodes    hold the constructors, reply with the newest step taken up
 mixcut      leader -> nodes    the cut (plans >= cut dropped) or, without one, the release
 mixstate    node -> leader     a held node asks whether the change is over and where it cut
+smeta       node -> leader     a remote source's kept listing and metadata (``cluster.metashare``)
 ==========  =================  ========================================================================
 
 ``ClusterJobs`` builds the layer's one ``ClusterContext`` (``cluster.context``) and hands it to each part:
@@ -50,8 +51,10 @@ from ..errors import ConfigError, MsdataError, PeerLostError, ProtocolError
 from ..job import Job
 from ..job.table import JobTable
 from ..ops.logs import Once
+from ..storage import get_store
 from ..tasks import TaskSet
 from .context import ClusterContext
+from .metashare import MetaShare
 from .net.rpc import PeerRpc, error_reply
 from .planwire import decode_plan, plan_state
 from .report import LeaderReports
@@ -142,10 +145,14 @@ class ClusterJobs:
             "ack": self._to_coordinator,
             "need": self._to_coordinator,
         }
+        # remote sources' listings and metadata: read by the leader once, fetched from it by the other nodes
+        self.metashare = MetaShare(cluster, self.node_id, rpc, self.tasks)
+        self.handlers["smeta"] = self.metashare.on_request
         faults.install(self.ctx, self.handlers)
 
     async def start(self) -> None:
         self.cluster.handler = self.on_frame
+        self.metashare.install(get_store())
         election = self.cluster.election
         if election is None:
             raise MsdataError("the cluster job layer starts after the node joined the cluster (ClusterNode.start)")
@@ -158,6 +165,7 @@ class ClusterJobs:
         self.reports.changed()
 
     async def aclose(self) -> None:
+        self.metashare.uninstall()
         await self.coordinator.aclose()
         await self.tasks.cancel_all("cluster jobs closing")
         runs = list(self.runs)

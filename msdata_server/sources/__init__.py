@@ -74,15 +74,21 @@ def open_source(spec: Any, *, seed: int, on_read_error: str = "fail") -> Source:
 
 def list_source(spec: Any) -> Listing | None:
     """The file listing of the source a SourceSpec describes, without opening its files (None for a source
-    that reads no files); ConfigError as ``open_source`` raises it for paths that match nothing."""
+    that reads no files); ConfigError as ``open_source`` raises it for paths that match nothing. A remote
+    source with a state_dir is opened once instead (listing and metadata kept there: the open that follows
+    reads neither again)."""
     if spec.format not in _FORMAT_TABLE:
         raise ConfigError(f"source {spec.name!r}: unknown format {spec.format!r}; use one of {sorted(_FORMAT_TABLE)}")
     cls = _format_class(spec.format)
     if not issubclass(cls, FileSource):
         return None
-    if any(is_uri(str(p)) and local_path(str(p)) is None for p in spec.paths):
-        meta_cache = get_store().meta  # a restart: the listing kept in the state_dir, not another LIST
-        meta = meta_cache.load(meta_identity(spec)) if meta_cache is not None else None
+    meta_cache = get_store().meta
+    if meta_cache is not None and any(is_uri(str(p)) and local_path(str(p)) is None for p in spec.paths):
+        identity = meta_identity(spec)
+        meta = meta_cache.load(identity, spec)  # a restart (or the leader's copy): the kept listing
+        if meta is None:  # a remote source is listed once: with its metadata, kept for the open that follows
+            open_source(spec, seed=0).close()
+            meta = meta_cache.load(identity)
         if meta is not None:
             return listing_of(spec.paths, meta.files)
     return list_files(spec.name, spec.format, spec.paths, cls.extensions)

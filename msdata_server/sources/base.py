@@ -333,8 +333,8 @@ class FileSource(Source):
         remote = any(is_uri(str(p)) and local_path(str(p)) is None for p in spec.paths)
         meta_cache = store.meta if remote else None
         identity = meta_identity(spec)
-        meta = meta_cache.load(identity) if meta_cache is not None else None
-        if meta is not None:  # a restart or resume: no listing, no footer read
+        meta = meta_cache.load(identity, spec) if meta_cache is not None else None
+        if meta is not None:  # a restart, a resume, another node's copy: no listing, no footer read
             self._set_files(meta.files)
             units = meta.units
             self.skipped = dict(meta.skipped)

@@ -5,6 +5,7 @@ a file that cannot be read is ignored (the source is listed and scanned again)."
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -12,13 +13,13 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .listing import ListedFile
 
-__all__ = ["MetaCache", "SourceMeta"]
+__all__ = ["MetaCache", "MetaShare", "SourceMeta"]
 
 log = logging.getLogger(__name__)
 _VERSION = 1
@@ -36,11 +37,21 @@ class SourceMeta:
     extra: dict[str, Any]
 
 
+class MetaShare(Protocol):
+    """Who else may hold a source's kept metadata (in a cluster, the leader: ``cluster/metashare.py``)."""
+
+    def fetch(self, identity: dict[str, Any], spec: Any) -> bytes | None:
+        """The metadata file's bytes, or None: this node lists and reads the metadata itself."""
+        ...
+
+
 class MetaCache:
-    """``<state_dir>/storage-meta/<identity digest>.npz``."""
+    """``<state_dir>/storage-meta/<identity digest>.npz``. In a cluster ``share`` fetches a file this node lacks
+    from the leader, which lists each source once (the bytes of the same file: a JSON head and arrays, no pickle)."""
 
     def __init__(self, state_dir: str):
         self.dir = os.path.join(state_dir, "storage-meta")
+        self.share: MetaShare | None = None
 
     @staticmethod
     def key(identity: dict[str, Any]) -> str:
@@ -50,7 +61,46 @@ class MetaCache:
     def path(self, identity: dict[str, Any]) -> str:
         return os.path.join(self.dir, self.key(identity) + ".npz")
 
-    def load(self, identity: dict[str, Any]) -> SourceMeta | None:
+    def load(self, identity: dict[str, Any], spec: Any = None) -> SourceMeta | None:
+        """The kept metadata of a source; when this node has none and ``spec`` is given, the copy ``share``
+        fetches (kept here too). None: list and read the metadata."""
+        meta = self._load(identity)
+        if meta is None and spec is not None and self.share is not None:
+            blob = self.share.fetch(identity, spec)
+            if blob is not None and self.put_bytes(identity, blob):
+                meta = self._load(identity)
+        return meta
+
+    def read_bytes(self, identity: dict[str, Any]) -> bytes | None:
+        """The kept file of a source as it is on disk (what ``share`` hands to another node), None if none."""
+        try:
+            with open(self.path(identity), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def put_bytes(self, identity: dict[str, Any], blob: bytes) -> bool:
+        """Keep a file another node sent (checked when loaded: a torn or foreign one is ignored)."""
+        try:
+            self._write(identity, blob)
+        except OSError as e:
+            log.warning("storage: cannot keep source metadata in %s (%s)", self.dir, e)
+            return False
+        return True
+
+    def _write(self, identity: dict[str, Any], blob: bytes | memoryview) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, self.path(identity))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def _load(self, identity: dict[str, Any]) -> SourceMeta | None:
         path = self.path(identity)
         try:
             with np.load(path, allow_pickle=False) as z:
@@ -95,12 +145,8 @@ class MetaCache:
             for field, a in meta.arrays[i].items():
                 blobs[f"{i}.{field}"] = a
         try:
-            os.makedirs(self.dir, exist_ok=True)
             buf = io.BytesIO()
             np.savez(buf, **blobs)  # type: ignore[arg-type]
-            fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(buf.getbuffer())
-            os.replace(tmp, self.path(identity))
+            self._write(identity, buf.getbuffer())
         except OSError as e:
             log.warning("storage: cannot keep source metadata in %s (%s); the next start lists again", self.dir, e)

@@ -28,6 +28,7 @@ class RemoteFile(io.RawIOBase):
         self.size = obj.size
         self._pos = 0
         self.native: Any = None  # the store's open pyarrow file, opened (a HEAD) on the first request
+        self.opened_at = 0.0  # time.monotonic() of that open (the store opens it again when held long)
         self._preloaded: tuple[int, bytes] = (0, b"")  # (offset, bytes) fetched ahead (a footer), served locally
 
     # ---- ranged reads ----

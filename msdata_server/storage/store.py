@@ -13,6 +13,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -32,6 +34,46 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _LIST_PAGE = 1000  # keys per listing page (S3 ListObjectsV2)
 _RECENT_BYTES = 64 << 20  # ranges read lately, kept in memory for the other partitions of a source
+_ETAGS = 1 << 17  # object versions whose first ETag is kept (~200 bytes each)
+_REVALIDATE_S = 300.0  # seconds an object stays open before its next read opens (and checks) it again
+
+
+def _head_metadata(nf: Any) -> dict[str, str]:
+    """What the open's HEAD answered (pyarrow keeps its headers as the file's metadata), keys in lower case;
+    empty for a filesystem that gives none."""
+    try:
+        md = nf.metadata()
+    except Exception:
+        return {}
+    out: dict[str, str] = {}
+    for k, v in (md or {}).items():
+        key = k.decode() if isinstance(k, bytes) else str(k)
+        out[key.lower()] = v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+    return out
+
+
+def _seconds(text: str) -> int | None:
+    """Whole seconds since the epoch of an ISO 8601 or HTTP date; None when absent or unreadable."""
+    if not text:
+        return None
+    try:
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        try:
+            dt = parsedate_to_datetime(text)
+        except (TypeError, ValueError):
+            return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return math.floor(dt.timestamp())
+
+
+def _iso(seconds: int) -> str:
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _version(obj: ListedFile) -> tuple[str, int, int]:
+    return (obj.path, obj.size, obj.mtime_ns)
 
 
 def _hidden(rel: str) -> bool:
@@ -58,6 +100,12 @@ class Store:
         self._read_pool: ThreadPoolExecutor | None = None
         self._recent: OrderedDict[str, bytes] = OrderedDict()  # ranges read lately, within _RECENT_BYTES
         self._recent_bytes = 0
+        # each listed object version's ETag at its first open, the latest _ETAGS (beyond them, a rewrite within
+        # the second of the listing's mtime goes unseen; the Last-Modified check still holds)
+        self._etags: OrderedDict[tuple[str, int, int], str] = OrderedDict()
+        # an object held open longer than this is opened again (a HEAD) at its next read, which checks its
+        # version: a rewrite of the same size under a running job is found within this time
+        self.revalidate_s = _REVALIDATE_S
 
     def read_pool(self) -> ThreadPoolExecutor:
         """Threads for remote sources' batch reads (the loop's default executor has cpus + 4: too few to wait
@@ -165,14 +213,12 @@ class Store:
             self.stats.add("cache_misses")
 
         def get() -> bytes:
-            if f.native is None:  # a HEAD: the object's size now, which must be the listed one
-                fs, path, _ = self.resolve(obj.path)
-                nf = fs.open_input_file(path)
-                size = nf.size()
-                if size != obj.size:
-                    nf.close()
-                    raise StorageError(self.changed(obj, f"its size is {size} bytes now, {obj.size} when listed"))
-                f.native = nf
+            if f.native is not None and time.monotonic() - f.opened_at > self.revalidate_s:
+                native, f.native = f.native, None  # held long: open again, so the version is checked again
+                native.close()
+            if f.native is None:  # a HEAD: the object's size and version now, which must be the listed ones
+                f.native = self._open_checked(obj)
+                f.opened_at = time.monotonic()
             try:
                 data = f.native.read_at(n, offset)
             except BaseException:
@@ -188,6 +234,35 @@ class Store:
             cache.put(key, data)
         self._remember(key, data)
         return data
+
+    def _open_checked(self, obj: ListedFile) -> Any:
+        """The object opened (pyarrow's open sends a HEAD), its size, modification time and ETag from that HEAD
+        checked against the listing and against what earlier opens in this process saw: a rewrite of the same
+        size is an error naming the object, as a changed size is. (No request beyond the HEAD.)"""
+        fs, path, _ = self.resolve(obj.path)
+        nf = fs.open_input_file(path)
+        try:
+            size = nf.size()
+            if size != obj.size:
+                raise StorageError(self.changed(obj, f"its size is {size} bytes now, {obj.size} when listed"))
+            head = _head_metadata(nf)
+            modified = _seconds(head.get("last-modified", ""))
+            listed = obj.mtime_ns // 1_000_000_000
+            if modified is not None and obj.mtime_ns > 0 and modified != listed:
+                raise StorageError(self.changed(obj, f"modified at {_iso(modified)}, listed as of {_iso(listed)}"))
+            etag = head.get("etag", "")
+            if etag:
+                with self._lock:
+                    seen = self._etags.setdefault(_version(obj), obj.etag or etag)
+                    self._etags.move_to_end(_version(obj))
+                    if len(self._etags) > _ETAGS:
+                        self._etags.popitem(last=False)
+                if etag != seen:
+                    raise StorageError(self.changed(obj, f"its ETag is {etag} now, {seen} when first read"))
+        except BaseException:
+            nf.close()
+            raise
+        return nf
 
     def _remember(self, key: str, data: bytes) -> None:
         if len(data) > _RECENT_BYTES // 8:

@@ -13,6 +13,23 @@ take only part of an average rank's images before its backbone passes the others
 the encoder and padded, and the other ranks share its images. The backbone cap (balance_tolerance)
 makes that padding; since padding lowers the mean, the cap is set again from the first fill's full
 ranks and the step filled once more (two fills; see `place_stages`).
+
+Where vlm4 at 16k, dp 512 stands (1.030 in both stages, 10 steps; measured on the final plans): in a bad
+step (1.047) 55 ranks hold a full-row text piece (0.74-0.84 of a mean rank's backbone) and, besides it,
+only images: backbone 1.047, encoder 0.60-0.89, while the other ranks are full (0.99 of their tokens) at
+encoder 1.044. Those images are already about the densest (encoder per backbone cost) of their lengths in
+the step: trading each for the densest image of no more tokens held by an encoder-heavy rank would add
+only 0.02-0.10 of a mean encoder load per rank. A lower bound from the step's own placed pieces (each text
+piece above 0.51 of a mean backbone alone on its rank, its images at most the step's densest per backbone
+cost, the others at most the bound) is 1.017-1.026 in the bad steps and 1.009 on average; with the densest
+images shared out (not each such rank getting the very densest) it is about 1.011 on average, and it
+ignores rows and tokens (the other ranks have no room left). Tried and not kept (all 10-step means at
+or above 1.030): giving those ranks the densest images before `place_images` up to the projected means
+(the short text then piles onto them: the projection `cost + free tokens * rate` expects every rank to
+fill, and the step's padding of 5-10% puts the final mean below it), also keeping their rows closed to
+the other images or to the short text (padding 10-16%), carrying text pieces above 0.7 of a mean rank
+beyond 7-9% of dp to the next step (smoother steps, same mean), and the second fill's cap at 0.5, 2 or
+-1 times the tolerance or no second fill (1.032-1.056).
 """
 
 from __future__ import annotations

@@ -23,13 +23,16 @@ only 0.02-0.10 of a mean encoder load per rank. A lower bound from the step's ow
 piece above 0.51 of a mean backbone alone on its rank, its images at most the step's densest per backbone
 cost, the others at most the bound) is 1.017-1.026 in the bad steps and 1.009 on average; with the densest
 images shared out (not each such rank getting the very densest) it is about 1.011 on average, and it
-ignores rows and tokens (the other ranks have no room left). Tried and not kept (all 10-step means at
-or above 1.030): giving those ranks the densest images before `place_images` up to the projected means
-(the short text then piles onto them: the projection `cost + free tokens * rate` expects every rank to
-fill, and the step's padding of 5-10% puts the final mean below it), also keeping their rows closed to
-the other images or to the short text (padding 10-16%), carrying text pieces above 0.7 of a mean rank
-beyond 7-9% of dp to the next step (smoother steps, same mean), and the second fill's cap at 0.5, 2 or
--1 times the tolerance or no second fill (1.032-1.056).
+ignores rows and tokens (the other ranks have no room left). The exchange and refine at 8x the CPU (200
+rounds, 300 passes, tables 32 wide, pairs among 12) reach 1.0255: the rest is the fill's. Tried and not
+kept (10-step means 1.029-1.056 against 1.030; differences under 0.002 are noise): giving those ranks the densest images first, up to
+the projected means or the first fill's actual ones, with or without closing their rows to the other images
+or to the short text (the short text then piles onto them, or padding reaches 10-16%; the best, ranks with
+text above 0.65 of a mean, 1.029); letting ranks heavy with text take only the densest 30-50% of images
+(1.030-1.042); capping the backbone projection `cost + free tokens * rate` of `place_images` at its mean
+(it expects every rank to fill, while the long documents' ranks end padded; 1.033); carrying text pieces
+above 0.7 of a mean rank beyond 7-9% of dp to the next step (smoother steps, same mean); the second fill's
+cap at 0.5, 2 or -1 times the tolerance, or no second fill (1.031-1.056).
 """
 
 from __future__ import annotations

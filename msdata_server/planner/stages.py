@@ -90,7 +90,8 @@ def place_stages(
     pieces for fewer placed ones (refine.consolidate; the encoder load stays). With a `tolerance`, when
     the first fill's costliest backbone passes (1 + tolerance) x the mean of its full ranks (the long
     documents' ranks are padded, so the mean fell below what the cap assumed), the step is filled again
-    under that cap, where the ranks holding long text take the densest images first (`reserve_dense`). Then `refine_stages`, at most `iters` passes. `pad_base`: what every rank's backbone costs
+    under that cap, where the ranks holding long text take the densest images first (`reserve_dense`).
+    Then `refine_stages`, at most `iters` passes. `pad_base`: what every rank's backbone costs
     besides its pieces (priced padding, Rows.set_cap), which the tolerance applies to as well.
     """
     desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order

@@ -405,3 +405,33 @@ def test_baseline_two_stages_share_the_one_stage_rule():
         assert r["max_encoder"] > 0
         assert r["encoder_imbalance"] >= 1.0
         assert r["max_cost"] <= r["max_backbone"] + r["max_encoder"] * (1 + 1e-12)
+
+
+def test_ranks_with_a_long_text_piece_take_the_densest_images_first():
+    """reserve_dense: the rank holding a text piece above HEAVY x the mean backbone takes the images with the most
+    encoder cost per backbone cost, in that order, until either of its loads would pass the given means; the
+    other images stay for place_images, and only that rank is closed to them."""
+    from msdata_server.planner.rows import Rows
+    from msdata_server.planner.stages import HEAVY, reserve_dense
+
+    layout = Layout(dp=4, micro=2, rows=1, seq_len=1000)
+    lengths = np.array([1000, 100, 100, 100, 100, 100, 100], np.int64)
+    costs = np.array([80.0, 5, 5, 5, 5, 5, 5])
+    vision = np.array([0.0, 1, 9, 3, 7, 2, 8])  # densest: pieces 2, 6, 4, 3, 5, 1
+    rows = Rows(lengths, costs, layout)
+    rows.put(np.array([0]), np.array([1]), rows.rate())  # the long text piece on rank 1
+    assert HEAVY * 100.0 < 80.0
+    means = (100.0, 16.0)  # backbone room for four images; the encoder's mean stops it first
+    left, closed = reserve_dense(rows, np.arange(1, 7), vision, means)
+    assert closed is not None
+    assert closed.tolist() == [False, True, False, False]
+    on_heavy = np.flatnonzero(rows.rank == 1)
+    # 9 first; 8 would pass the encoder mean (17 > 16) and is left; 7 reaches it (16), and the rank is done
+    assert on_heavy.tolist() == [0, 2, 4]
+    assert left.tolist() == [1, 3, 5, 6]
+    assert (rows.rank[left] == -1).all()
+    # no rank holds a piece above HEAVY x the mean: nothing is reserved, nothing closed
+    rows = Rows(lengths, costs, layout)
+    left, closed = reserve_dense(rows, np.arange(1, 7), vision, means)
+    assert closed is None
+    assert left.tolist() == [1, 2, 3, 4, 5, 6]

@@ -13,6 +13,25 @@ take only part of an average rank's images before its backbone passes the others
 the encoder and padded, and the other ranks share its images. The backbone cap (balance_tolerance)
 makes that padding; since padding lowers the mean, the cap is set again from the first fill's full
 ranks and the step filled once more (two fills; see `place_stages`).
+
+In the second fill the ranks holding a text piece above HEAVY of the mean backbone take the images densest in
+the encoder first (`reserve_dense`), up to the first fill's means: after the exchange those ranks ended at the
+backbone bound and 0.6-0.9 of the mean encoder, holding average images.
+
+Where vlm4 at 16k, dp 512 stands (10 steps; without reserve_dense 1.030-1.032 on seeds 0-2, with it 1.029-1.030;
+HEAVY 0.7 gives 1.028-1.029 but puts video dp512 on seed 0 at 1.0203): in a bad step (1.047) 55 ranks hold a
+full-row text piece (0.74-0.84 of a mean rank's backbone) and the other ranks are full (0.99 of their tokens),
+so the backbone those ranks have left must hold tokens. A lower bound from the step's own placed pieces (each
+text piece above 0.51 of a mean backbone alone on its rank, its images at most the step's densest per backbone
+cost, the others at most the bound) is 1.017-1.026 in the bad steps and 1.009 on average (about 1.011 with the
+densest images shared out); it ignores rows and tokens. The exchange and refine at 8x the CPU (200 rounds, 300
+passes, tables 32 wide, pairs among 12) reach 1.0255 from the fill without reserve_dense. Tried and not kept
+(10-step means 1.029-1.056; differences under 0.002 are noise): reserving in the first fill too, or up to the
+projected means, or for ranks with text above 0.3-0.65 of a mean (1.029-1.043), or closing their rows to the
+short text as well (padding 10-16%); letting ranks heavy with text take only the densest 30-50% of images
+(1.030-1.042); capping the backbone projection `cost + free tokens * rate` of `place_images` at its mean
+(1.033); carrying text pieces above 0.7 of a mean rank beyond 7-9% of dp to the next step (smoother steps, same
+mean); the second fill's cap at 0.5, 2 or -1 times the tolerance, or no second fill (1.031-1.056).
 """
 
 from __future__ import annotations
@@ -32,6 +51,7 @@ __all__ = [
     "place_images",
     "place_stages",
     "refine_stages",
+    "reserve_dense",
 ]
 
 KAPPA = 32.0  # sharpness of place_images' potential: a 1% higher load weighs exp(0.32) = 1.4 times more
@@ -44,6 +64,9 @@ DONE = 1e-3  # refine_stages stops once the worst rank is within this of both bo
 FULL = 0.01  # a rank is full when less than this share of its rows is free...
 EXCHANGE_ROUNDS = 32  # exchange_stages rounds (each pairs every heavy rank with a light one) before refine_stages
 POLISH_ITERS = 32  # refine_stages passes after them at most (it works on the worst rank alone)
+# reserve_dense: a rank holding a text piece above this share of the mean backbone gets the densest images first
+HEAVY = 0.75
+RESERVE_STOP = 0.02  # ...until it is within this share of either stage's mean
 FULL_RANKS = 4  # ...and the second fill's cap is (1 + tolerance) x the full ranks' mean when dp / this are full
 
 
@@ -67,7 +90,8 @@ def place_stages(
     pieces for fewer placed ones (refine.consolidate; the encoder load stays). With a `tolerance`, when
     the first fill's costliest backbone passes (1 + tolerance) x the mean of its full ranks (the long
     documents' ranks are padded, so the mean fell below what the cap assumed), the step is filled again
-    under that cap. Then `refine_stages`, at most `iters` passes. `pad_base`: what every rank's backbone costs
+    under that cap, where the ranks holding long text take the densest images first (`reserve_dense`).
+    Then `refine_stages`, at most `iters` passes. `pad_base`: what every rank's backbone costs
     besides its pieces (priced padding, Rows.set_cap), which the tolerance applies to as well.
     """
     desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
@@ -77,7 +101,8 @@ def place_stages(
         base = st.rcost[full] if full.sum() * FULL_RANKS >= layout.dp else st.rcost
         cap = max((float(base.mean()) + pad_base) * (1.0 + tolerance) - pad_base, float(costs.max(initial=0.0)))
         if float(st.rcost.max()) > cap:
-            st = _fill(lengths, costs, vision, layout, desc, priority, tolerance, kk_budget, cap, pad_base)
+            means = (float(st.rcost.mean()), float(encoder_load(st, vision).mean()))
+            st = _fill(lengths, costs, vision, layout, desc, priority, tolerance, kk_budget, cap, pad_base, means)
     exchange_stages(st, vision, EXCHANGE_ROUNDS)
     refine_stages(st, vision, min(iters, POLISH_ITERS))
     return st
@@ -113,7 +138,10 @@ def _fill(
     kk_budget: int,
     cap: float | None,
     pad_base: float,
+    means: tuple[float, float] | None = None,
 ) -> Rows:
+    """One fill (see `place_stages`); `means`: the first fill's mean backbone and encoder loads, with which the
+    second fill gives the ranks holding a long text piece their images first (`reserve_dense`)."""
     st = Rows(lengths, costs, layout)
     st.set_cap(desc, tolerance, pad_base)
     if cap is not None:
@@ -132,7 +160,10 @@ def _fill(
         if failed is not None:
             big = big[np.isin(big, failed)]  # (in their longest-first order)
     st.greedy(big)  # before the pieces with images, which spread over the rows: long ones need whole rows
-    place_images(st, desc[~text], vision)
+    images, closed = desc[~text], None
+    if means is not None:
+        images, closed = reserve_dense(st, images, vision, means)
+    place_images(st, images, vision, closed)
     st.greedy(short)
     for _ in range(CONSOLIDATE_PASSES):
         if not consolidate(st, priority, movable=vision == 0):
@@ -150,7 +181,7 @@ def _inv(x: float) -> float:
     return 1.0 / x if x > 0 else 0.0
 
 
-def place_images(st: Rows, idx: np.ndarray, vision: np.ndarray) -> None:
+def place_images(st: Rows, idx: np.ndarray, vision: np.ndarray, closed: np.ndarray | None = None) -> None:
     """Place the pieces with images, costliest encoder first (those longer than half a row before all others),
     where they raise a potential of both stages least.
 
@@ -162,7 +193,7 @@ def place_images(st: Rows, idx: np.ndarray, vision: np.ndarray) -> None:
     average, so it relieves a rank heavy with long text). In rounds: the next
     dp / ROUND_DIV pieces go to distinct ranks, in the head piece's order of preference. A piece its
     rank cannot take (no row it fits, or the backbone cap) goes back to the head of the queue; a head
-    piece that no rank can take is given up (carried over).
+    piece that no rank can take is given up (carried over). `closed` (bool [dp]): ranks that take none.
     """
     if idx.size == 0:
         return
@@ -177,6 +208,8 @@ def place_images(st: Rows, idx: np.ndarray, vision: np.ndarray) -> None:
     while queue.size:
         head = int(queue[0])
         elig = st.eligible(head)
+        if closed is not None:
+            elig = elig[~closed[elig]]
         if elig.size == 0:
             st.give_up(queue[:1])
             queue = queue[1:]
@@ -197,6 +230,49 @@ def place_images(st: Rows, idx: np.ndarray, vision: np.ndarray) -> None:
         ok = ~bad
         enc += np.bincount(ranks[ok], weights=vision[take[ok]], minlength=dp)
         queue = np.concatenate([take[bad], queue[take.size :]])
+
+
+def reserve_dense(
+    st: Rows, idx: np.ndarray, vision: np.ndarray, means: tuple[float, float]
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Give the ranks holding a long text piece the pieces with images densest in the encoder first; the pieces
+    left, and those ranks (bool [dp], closed to the other pieces with images), or None when there are none.
+
+    A rank holding a text piece above HEAVY x the mean backbone (`means`: a first fill's mean backbone and
+    encoder loads) has little backbone left, and ends light in the encoder when average images fill it: it
+    wants those with the most encoder cost per backbone cost. Densest first, in rounds: every such rank
+    still open takes the next one (the lightest encoder first) unless it would pass either mean, or no
+    row fits it; a rank within RESERVE_STOP of a mean is done. The short text placed after still tops
+    their backbone up (the tokens must go somewhere: the other ranks are full).
+    """
+    dp = st.lay.dp
+    bm, vm = means
+    placed = st.rank >= 0
+    big = np.zeros(dp)
+    np.maximum.at(big, st.rank[placed], st.c[placed])
+    heavy = np.flatnonzero(big > HEAVY * bm)
+    if heavy.size == 0 or idx.size == 0 or bm <= 0 or vm <= 0:
+        return idx, None
+    enc = encoder_load(st, vision)
+    rate = st.rate()
+    queue = idx[np.argsort(-vision[idx] / np.maximum(st.c[idx], np.finfo(float).tiny), kind="stable")]
+    taken = np.zeros(queue.size, bool)
+    ranks_open, start = heavy, 0
+    while ranks_open.size and start < queue.size:
+        ranks_open = ranks_open[np.argsort(enc[ranks_open], kind="stable")]
+        take = queue[start : start + ranks_open.size]
+        ranks = ranks_open[: take.size]
+        ok = (st.rcost[ranks] + st.c[take] <= bm) & (enc[ranks] + vision[take] <= vm) & (st.maxrem[ranks] >= st.L[take])
+        if ok.any():
+            bad = st.put(take[ok], ranks[ok], rate)
+            taken[start + np.flatnonzero(ok)[~bad]] = True
+            enc += np.bincount(ranks[ok][~bad], weights=vision[take[ok][~bad]], minlength=dp)
+        start += take.size
+        done = (st.rcost[ranks_open] > bm * (1.0 - RESERVE_STOP)) | (enc[ranks_open] > vm * (1.0 - RESERVE_STOP))
+        ranks_open = ranks_open[~done]
+    closed = np.zeros(dp, bool)
+    closed[heavy] = True
+    return idx[np.isin(idx, queue[~taken])], closed
 
 
 def refine_stages(st: Rows, vision: np.ndarray, iters: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .fit import least
 from .rows import Rows, order_by
 
 __all__ = ["CARRY_KEEP", "CONSOLIDATE_PASSES", "consolidate", "refine", "trim"]
@@ -58,7 +59,7 @@ def refine(st: Rows, iters: int) -> None:
         if mine.size == 0:
             return
         done = False
-        for q in np.argsort(st.rcost, kind="stable")[:REFINE_PARTNERS].tolist():
+        for q in least(st.rcost, REFINE_PARTNERS).tolist():
             gap = top - st.rcost[q]
             if q == r or gap <= 0:
                 break
@@ -122,13 +123,13 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     cand = np.flatnonzero(ok[priority:]) + priority
     if cand.size == 0:
         return False
+    key = st.rank[cand] * k + st.slot[cand]
+    o = order_by(key, st.lay.dp * k)  # stable: each row's first candidate (least index) leads its group
+    cand = cand[o[np.flatnonzero(np.diff(key[o], prepend=-1))]]  # one per row
     heavy_first = np.empty(st.lay.dp, np.int64)
     heavy_first[np.argsort(-st.rcost, kind="stable")] = np.arange(st.lay.dp)
-    cand = cand[order_by(heavy_first[st.rank[cand]], st.lay.dp)]  # costliest ranks first
-    key = st.rank[cand] * k + st.slot[cand]
-    o = order_by(key, st.lay.dp * k)  # stable: each row's first candidate leads its group
-    first = o[np.flatnonzero(np.diff(key[o], prepend=-1))]
-    cand = cand[np.sort(first)]  # one per row, in the order above
+    # costliest ranks first, then by index: the rows' firsts only, not every candidate (a few per row)
+    cand = cand[np.argsort(heavy_first[st.rank[cand]] * st.L.size + cand, kind="stable")]
     ends = np.cumsum(L[left])
     cost_ends = np.concatenate([[0.0], np.cumsum(c[left])])
     stop = np.searchsorted(ends, np.cumsum(L[cand]), side="left") + 1  # chunk j: left[start_j:stop_j]
@@ -174,31 +175,33 @@ def trim(st: Rows, tolerance: float, base: float, priority: int) -> float:
     rank's cost besides its pieces (priced padding). Vectorised over the ranks; TRIM_PASSES passes at most.
     Returns the cap it held the ranks to (the placements after it keep to it).
     """
-    members = None
     for _ in range(TRIM_PASSES):
         cap = _trim_cap(st.rcost, tolerance, base)
-        if not (st.rcost > cap * (1.0 + 1e-12)).any():
+        over = st.rcost > cap * (1.0 + 1e-12)
+        if not over.any():
             break
-        if members is None:
-            members = RankMembers(st.rank, st.lay.dp)  # (pieces only leave ranks here: no arrivals to track)
-        out = _cuts(st, members, cap, priority)
+        # the pieces on the ranks above, grouped by rank (ascending), each rank's in index order: one pass over
+        # the pieces and a sort of those (no grouping of every rank; pieces only leave ranks here)
+        cand = np.flatnonzero(np.r_[False, over][st.rank + 1])
+        cand = cand[order_by(st.rank[cand], st.lay.dp)]
+        out = _cuts(st, cand, cap, priority)
         rest = st.rcost - np.bincount(st.rank[out], st.c[out], minlength=st.lay.dp)
         if float(rest.max()) > cap * (1.0 + 1e-12):  # a rank stays above: the others need not go below it
             cap = float(rest.max())
-            out = _cuts(st, members, cap, priority)
+            out = _cuts(st, cand, cap, priority)
         if out.size == 0:
             break
         st.carry(out)
     return max(_trim_cap(st.rcost, tolerance, base), float(st.rcost.max()))
 
 
-def _cuts(st: Rows, members: RankMembers, cap: float, priority: int) -> np.ndarray:
-    """The pieces `trim` carries off the ranks above `cap` (see there)."""
+def _cuts(st: Rows, cand: np.ndarray, cap: float, priority: int) -> np.ndarray:
+    """The pieces `trim` carries off the ranks above `cap` (see there); `cand`: the pieces on ranks above a cap
+    at most `cap`, grouped by rank, each rank's in index order."""
     mean = float(st.rcost.mean())
-    over = np.flatnonzero(st.rcost > cap * (1.0 + 1e-12))
-    cand = members.of(over)  # grouped by rank, each rank's in index order
-    r, c = st.rank[cand], st.c[cand]
-    ok = (r >= 0) & (cand >= priority)
+    r = st.rank[cand]
+    ok = (st.rcost[r] > cap * (1.0 + 1e-12)) & (cand >= priority)
+    c = st.c[cand]
     ok[ok] &= c[ok] <= st.rcost[r[ok]] - mean
     cand, r, c = cand[ok], r[ok], c[ok]
     if cand.size == 0:
@@ -213,7 +216,7 @@ def _cuts(st: Rows, members: RankMembers, cap: float, priority: int) -> np.ndarr
     out = [cand[at[covered]]]
     short = ~covered[group]  # no piece covers: the costliest pieces, until they do
     if short.any():
-        cs, rs, cc, xs = cand[short], r[short], c[short], excess[short]
+        cs, rs, cc, xs = _costlier(cand[short], r[short], c[short], excess[short])
         # by rank, costliest first: one stable sort of a float key (rank apart by more than any cost; 3x a lexsort)
         o = np.argsort(rs * (2.0 * float(cc.max()) + 1.0) - cc, kind="stable")
         cs, rs, cc, xs = cs[o], rs[o], cc[o], xs[o]
@@ -222,3 +225,18 @@ def _cuts(st: Rows, members: RankMembers, cap: float, priority: int) -> np.ndarr
         before -= np.repeat(before[first], np.diff(np.r_[first, rs.size]))
         out.append(cs[before < xs])
     return np.concatenate(out)
+
+
+def _costlier(
+    cand: np.ndarray, r: np.ndarray, c: np.ndarray, excess: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Of the pieces `cand` (ranks `r`, grouped; costs `c`; their rank's `excess`), those that `_cuts` can take
+    when it takes each rank's costliest until they cover the excess: the pieces costing at least half their rank's
+    costliest where those cover it (a few per rank), else all of the rank's. (The sort that follows then orders
+    a few pieces per rank, not all.)"""
+    first = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
+    group = np.repeat(np.arange(first.size), np.diff(np.r_[first, r.size]))
+    high = c >= 0.5 * np.maximum.reduceat(c, first)[group]
+    enough = np.add.reduceat(np.where(high, c, 0.0), first) >= excess[first] * (1.0 + 1e-9)  # (margin: rounding)
+    keep = high | ~enough[group]
+    return cand[keep], r[keep], c[keep], excess[keep]

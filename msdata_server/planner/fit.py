@@ -76,8 +76,8 @@ def match_tiny(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Match tiny pieces (longest first) to rows, many per rank and row; (placed mask, flat row of each placed).
 
-    `rem` [dp, slots] free tokens, `rcost`/`rtok` per rank, `cap` the rank cost cap (None: uncapped),
-    `rate` the cost per token of what is left. Each row's free tokens are cut into slots the size of
+    `rem` [dp, slots] free tokens, `rcost`/`rtok` per rank, `cap` the rank cost cap (None: uncapped), `costs`
+    the pieces' costs (only their maximum counts), `rate` the cost per token of what is left. Each row's free tokens are cut into slots the size of
     the longest piece here, plus one slot for the remainder. Slots are dealt round-robin over rows
     (the first slot of every row, then the second, ...; lower projected ranks first), remainders
     last, roomiest first, and the pieces matched to them greedily: a piece takes the roomiest unused
@@ -108,7 +108,10 @@ def match_tiny(
     tail_size = rem.reshape(-1)[rows[tail]] % size
     o = np.lexsort((tail, full[tail], -tail_size))  # (rows here are few: one remainder each)
     tail, tail_size = tail[o], tail_size[o]
-    fits = n_full + np.searchsorted(-tail_size, -lengths, side="right")  # slots with room for each piece
+    # slots with room for each piece: the full ones and the remainders at least as long (a table by length: the
+    # lengths are at most `size`, and a searchsorted of every piece was several times slower)
+    at_least = np.cumsum(np.bincount(tail_size, minlength=size + 1)[::-1])[::-1]
+    fits = n_full + at_least[lengths]
     n = np.arange(lengths.size)
     matched = np.minimum(n + 1, np.minimum.accumulate(fits - n) + n)  # greedy matches so far
     got = np.diff(matched, prepend=0) > 0

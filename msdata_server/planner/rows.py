@@ -242,7 +242,9 @@ class Rows:
         """
         cand = queue[i : i + 4 * self.lay.dp * self.lay.slots]
         cap = self.cap if self.capped else None
-        match = match_tiny(self.rem, self.rcost, self.rtok, self.L[cand], self.c[cand], cap, self.rate())
+        # (match_tiny needs their costliest only: the first when cost grows with length, as the queue is longest first)
+        costs = self.c[cand[:1]] if self.monotone else self.c[cand]
+        match = match_tiny(self.rem, self.rcost, self.rtok, self.L[cand], costs, cap, self.rate())
         if match is None:
             return None
         got, rows = match
@@ -259,7 +261,7 @@ class Rows:
         """Put pieces idx into the given flat rows (rank * slots + slot), several per rank and row."""
         L, c, lay = self.L, self.c, self.lay
         k = lay.slots
-        ranks, w = rows // k, rows % k
+        ranks, w = np.divmod(rows, k)
         toks, cc = L[idx], c[idx]
         # tokens per row, and from them per rank and micro-batch (integers: exact in any order)
         drow = np.bincount(rows, toks, minlength=self.rem.size).astype(np.int64).reshape(lay.dp, k)
@@ -270,7 +272,7 @@ class Rows:
         self.maxrem[touched] = row_max(np.take(self.rem, touched, axis=0))
         self.rtok -= drank
         self.rcost += np.bincount(ranks, cc, minlength=lay.dp)
-        mi = ranks * lay.micro + self.micro_of[w]
+        mi = ranks * lay.micro + self.micro_of[w] if lay.rows > 1 else rows  # (a row per micro-batch: the row)
         self.mcost += np.bincount(mi, cc, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
         self.mtok -= dmicro
         self.rank[idx] = ranks

@@ -76,14 +76,13 @@ def match_tiny(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Match tiny pieces (longest first) to rows, many per rank and row; (placed mask, flat row of each placed).
 
-        `rem` [dp, slots] free tokens, `rcost`/`rtok` per rank, `cap` the rank cost cap (None: uncapped), `costs`
-        the pieces' costs (only their maximum counts), `rate` the cost per token of what is left. Each row's free
-        tokens are cut into slots the size of the longest piece here, plus one slot for the remainder. Slots are
-        dealt round-robin over rows (the first slot of every row, then the second, ...; lower projected ranks
-        first), remainders last, roomiest first, and the pieces matched to them greedily: a piece takes the
-        roomiest unused slot if it fits, else waits for the next round. A rank near the cap offers no more slots
-        than the
-    costliest of these pieces fits under it. None: no piece fits.
+    `rem` [dp, slots] free tokens, `rcost`/`rtok` per rank, `cap` the rank cost cap (None: uncapped), `costs`
+    the pieces' costs (only their maximum counts), `rate` the cost per token of what is left. Each row's free
+    tokens are cut into slots the size of the longest piece here, plus one slot for the remainder. Slots are
+    dealt round-robin over rows (the first slot of every row, then the second, ...; lower projected ranks
+    first), remainders last, roomiest first, and the pieces matched to them greedily: a piece takes the
+    roomiest unused slot if it fits, else waits for the next round. A rank near the cap offers no more slots
+    than the costliest of these pieces fits under it. None: no piece fits.
     """
     k = rem.shape[1]
     size = int(lengths[0])

@@ -141,6 +141,7 @@ def _fill(
     desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
     st.set_cap(desc, tolerance, base)
     st.monotone = bool(np.all(np.diff(costs[desc]) <= 0))
+    st.desc = desc
     # carry-over first, so that no piece is left over twice; best fit, which keeps whole rows free
     # for the long pieces that follow
     early = desc < priority

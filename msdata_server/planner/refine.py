@@ -13,6 +13,7 @@ __all__ = ["CARRY_KEEP", "CONSOLIDATE_PASSES", "consolidate", "refine", "trim"]
 REFINE_PARTNERS = 4  # cheapest ranks tried as partners in each refinement pass
 CARRY_KEEP = 1024  # left-over pieces kept as they are; beyond, `consolidate` trades them (state size)
 CONSOLIDATE_RATIO = 8  # a traded placed piece is at least this many times the mean left-over
+CANDIDATES_BY_LENGTH = 8  # consolidate: its candidates from the pieces by length when under 1/8 of them
 CONSOLIDATE_PASSES = 4  # rounds of trading left-over pieces a placement runs (balance.place, stages.place_stages)
 
 
@@ -117,10 +118,7 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     if left.size == 0:
         return False
     lo = CONSOLIDATE_RATIO * float(L[left].mean())
-    ok = (st.rank >= 0) & (lo <= L) & (st.lay.seq_len // 2 >= L)  # (one pass over the pieces, no gathers)
-    if movable is not None:
-        ok &= movable
-    cand = np.flatnonzero(ok[priority:]) + priority
+    cand = _candidates(st, lo, priority, movable)
     if cand.size == 0:
         return False
     key = st.rank[cand] * k + st.slot[cand]
@@ -149,6 +147,24 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     st.trade(cand, left[np.repeat(start, counts) + within], counts, dtok, dcost)
     return True
+
+
+def _candidates(st: Rows, lo: float, priority: int, movable: np.ndarray | None) -> np.ndarray:
+    """The pieces `consolidate` may carry instead: placed, from `priority` on, lo <= length <= seq_len / 2 (and
+    movable), ascending. From the pieces by length (Rows.desc) when few are that long, else one pass over all."""
+    L, half = st.L, st.lay.seq_len // 2
+    if st.desc is not None and movable is None:
+        if st.neg_len is None:
+            st.neg_len = -L[st.desc]  # ascending
+        a = int(np.searchsorted(st.neg_len, -half, side="left"))
+        b = int(np.searchsorted(st.neg_len, -lo, side="right"))
+        if (b - a) * CANDIDATES_BY_LENGTH < L.size:  # (a sort of those beats three passes over every piece)
+            cand = np.sort(st.desc[a:b])
+            return cand[(cand >= priority) & (st.rank[cand] >= 0)]
+    ok = (st.rank >= 0) & (lo <= L) & (half >= L)  # (one pass over the pieces, no gathers)
+    if movable is not None:
+        ok &= movable
+    return np.flatnonzero(ok[priority:]) + priority
 
 
 TRIM_PASSES = 1  # rounds of `trim` (the cap already anticipates the mean it leads to)

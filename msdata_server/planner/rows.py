@@ -81,6 +81,8 @@ class Rows:
         self.capped = False
         self.spread = True
         self.monotone = True  # cost never decreases with length (set by `place`)
+        self.desc: np.ndarray | None = None  # the pieces longest first, ties in order (set by `place`), if known
+        self.neg_len: np.ndarray | None = None  # -L[desc], ascending (refine.consolidate makes it)
 
     def set_cap(self, desc: np.ndarray, tolerance: float | None, base: float = 0.0) -> None:
         """Cap rank costs at (1 + tolerance) x the mean expected if the longest pieces fill the step.

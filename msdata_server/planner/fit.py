@@ -11,13 +11,13 @@ import numpy as np
 __all__ = ["least", "match_tiny", "pair_round", "scan_infeasible"]
 
 ROUND_ROBIN_LOOP = 16  # _round_robin: a loop over up to this many rounds of slots, else one sort
-LEAST_SORT = 256  # least: below this many values, or m over half of them, it sorts them all
+LEAST_SORT = 256  # least: below this many values, or m over 1/16 of them, it sorts them all (np.partition is slow)
 
 
 def least(a: np.ndarray, m: int) -> np.ndarray:
     """np.argsort(a, kind="stable")[:m] of a 1-d float array, without sorting all of it: a partition finds the
     m-th least value, and only the values up to it (the m least and their ties, in index order) are sorted."""
-    if a.size <= LEAST_SORT or 2 * m >= a.size:
+    if a.size <= LEAST_SORT or 16 * m >= a.size:
         return np.argsort(a, kind="stable")[:m]
     if m <= 0:
         return np.zeros(0, np.int64)
@@ -54,12 +54,11 @@ def pair_round(
     else:
         near = int(np.count_nonzero(proj >= proj.max() + delta[:run].min()))
     take = min(run, max(near, floor))
-    if grow:  # the largest raise to the lowest projection
-        by_proj = least(proj, take)
-        return by_proj if every else elig[by_proj]
     by_proj = np.argsort(proj, kind="stable")
     if not every:
         by_proj = elig[by_proj]
+    if grow:  # the largest raise to the lowest projection
+        return by_proj[:take]
     ranks = np.empty(take, np.int64)  # the largest lowering to the highest projection
     ranks[np.argsort(delta[:take], kind="stable")] = by_proj[::-1][:take]
     return ranks

@@ -167,6 +167,7 @@ def _candidates(st: Rows, lo: float, priority: int, movable: np.ndarray | None) 
     return np.flatnonzero(ok[priority:]) + priority
 
 
+COSTLIER = 0.9  # trim's _costlier: the pieces of a rank costing at least this share of its costliest
 TRIM_PASSES = 1  # rounds of `trim` (the cap already anticipates the mean it leads to)
 
 
@@ -247,12 +248,12 @@ def _costlier(
     cand: np.ndarray, r: np.ndarray, c: np.ndarray, excess: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Of the pieces `cand` (ranks `r`, grouped; costs `c`; their rank's `excess`), those that `_cuts` can take
-    when it takes each rank's costliest until they cover the excess: the pieces costing at least half their rank's
-    costliest where those cover it (a few per rank), else all of the rank's. (The sort that follows then orders
-    a few pieces per rank, not all.)"""
+    when it takes each rank's costliest until they cover the excess: the pieces costing at least COSTLIER x their
+    rank's costliest where those cover it (a few per rank), else all of the rank's. (The sort that follows then
+    orders a few pieces per rank, not all.)"""
     first = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
     group = np.repeat(np.arange(first.size), np.diff(np.r_[first, r.size]))
-    high = c >= 0.5 * np.maximum.reduceat(c, first)[group]
+    high = c >= COSTLIER * np.maximum.reduceat(c, first)[group]
     enough = np.add.reduceat(np.where(high, c, 0.0), first) >= excess[first] * (1.0 + 1e-9)  # (margin: rounding)
     keep = high | ~enough[group]
     return cand[keep], r[keep], c[keep], excess[keep]

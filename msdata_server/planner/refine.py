@@ -216,10 +216,9 @@ def _cuts(st: Rows, cand: np.ndarray, cap: float, priority: int) -> np.ndarray:
     """The pieces `trim` carries off the ranks above `cap` (see there); `cand`: the pieces on ranks above a cap
     at most `cap`, grouped by rank, each rank's in index order."""
     mean = float(st.rcost.mean())
-    r = st.rank[cand]
-    ok = (st.rcost[r] > cap * (1.0 + 1e-12)) & (cand >= priority)
-    c = st.c[cand]
-    ok[ok] &= c[ok] <= st.rcost[r[ok]] - mean
+    r, c = st.rank[cand], st.c[cand]
+    rc = st.rcost[r]
+    ok = (rc > cap * (1.0 + 1e-12)) & (cand >= priority) & (c <= rc - mean)
     cand, r, c = cand[ok], r[ok], c[ok]
     if cand.size == 0:
         return cand

@@ -105,15 +105,24 @@ class Rows:
         self.pool_cost -= float(self.c[idx].sum())
         self.pool_tok -= int(self.L[idx].sum())
 
-    def put(self, idx: np.ndarray, ranks: np.ndarray, rate: float, check: bool = True) -> np.ndarray:
+    def put(
+        self,
+        idx: np.ndarray,
+        ranks: np.ndarray,
+        rate: float,
+        check: bool = True,
+        toks: np.ndarray | None = None,
+        c: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Put pieces idx on distinct ranks; returns a mask of the pieces that did not fit (or pass the cap).
 
         Row: the least projected micro-batch of the rank with a row the piece fits (so micro-batches
         balance as ranks do), its tightest such row; without `spread` (the carry-over, placed before
-        the long pieces) simply the tightest row, which keeps whole rows free.
+        the long pieces) simply the tightest row, which keeps whole rows free. `toks`, `c`: the pieces' lengths and
+        costs when the caller has them (else gathered here).
         """
-        toks = self.L[idx]
-        c = self.c[idx]
+        toks = self.L[idx] if toks is None else toks
+        c = self.c[idx] if c is None else c
         bad = np.zeros(idx.size, bool)
         if check:
             bad = self.maxrem[ranks] < toks
@@ -186,11 +195,13 @@ class Rows:
                     continue
             rate = self.pool_cost / self.pool_tok if self.pool_tok > 0 else 0.0
             cand = queue[i : i + elig.size]
-            ranks = pair_round(self.rcost, self.rtok, elig, L[cand], c[cand], rate, floor)
-            idx = cand[: ranks.size]
+            lengths, costs = L[cand], c[cand]
+            ranks = pair_round(self.rcost, self.rtok, elig, lengths, costs, rate, floor)
+            n_put = ranks.size
+            idx = cand[:n_put]
             # ranks were chosen to fit the head; pieces after it are shorter and, when cost grows
             # with length, no costlier, so they fit too
-            failed = self.put(idx, ranks, rate, check=not self.monotone)
+            failed = self.put(idx, ranks, rate, not self.monotone, lengths[:n_put], costs[:n_put])
             if failed.any():
                 retry.append(idx[failed])
             i += ranks.size
@@ -246,12 +257,13 @@ class Rows:
         cap = self.cap if self.capped else None
         # (match_tiny needs their costliest only: the first when cost grows with length, as the queue is longest first)
         costs = self.c[cand[:1]] if self.monotone else self.c[cand]
-        match = match_tiny(self.rem, self.rcost, self.rtok, self.L[cand], costs, cap, self.rate())
+        lengths = self.L[cand]
+        match = match_tiny(self.rem, self.rcost, self.rtok, lengths, costs, cap, self.rate())
         if match is None:
             return None
         got, rows = match
         idx, wait = cand[got], cand[~got]  # (copies: cand is a view of the queue)
-        self._put_rows(idx, rows)
+        self._put_rows(idx, rows, lengths[got])
         at = i + cand.size - wait.size
         queue[at : i + cand.size] = wait
         if idx.size * TAIL_GIVE_UP < queue.size - at:  # a trickle: the room left is on ranks at the cap
@@ -259,12 +271,12 @@ class Rows:
             return queue.size
         return at
 
-    def _put_rows(self, idx: np.ndarray, rows: np.ndarray) -> None:
-        """Put pieces idx into the given flat rows (rank * slots + slot), several per rank and row."""
-        L, c, lay = self.L, self.c, self.lay
+    def _put_rows(self, idx: np.ndarray, rows: np.ndarray, toks: np.ndarray) -> None:
+        """Put pieces idx (lengths `toks`) into the given flat rows (rank * slots + slot), several per rank and row."""
+        lay = self.lay
         k = lay.slots
         ranks, w = np.divmod(rows, k)
-        toks, cc = L[idx], c[idx]
+        cc = self.c[idx]
         # tokens per row, and from them per rank and micro-batch (integers: exact in any order)
         drow = np.bincount(rows, toks, minlength=self.rem.size).astype(np.int64).reshape(lay.dp, k)
         self.rem -= drow

@@ -82,18 +82,21 @@ class Rows:
         self.spread = True
         self.monotone = True  # cost never decreases with length (set by `place`)
         self.desc: np.ndarray | None = None  # the pieces longest first, ties in order (set by `place`), if known
-        self.neg_len: np.ndarray | None = None  # -L[desc], ascending (refine.consolidate makes it)
+        self.neg_len: np.ndarray | None = None  # -L[desc], ascending (set with desc, or refine.consolidate makes it)
 
-    def set_cap(self, desc: np.ndarray, tolerance: float | None, base: float = 0.0) -> None:
+    def set_cap(
+        self, desc: np.ndarray, tolerance: float | None, base: float = 0.0, desc_len: np.ndarray | None = None
+    ) -> None:
         """Cap rank costs at (1 + tolerance) x the mean expected if the longest pieces fill the step.
 
         (Pieces left over are the shortest, so the placed ones are the longest that fit.) `base`: what every
         rank costs besides its pieces (priced padding: pad_cost x its tokens; see cost.priced), which the
-        tolerance applies to as well.
+        tolerance applies to as well. `desc_len`: L[desc], when the caller has it.
         """
         if tolerance is None or desc.size == 0:
             return
-        n = int(np.searchsorted(np.cumsum(self.L[desc]), self.lay.capacity, side="right"))
+        ends = np.cumsum(self.L[desc] if desc_len is None else desc_len)
+        n = int(np.searchsorted(ends, self.lay.capacity, side="right"))
         mean = float(self.c[desc[: max(n, 1)]].sum()) / self.lay.dp
         self.cap = max((mean + base) * (1.0 + tolerance) - base, float(self.c.max()))
         self.capped = True

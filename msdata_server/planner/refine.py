@@ -3,6 +3,8 @@ trades that bound the carry-over (short left-over pieces for fewer long placed o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from .fit import least
@@ -60,21 +62,22 @@ def refine(st: Rows, iters: int) -> None:
         if mine.size == 0:
             return
         done = False
-        for q in least(st.rcost, REFINE_PARTNERS).tolist():
+        cm, lm = c[mine], L[mine]
+        room_r = st.rem[r, st.slot[mine]] + lm  # free in a's row once a leaves
+        for q in _partners(st.rcost):
             gap = top - st.rcost[q]
             if q == r or gap <= 0:
                 break
             # move: a piece of r that fits a row of q, cost closest to gap/2
-            fits = L[mine] <= st.maxrem[q]
-            gain_move = np.where(fits & (c[mine] < gap), np.minimum(c[mine], gap - c[mine]), -1.0)
+            gain_move = np.where((lm <= st.maxrem[q]) & (cm < gap), np.minimum(cm, gap - cm), -1.0)
             theirs = members(q)
             best_swap = -1.0
             if theirs.size:
-                d = c[mine][:, None] - c[theirs][None, :]
-                room_r = st.rem[r, st.slot[mine]] + L[mine]  # free in a's row once a leaves
-                room_q = st.rem[q, st.slot[theirs]] + L[theirs]
+                lt = L[theirs]
+                d = cm[:, None] - c[theirs][None, :]
+                room_q = st.rem[q, st.slot[theirs]] + lt
                 ok = (d > 0) & (d < gap)
-                ok &= (L[theirs][None, :] <= room_r[:, None]) & (L[mine][:, None] <= room_q[None, :])
+                ok &= (lt[None, :] <= room_r[:, None]) & (lm[:, None] <= room_q[None, :])
                 gain = np.where(ok, np.minimum(d, gap - d), -1.0)
                 flat = int(np.argmax(gain))
                 best_swap = float(gain.flat[flat])
@@ -93,6 +96,13 @@ def refine(st: Rows, iters: int) -> None:
             break
         if not done:
             return
+
+
+def _partners(rcost: np.ndarray) -> Iterator[int]:
+    """The REFINE_PARTNERS cheapest ranks, cheapest first (ties by rank): the first by one argmin, the others
+    only when it is passed over (most passes take the cheapest)."""
+    yield int(np.argmin(rcost))
+    yield from least(rcost, REFINE_PARTNERS)[1:].tolist()
 
 
 def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> bool:

@@ -158,7 +158,7 @@ class Rows:
         self.rtok[ranks] -= toks
         self.rcost[ranks] += c
         if self.lay.micro > 1:
-            mi = ranks * self.lay.micro + (self.micro_of[w] if self.lay.rows > 1 else w)
+            mi = ranks * self.lay.micro + self.micro_of[w] if self.lay.rows > 1 else flat  # (a row per micro-batch)
             self.mcost.reshape(-1)[mi] += c
             self.mtok.reshape(-1)[mi] -= toks
         else:

@@ -35,12 +35,6 @@ class RankMembers:
             own = np.concatenate([own, np.array(self.moved[r], np.int64)])
         return own[self.rank[own] == r]
 
-    def of(self, ranks: np.ndarray) -> np.ndarray:
-        """The pieces grouped on `ranks` at the start (ascending ranks; some may have left since: check rank)."""
-        lo, hi = self.bounds[ranks], self.bounds[ranks + 1]
-        n = hi - lo
-        return self.order[np.repeat(lo - np.cumsum(n) + n, n) + np.arange(int(n.sum()))]
-
     def arrived(self, r: int, piece: int) -> None:
         """``piece`` now lies on rank r."""
         self.moved.setdefault(r, []).append(piece)

@@ -18,8 +18,8 @@ from msdata_server.errors import ConfigError
 from msdata_server.planner import Planner
 from msdata_server.planner.balance import Layout, place
 from msdata_server.planner.cost import attention_cost, priced
-from msdata_server.planner.fit import match_tiny
-from msdata_server.planner.refine import refine, trim
+from msdata_server.planner.fit import least, match_tiny
+from msdata_server.planner.refine import COSTLIER, _candidates, _cuts, refine, trim
 from msdata_server.planner.rows import Rows, order_by
 from msdata_server.planner.spec import planner_config
 
@@ -327,3 +327,102 @@ def test_planner_config_checks_pad_cost():
     with pytest.raises(ConfigError, match="is more than beta"):
         config(pad_cost=10.0, beta=5.0)
     assert config(pad_cost=10.0, beta=0.0, cost_fn="tests.test_planner_perf:_job").pad_cost == 10.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(1, 3000), ties=st.booleans(), share=st.floats(0.0, 1.0))
+def test_least_is_the_prefix_of_a_stable_sort(seed, n, ties, share):
+    """fit.least (a partition, then a sort of the least values only): the first m of a stable argsort, ties by
+    index included."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 5, n).astype(float) if ties else rng.random(n)
+    m = int(share * n)
+    np.testing.assert_array_equal(least(a, m), np.argsort(a, kind="stable")[:m])
+
+
+def _cuts_by_sort(rows: Rows, cap: float, priority: int) -> np.ndarray:
+    """refine._cuts as it was written first: every piece of the ranks above `cap`, and one stable sort of all of
+    those that no single piece covers (by rank, costliest first)."""
+    mean = float(rows.rcost.mean())
+    over = np.flatnonzero(rows.rcost > cap * (1.0 + 1e-12))
+    cand = np.flatnonzero(np.isin(rows.rank, over))
+    cand = cand[np.argsort(rows.rank[cand], kind="stable")]
+    r, c = rows.rank[cand], rows.c[cand]
+    ok = (cand >= priority) & (c <= rows.rcost[r] - mean)
+    cand, r, c = cand[ok], r[ok], c[ok]
+    if cand.size == 0:
+        return cand
+    excess = rows.rcost[r] - cap
+    starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
+    group = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, r.size]))
+    cover = np.where(c >= excess, c, np.inf)
+    least_ = np.minimum.reduceat(cover, starts)
+    at = np.minimum.reduceat(np.where(cover == least_[group], np.arange(r.size), r.size), starts)
+    covered = np.isfinite(least_)
+    out = [cand[at[covered]]]
+    short = ~covered[group]
+    if short.any():
+        cs, rs, cc, xs = cand[short], r[short], c[short], excess[short]
+        o = np.argsort(rs * (2.0 * float(cc.max()) + 1.0) - cc, kind="stable")
+        cs, rs, cc, xs = cs[o], rs[o], cc[o], xs[o]
+        before = np.cumsum(cc) - cc
+        first = np.flatnonzero(np.r_[True, rs[1:] != rs[:-1]])
+        before -= np.repeat(before[first], np.diff(np.r_[first, rs.size]))
+        out.append(cs[before < xs])
+    return np.concatenate(out)
+
+
+def _filled(seed: int, dp: int, n: int, seq: int = 8192, skew: bool = False) -> Rows:
+    """Rows filled by the greedy rounds under a 1% cap, or (`skew`) with rank r taking a share of the pieces
+    growing with r (ranks far above the mean, each holding many pieces)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(np.rint(rng.lognormal(4.0 if skew else 6.0, 1.2, n)).astype(np.int64) + 1, seq)
+    rows = Rows(lengths, attention_cost(lengths), Layout(dp=dp, micro=4, rows=1, seq_len=seq))
+    desc = order_by(seq - lengths, seq + 1)
+    rows.desc = desc
+    if skew:
+        share = np.arange(1, dp + 1, dtype=float)
+        assert rows.place_on(np.arange(n), rng.choice(dp, n, p=share / share.sum())).size == 0
+        return rows
+    rows.set_cap(desc, 0.01)
+    rows.greedy(desc)
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("over", [0.0, 0.002, 0.01])
+@pytest.mark.parametrize("skew", [False, True])
+def test_trim_cuts_what_sorting_every_piece_cut(seed, over, skew):
+    """refine._cuts groups only the ranks above the cap and sorts only each rank's costlier pieces (within
+    COSTLIER of its costliest, or all of a rank's where those fall short of its excess): the same pieces as
+    sorting all of them, from caps that one piece covers per rank to ranks far above the cap (`skew`)."""
+    rows = _filled(seed, dp=48, n=6000, skew=skew)
+    cap = float(rows.rcost.mean()) * (1.0 + over)
+    grouped = np.flatnonzero(np.r_[False, rows.rcost > cap * (1.0 + 1e-12)][rows.rank + 1])
+    grouped = grouped[order_by(rows.rank[grouped], rows.lay.dp)]
+    for priority in (0, 500):
+        want = _cuts_by_sort(rows, cap, priority)
+        got = _cuts(rows, grouped, cap, priority)
+        np.testing.assert_array_equal(np.sort(got), np.sort(want))
+    if skew:  # some rank's pieces within COSTLIER of its costliest do not cover its excess: the fallback ran
+        mean = float(rows.rcost.mean())
+        short = 0
+        for r in np.flatnonzero(rows.rcost > cap):
+            c = rows.c[(rows.rank == r) & (rows.c <= rows.rcost[r] - mean)]
+            short += bool(c.size) and c[c >= COSTLIER * c.max()].sum() < rows.rcost[r] - cap
+        assert short > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_consolidate_candidates_by_length_are_the_one_pass_ones(seed):
+    """refine._candidates from the pieces by length (when few are that long) lists what one pass over every piece
+    lists: the placed ones from `priority` on with lo <= length <= seq_len / 2, ascending."""
+    rows = _filled(seed, dp=64, n=2500)
+    rows.carry(np.flatnonzero(rows.rank >= 0)[::7])  # some placed pieces of every length left over
+    half = rows.lay.seq_len // 2
+    lengths = np.sort(rows.L[half >= rows.L])  # (and lengths that pieces have: the bounds are inclusive)
+    for lo in (1.0, 50.0, 2500.5, float(half), half + 1.0, *(float(lengths[-j]) for j in (1, 30, 200, 600))):
+        for priority in (0, 1000):
+            ok = (rows.rank >= 0) & (lo <= rows.L) & (half >= rows.L)
+            want = np.flatnonzero(ok[priority:]) + priority
+            np.testing.assert_array_equal(_candidates(rows, lo, priority, None), want)

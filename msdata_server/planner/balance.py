@@ -139,8 +139,10 @@ def _fill(
     st = Rows(lengths, costs, layout)
     n = lengths.size
     desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
-    st.set_cap(desc, tolerance, base)
+    desc_len = lengths[desc]
+    st.set_cap(desc, tolerance, base, desc_len)
     st.monotone = bool(np.all(np.diff(costs[desc]) <= 0))
+    st.desc, st.neg_len = desc, -desc_len  # (for refine.consolidate)
     # carry-over first, so that no piece is left over twice; best fit, which keeps whole rows free
     # for the long pieces that follow
     early = desc < priority

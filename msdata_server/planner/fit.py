@@ -8,9 +8,21 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["match_tiny", "pair_round", "scan_infeasible"]
+__all__ = ["least", "match_tiny", "pair_round", "scan_infeasible"]
 
 ROUND_ROBIN_LOOP = 16  # _round_robin: a loop over up to this many rounds of slots, else one sort
+LEAST_SORT = 256  # least: below this many values, or m over 1/16 of them, it sorts them all (np.partition is slow)
+
+
+def least(a: np.ndarray, m: int) -> np.ndarray:
+    """np.argsort(a, kind="stable")[:m] of a 1-d float array, without sorting all of it: a partition finds the
+    m-th least value, and only the values up to it (the m least and their ties, in index order) are sorted."""
+    if a.size <= LEAST_SORT or 16 * m >= a.size:
+        return np.argsort(a, kind="stable")[:m]
+    if m <= 0:
+        return np.zeros(0, np.int64)
+    sel = np.flatnonzero(a <= np.partition(a, m - 1)[m - 1])
+    return sel[np.argsort(a[sel], kind="stable")[:m]]
 
 
 def pair_round(
@@ -63,13 +75,13 @@ def match_tiny(
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Match tiny pieces (longest first) to rows, many per rank and row; (placed mask, flat row of each placed).
 
-    `rem` [dp, slots] free tokens, `rcost`/`rtok` per rank, `cap` the rank cost cap (None: uncapped),
-    `rate` the cost per token of what is left. Each row's free tokens are cut into slots the size of
-    the longest piece here, plus one slot for the remainder. Slots are dealt round-robin over rows
-    (the first slot of every row, then the second, ...; lower projected ranks first), remainders
-    last, roomiest first, and the pieces matched to them greedily: a piece takes the roomiest unused
-    slot if it fits, else waits for the next round. A rank near the cap offers no more slots than the
-    costliest of these pieces fits under it. None: no piece fits.
+    `rem` [dp, slots] free tokens, `rcost`/`rtok` per rank, `cap` the rank cost cap (None: uncapped), `costs`
+    the pieces' costs (only their maximum counts), `rate` the cost per token of what is left. Each row's free
+    tokens are cut into slots the size of the longest piece here, plus one slot for the remainder. Slots are
+    dealt round-robin over rows (the first slot of every row, then the second, ...; lower projected ranks
+    first), remainders last, roomiest first, and the pieces matched to them greedily: a piece takes the
+    roomiest unused slot if it fits, else waits for the next round. A rank near the cap offers no more slots
+    than the costliest of these pieces fits under it. None: no piece fits.
     """
     k = rem.shape[1]
     size = int(lengths[0])
@@ -95,7 +107,10 @@ def match_tiny(
     tail_size = rem.reshape(-1)[rows[tail]] % size
     o = np.lexsort((tail, full[tail], -tail_size))  # (rows here are few: one remainder each)
     tail, tail_size = tail[o], tail_size[o]
-    fits = n_full + np.searchsorted(-tail_size, -lengths, side="right")  # slots with room for each piece
+    # slots with room for each piece: the full ones and the remainders at least as long (a table by length: the
+    # lengths are at most `size`, and a searchsorted of every piece was several times slower)
+    at_least = np.cumsum(np.bincount(tail_size, minlength=size + 1)[::-1])[::-1]
+    fits = n_full + at_least[lengths]
     n = np.arange(lengths.size)
     matched = np.minimum(n + 1, np.minimum.accumulate(fits - n) + n)  # greedy matches so far
     got = np.diff(matched, prepend=0) > 0

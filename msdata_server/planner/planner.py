@@ -403,32 +403,31 @@ class Planner:
         n_left = int(np.count_nonzero(left))
         idx, gone = order[: order.size - n_left], order[order.size - n_left :]  # (gone: in arrival order)
         row_key = key[idx]  # rank * slots + slot = (rank * micro_batches + micro) * rows + row, ascending
-        rank, slot = p.rank[idx], p.slot[idx]
-        micro = slot // cfg.rows
         bounds = np.searchsorted(row_key, np.arange(cfg.dp * cfg.micro_batches + 1) * cfg.rows).astype(np.int64)
+        rank, micro = _runs(bounds, cfg.dp, cfg.micro_batches)
         placed, kept = np.take(pool, idx, axis=0), np.take(pool, gone, axis=0)  # in plan order; left over
         src_i, ords_i, off_i, lens_i = (placed[:, j] for j in range(4))
         per_source, started = _placed_by_source(carry, kept, taken - pos.taken, drawn)
         counts["started"] += started
         rank_cost, micro_cost, stages = p.rank_cost, p.micro_cost, dict[str, Any]()
         # a placed piece's least rank cost (the lower bound's): its priced cost plus the rank's priced tokens
-        costs = priced(costs[idx], lens_i, cfg.pad_cost) + cfg.pad_cost * cfg.layout.slots * cfg.seq_len
+        costs = priced(costs, lens, cfg.pad_cost) + cfg.pad_cost * cfg.layout.slots * cfg.seq_len
         if enc is not None:
             rank_cost, micro_cost, stages = _two_stages(p.rank_cost, p.micro_cost, enc[idx], rank, micro)
-            costs = costs + enc[idx]
+            costs = costs + enc
         mean = float(rank_cost.sum()) / cfg.dp
         carry_src, carry_ords = kept[:, 0].astype(np.int32), np.ascontiguousarray(kept[:, 1])
         last = _last_pieces(src_i, ords_i, off_i, lens_i, carry_src, carry_ords, cfg.seq_len)
-        lower = max(mean, float(costs.max()) if idx.size else 0.0)
+        lower = max(mean, float(costs.max(where=~left, initial=-np.inf)) if idx.size else 0.0)
         plan = StepPlan(
             step=pos.step,
             source=src_i.astype(np.int32, copy=False),
             ordinal=np.ascontiguousarray(ords_i),
             offset=off_i.astype(np.int32),
             length=lens_i.astype(np.int32),
-            group=rank.astype(np.int32),
-            micro=micro.astype(np.int32),
-            row=(slot % cfg.rows).astype(np.int32) if cfg.rows > 1 else np.zeros(idx.size, np.int32),
+            group=rank,
+            micro=micro,
+            row=(row_key % cfg.rows).astype(np.int32) if cfg.rows > 1 else np.zeros(idx.size, np.int32),
             last=last,
             stats=PlanStats(
                 cost=rank_cost,
@@ -470,6 +469,13 @@ class Planner:
             pending=pos.pending if pos.pending is not None and pos.pending.start > pos.step else None,  # a replay
         )
         return pos.deferred.translate(plan) if pos.deferred else plan
+
+
+def _runs(bounds: np.ndarray, dp: int, micro_batches: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each placed piece's rank and micro-batch (int32) from StepPlan.bounds, the runs of (rank, micro-batch) in
+    plan order: no gathers of the pieces' placements."""
+    rank = np.repeat(np.arange(dp, dtype=np.int32), np.diff(bounds[::micro_batches]))
+    return rank, np.repeat(np.tile(np.arange(micro_batches, dtype=np.int32), dp), np.diff(bounds))
 
 
 def _placed_by_source(

@@ -3,8 +3,11 @@ trades that bound the carry-over (short left-over pieces for fewer long placed o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
+from .fit import least
 from .rows import Rows, order_by
 
 __all__ = ["CARRY_KEEP", "CONSOLIDATE_PASSES", "consolidate", "refine", "trim"]
@@ -12,6 +15,7 @@ __all__ = ["CARRY_KEEP", "CONSOLIDATE_PASSES", "consolidate", "refine", "trim"]
 REFINE_PARTNERS = 4  # cheapest ranks tried as partners in each refinement pass
 CARRY_KEEP = 1024  # left-over pieces kept as they are; beyond, `consolidate` trades them (state size)
 CONSOLIDATE_RATIO = 8  # a traded placed piece is at least this many times the mean left-over
+CANDIDATES_BY_LENGTH = 8  # consolidate: its candidates from the pieces by length when under 1/8 of them
 CONSOLIDATE_PASSES = 4  # rounds of trading left-over pieces a placement runs (balance.place, stages.place_stages)
 
 
@@ -30,12 +34,6 @@ class RankMembers:
         if r in self.moved:
             own = np.concatenate([own, np.array(self.moved[r], np.int64)])
         return own[self.rank[own] == r]
-
-    def of(self, ranks: np.ndarray) -> np.ndarray:
-        """The pieces grouped on `ranks` at the start (ascending ranks; some may have left since: check rank)."""
-        lo, hi = self.bounds[ranks], self.bounds[ranks + 1]
-        n = hi - lo
-        return self.order[np.repeat(lo - np.cumsum(n) + n, n) + np.arange(int(n.sum()))]
 
     def arrived(self, r: int, piece: int) -> None:
         """``piece`` now lies on rank r."""
@@ -58,21 +56,22 @@ def refine(st: Rows, iters: int) -> None:
         if mine.size == 0:
             return
         done = False
-        for q in np.argsort(st.rcost, kind="stable")[:REFINE_PARTNERS].tolist():
+        cm, lm = c[mine], L[mine]
+        room_r = st.rem[r, st.slot[mine]] + lm  # free in a's row once a leaves
+        for q in _partners(st.rcost):
             gap = top - st.rcost[q]
             if q == r or gap <= 0:
                 break
             # move: a piece of r that fits a row of q, cost closest to gap/2
-            fits = L[mine] <= st.maxrem[q]
-            gain_move = np.where(fits & (c[mine] < gap), np.minimum(c[mine], gap - c[mine]), -1.0)
+            gain_move = np.where((lm <= st.maxrem[q]) & (cm < gap), np.minimum(cm, gap - cm), -1.0)
             theirs = members(q)
             best_swap = -1.0
             if theirs.size:
-                d = c[mine][:, None] - c[theirs][None, :]
-                room_r = st.rem[r, st.slot[mine]] + L[mine]  # free in a's row once a leaves
-                room_q = st.rem[q, st.slot[theirs]] + L[theirs]
+                lt = L[theirs]
+                d = cm[:, None] - c[theirs][None, :]
+                room_q = st.rem[q, st.slot[theirs]] + lt
                 ok = (d > 0) & (d < gap)
-                ok &= (L[theirs][None, :] <= room_r[:, None]) & (L[mine][:, None] <= room_q[None, :])
+                ok &= (lt[None, :] <= room_r[:, None]) & (lm[:, None] <= room_q[None, :])
                 gain = np.where(ok, np.minimum(d, gap - d), -1.0)
                 flat = int(np.argmax(gain))
                 best_swap = float(gain.flat[flat])
@@ -91,6 +90,13 @@ def refine(st: Rows, iters: int) -> None:
             break
         if not done:
             return
+
+
+def _partners(rcost: np.ndarray) -> Iterator[int]:
+    """The REFINE_PARTNERS cheapest ranks, cheapest first (ties by rank): the first by one argmin, the others
+    only when it is passed over (most passes take the cheapest)."""
+    yield int(np.argmin(rcost))
+    yield from least(rcost, REFINE_PARTNERS)[1:].tolist()
 
 
 def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> bool:
@@ -116,19 +122,16 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     if left.size == 0:
         return False
     lo = CONSOLIDATE_RATIO * float(L[left].mean())
-    ok = (st.rank >= 0) & (lo <= L) & (st.lay.seq_len // 2 >= L)  # (one pass over the pieces, no gathers)
-    if movable is not None:
-        ok &= movable
-    cand = np.flatnonzero(ok[priority:]) + priority
+    cand = _candidates(st, lo, priority, movable)
     if cand.size == 0:
         return False
+    key = st.rank[cand] * k + st.slot[cand]
+    o = order_by(key, st.lay.dp * k)  # stable: each row's first candidate (least index) leads its group
+    cand = cand[o[np.flatnonzero(np.diff(key[o], prepend=-1))]]  # one per row
     heavy_first = np.empty(st.lay.dp, np.int64)
     heavy_first[np.argsort(-st.rcost, kind="stable")] = np.arange(st.lay.dp)
-    cand = cand[order_by(heavy_first[st.rank[cand]], st.lay.dp)]  # costliest ranks first
-    key = st.rank[cand] * k + st.slot[cand]
-    o = order_by(key, st.lay.dp * k)  # stable: each row's first candidate leads its group
-    first = o[np.flatnonzero(np.diff(key[o], prepend=-1))]
-    cand = cand[np.sort(first)]  # one per row, in the order above
+    # costliest ranks first, then by index: the rows' firsts only, not every candidate (a few per row)
+    cand = cand[np.argsort(heavy_first[st.rank[cand]] * st.L.size + cand, kind="stable")]
     ends = np.cumsum(L[left])
     cost_ends = np.concatenate([[0.0], np.cumsum(c[left])])
     stop = np.searchsorted(ends, np.cumsum(L[cand]), side="left") + 1  # chunk j: left[start_j:stop_j]
@@ -150,6 +153,25 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     return True
 
 
+def _candidates(st: Rows, lo: float, priority: int, movable: np.ndarray | None) -> np.ndarray:
+    """The pieces `consolidate` may carry instead: placed, from `priority` on, lo <= length <= seq_len / 2 (and
+    movable), ascending. From the pieces by length (Rows.desc) when few are that long, else one pass over all."""
+    L, half = st.L, st.lay.seq_len // 2
+    if st.desc is not None and movable is None:
+        if st.neg_len is None:
+            st.neg_len = -L[st.desc]  # ascending
+        a = int(np.searchsorted(st.neg_len, -half, side="left"))
+        b = int(np.searchsorted(st.neg_len, -lo, side="right"))
+        if (b - a) * CANDIDATES_BY_LENGTH < L.size:  # (a sort of those beats three passes over every piece)
+            cand = np.sort(st.desc[a:b])
+            return cand[(cand >= priority) & (st.rank[cand] >= 0)]
+    ok = (st.rank >= 0) & (lo <= L) & (half >= L)  # (one pass over the pieces, no gathers)
+    if movable is not None:
+        ok &= movable
+    return np.flatnonzero(ok[priority:]) + priority
+
+
+COSTLIER = 0.9  # trim's _costlier: the pieces of a rank costing at least this share of its costliest
 TRIM_PASSES = 1  # rounds of `trim` (the cap already anticipates the mean it leads to)
 
 
@@ -174,32 +196,33 @@ def trim(st: Rows, tolerance: float, base: float, priority: int) -> float:
     rank's cost besides its pieces (priced padding). Vectorised over the ranks; TRIM_PASSES passes at most.
     Returns the cap it held the ranks to (the placements after it keep to it).
     """
-    members = None
     for _ in range(TRIM_PASSES):
         cap = _trim_cap(st.rcost, tolerance, base)
-        if not (st.rcost > cap * (1.0 + 1e-12)).any():
+        over = st.rcost > cap * (1.0 + 1e-12)
+        if not over.any():
             break
-        if members is None:
-            members = RankMembers(st.rank, st.lay.dp)  # (pieces only leave ranks here: no arrivals to track)
-        out = _cuts(st, members, cap, priority)
+        # the pieces on the ranks above, grouped by rank (ascending), each rank's in index order: one pass over
+        # the pieces and a sort of those (no grouping of every rank; pieces only leave ranks here)
+        cand = np.flatnonzero(np.r_[False, over][st.rank + 1])
+        cand = cand[order_by(st.rank[cand], st.lay.dp)]
+        out = _cuts(st, cand, cap, priority)
         rest = st.rcost - np.bincount(st.rank[out], st.c[out], minlength=st.lay.dp)
         if float(rest.max()) > cap * (1.0 + 1e-12):  # a rank stays above: the others need not go below it
             cap = float(rest.max())
-            out = _cuts(st, members, cap, priority)
+            out = _cuts(st, cand, cap, priority)
         if out.size == 0:
             break
         st.carry(out)
     return max(_trim_cap(st.rcost, tolerance, base), float(st.rcost.max()))
 
 
-def _cuts(st: Rows, members: RankMembers, cap: float, priority: int) -> np.ndarray:
-    """The pieces `trim` carries off the ranks above `cap` (see there)."""
+def _cuts(st: Rows, cand: np.ndarray, cap: float, priority: int) -> np.ndarray:
+    """The pieces `trim` carries off the ranks above `cap` (see there); `cand`: the pieces on ranks above a cap
+    at most `cap`, grouped by rank, each rank's in index order."""
     mean = float(st.rcost.mean())
-    over = np.flatnonzero(st.rcost > cap * (1.0 + 1e-12))
-    cand = members.of(over)  # grouped by rank, each rank's in index order
     r, c = st.rank[cand], st.c[cand]
-    ok = (r >= 0) & (cand >= priority)
-    ok[ok] &= c[ok] <= st.rcost[r[ok]] - mean
+    rc = st.rcost[r]
+    ok = (rc > cap * (1.0 + 1e-12)) & (cand >= priority) & (c <= rc - mean)
     cand, r, c = cand[ok], r[ok], c[ok]
     if cand.size == 0:
         return cand
@@ -213,7 +236,7 @@ def _cuts(st: Rows, members: RankMembers, cap: float, priority: int) -> np.ndarr
     out = [cand[at[covered]]]
     short = ~covered[group]  # no piece covers: the costliest pieces, until they do
     if short.any():
-        cs, rs, cc, xs = cand[short], r[short], c[short], excess[short]
+        cs, rs, cc, xs = _costlier(cand[short], r[short], c[short], excess[short])
         # by rank, costliest first: one stable sort of a float key (rank apart by more than any cost; 3x a lexsort)
         o = np.argsort(rs * (2.0 * float(cc.max()) + 1.0) - cc, kind="stable")
         cs, rs, cc, xs = cs[o], rs[o], cc[o], xs[o]
@@ -222,3 +245,18 @@ def _cuts(st: Rows, members: RankMembers, cap: float, priority: int) -> np.ndarr
         before -= np.repeat(before[first], np.diff(np.r_[first, rs.size]))
         out.append(cs[before < xs])
     return np.concatenate(out)
+
+
+def _costlier(
+    cand: np.ndarray, r: np.ndarray, c: np.ndarray, excess: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Of the pieces `cand` (ranks `r`, grouped; costs `c`; their rank's `excess`), those that `_cuts` can take
+    when it takes each rank's costliest until they cover the excess: the pieces costing at least COSTLIER x their
+    rank's costliest where those cover it (a few per rank), else all of the rank's. (The sort that follows then
+    orders a few pieces per rank, not all.)"""
+    first = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
+    group = np.repeat(np.arange(first.size), np.diff(np.r_[first, r.size]))
+    high = c >= COSTLIER * np.maximum.reduceat(c, first)[group]
+    enough = np.add.reduceat(np.where(high, c, 0.0), first) >= excess[first] * (1.0 + 1e-9)  # (margin: rounding)
+    keep = high | ~enough[group]
+    return cand[keep], r[keep], c[keep], excess[keep]

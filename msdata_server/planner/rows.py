@@ -81,17 +81,22 @@ class Rows:
         self.capped = False
         self.spread = True
         self.monotone = True  # cost never decreases with length (set by `place`)
+        self.desc: np.ndarray | None = None  # the pieces longest first, ties in order (set by `place`), if known
+        self.neg_len: np.ndarray | None = None  # -L[desc], ascending (set with desc, or refine.consolidate makes it)
 
-    def set_cap(self, desc: np.ndarray, tolerance: float | None, base: float = 0.0) -> None:
+    def set_cap(
+        self, desc: np.ndarray, tolerance: float | None, base: float = 0.0, desc_len: np.ndarray | None = None
+    ) -> None:
         """Cap rank costs at (1 + tolerance) x the mean expected if the longest pieces fill the step.
 
         (Pieces left over are the shortest, so the placed ones are the longest that fit.) `base`: what every
         rank costs besides its pieces (priced padding: pad_cost x its tokens; see cost.priced), which the
-        tolerance applies to as well.
+        tolerance applies to as well. `desc_len`: L[desc], when the caller has it.
         """
         if tolerance is None or desc.size == 0:
             return
-        n = int(np.searchsorted(np.cumsum(self.L[desc]), self.lay.capacity, side="right"))
+        ends = np.cumsum(self.L[desc] if desc_len is None else desc_len)
+        n = int(np.searchsorted(ends, self.lay.capacity, side="right"))
         mean = float(self.c[desc[: max(n, 1)]].sum()) / self.lay.dp
         self.cap = max((mean + base) * (1.0 + tolerance) - base, float(self.c.max()))
         self.capped = True
@@ -103,15 +108,24 @@ class Rows:
         self.pool_cost -= float(self.c[idx].sum())
         self.pool_tok -= int(self.L[idx].sum())
 
-    def put(self, idx: np.ndarray, ranks: np.ndarray, rate: float, check: bool = True) -> np.ndarray:
+    def put(
+        self,
+        idx: np.ndarray,
+        ranks: np.ndarray,
+        rate: float,
+        check: bool = True,
+        toks: np.ndarray | None = None,
+        c: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Put pieces idx on distinct ranks; returns a mask of the pieces that did not fit (or pass the cap).
 
         Row: the least projected micro-batch of the rank with a row the piece fits (so micro-batches
         balance as ranks do), its tightest such row; without `spread` (the carry-over, placed before
-        the long pieces) simply the tightest row, which keeps whole rows free.
+        the long pieces) simply the tightest row, which keeps whole rows free. `toks`, `c`: the pieces' lengths and
+        costs when the caller has them (else gathered here).
         """
-        toks = self.L[idx]
-        c = self.c[idx]
+        toks = self.L[idx] if toks is None else toks
+        c = self.c[idx] if c is None else c
         bad = np.zeros(idx.size, bool)
         if check:
             bad = self.maxrem[ranks] < toks
@@ -144,7 +158,7 @@ class Rows:
         self.rtok[ranks] -= toks
         self.rcost[ranks] += c
         if self.lay.micro > 1:
-            mi = ranks * self.lay.micro + (self.micro_of[w] if self.lay.rows > 1 else w)
+            mi = ranks * self.lay.micro + self.micro_of[w] if self.lay.rows > 1 else flat  # (a row per micro-batch)
             self.mcost.reshape(-1)[mi] += c
             self.mtok.reshape(-1)[mi] -= toks
         else:
@@ -184,11 +198,13 @@ class Rows:
                     continue
             rate = self.pool_cost / self.pool_tok if self.pool_tok > 0 else 0.0
             cand = queue[i : i + elig.size]
-            ranks = pair_round(self.rcost, self.rtok, elig, L[cand], c[cand], rate, floor)
-            idx = cand[: ranks.size]
+            lengths, costs = L[cand], c[cand]
+            ranks = pair_round(self.rcost, self.rtok, elig, lengths, costs, rate, floor)
+            n_put = ranks.size
+            idx = cand[:n_put]
             # ranks were chosen to fit the head; pieces after it are shorter and, when cost grows
             # with length, no costlier, so they fit too
-            failed = self.put(idx, ranks, rate, check=not self.monotone)
+            failed = self.put(idx, ranks, rate, not self.monotone, lengths[:n_put], costs[:n_put])
             if failed.any():
                 retry.append(idx[failed])
             i += ranks.size
@@ -242,12 +258,15 @@ class Rows:
         """
         cand = queue[i : i + 4 * self.lay.dp * self.lay.slots]
         cap = self.cap if self.capped else None
-        match = match_tiny(self.rem, self.rcost, self.rtok, self.L[cand], self.c[cand], cap, self.rate())
+        # (match_tiny needs their costliest only: the first when cost grows with length, as the queue is longest first)
+        costs = self.c[cand[:1]] if self.monotone else self.c[cand]
+        lengths = self.L[cand]
+        match = match_tiny(self.rem, self.rcost, self.rtok, lengths, costs, cap, self.rate())
         if match is None:
             return None
         got, rows = match
         idx, wait = cand[got], cand[~got]  # (copies: cand is a view of the queue)
-        self._put_rows(idx, rows)
+        self._put_rows(idx, rows, lengths[got])
         at = i + cand.size - wait.size
         queue[at : i + cand.size] = wait
         if idx.size * TAIL_GIVE_UP < queue.size - at:  # a trickle: the room left is on ranks at the cap
@@ -255,12 +274,12 @@ class Rows:
             return queue.size
         return at
 
-    def _put_rows(self, idx: np.ndarray, rows: np.ndarray) -> None:
-        """Put pieces idx into the given flat rows (rank * slots + slot), several per rank and row."""
-        L, c, lay = self.L, self.c, self.lay
+    def _put_rows(self, idx: np.ndarray, rows: np.ndarray, toks: np.ndarray) -> None:
+        """Put pieces idx (lengths `toks`) into the given flat rows (rank * slots + slot), several per rank and row."""
+        lay = self.lay
         k = lay.slots
-        ranks, w = rows // k, rows % k
-        toks, cc = L[idx], c[idx]
+        ranks, w = np.divmod(rows, k)
+        cc = self.c[idx]
         # tokens per row, and from them per rank and micro-batch (integers: exact in any order)
         drow = np.bincount(rows, toks, minlength=self.rem.size).astype(np.int64).reshape(lay.dp, k)
         self.rem -= drow
@@ -270,7 +289,7 @@ class Rows:
         self.maxrem[touched] = row_max(np.take(self.rem, touched, axis=0))
         self.rtok -= drank
         self.rcost += np.bincount(ranks, cc, minlength=lay.dp)
-        mi = ranks * lay.micro + self.micro_of[w]
+        mi = ranks * lay.micro + self.micro_of[w] if lay.rows > 1 else rows  # (a row per micro-batch: the row)
         self.mcost += np.bincount(mi, cc, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
         self.mtok -= dmicro
         self.rank[idx] = ranks

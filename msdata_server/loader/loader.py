@@ -130,6 +130,8 @@ class SourceLoader:
         self._counts = ReadCounts(source)
         self._idle = asyncio.Event()  # no batch in flight (set until the first is scheduled)
         self._idle.set()
+        if self._budget is not None:  # counted from now: a job's loaders all count before the first starts
+            self._budget.join(self)
 
     @property
     def own_readahead(self) -> tuple[int | None, int | None]:
@@ -188,8 +190,6 @@ class SourceLoader:
         if self._started:
             return
         self._started = True
-        if self._budget is not None:
-            self._budget.join(self)
         self._pump()
 
     async def wait_idle(self) -> None:

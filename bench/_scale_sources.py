@@ -212,7 +212,8 @@ def run_case(tag: str, sources: list[tuple[str, str, list[str]]], work: Path, ba
     rank = None
     try:
         assert server.stdout is not None
-        line = server.stdout.readline()
+        while (line := server.stdout.readline()) and b'"ready"' not in line:
+            pass  # lines before the ready event (a profiler's, when the server runs under one)
         if b'"ready"' not in line:
             raise RuntimeError(f"server did not start: {(d / 'server.log').read_text()[-3000:]}")
         rank = subprocess.Popen(

@@ -424,7 +424,7 @@ class SourceLoader:
             readahead=self.readahead,
             readahead_bytes=self.readahead_bytes,
             memory={"read_ahead": self._buf.memory, **self.source.memory()},
-            open_files=self.source.statistics().open_files,
+            open_files=self.source.open_files(),
         )
 
     def asked_from(self, ordinal: int) -> int:

@@ -242,6 +242,10 @@ class Source:
     def _handles_bytes(self) -> int:
         return 0
 
+    def open_files(self) -> int:
+        """Handles this source holds open now (cheap: status asks every second for every source)."""
+        return self._files_info()[2]
+
     def _decoded_bytes(self) -> int:
         return 0
 
@@ -507,8 +511,12 @@ class FileSource(Source):
         return Fd(path)
 
     def keep_open(self, f: int, handle: Any) -> None:
-        """Put a handle opened while scanning into the cache."""
-        self._handles.put(f, handle)
+        """Put a handle opened while scanning into the cache, if the node's LRU has room (else close it: at 1,024
+        sources, keeping it would only close another source's)."""
+        if len(self._handles.lru) < self._handles.lru.limit:
+            self._handles.put(f, handle)
+        else:
+            self._close(handle)
 
     def handle(self, f: int) -> Any:
         """The open handle of file f (opened on demand, least recently used closed beyond max_open)."""

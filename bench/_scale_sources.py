@@ -13,7 +13,9 @@ and indexed, the planner reads lengths, the first batch is built), and, once the
 loader is idle, the PSS (/proc/PID/smaps_rollup, ``msdata_server.ops.memory``) summed over the server and its pool
 processes, with the server's own per-source breakdown (``status --json``: ``sources[...].memory``). Keys:
 ``per_source_kib_s1024`` = (PSS at S = 1,024 - PSS at S = 64) / 960, ``first_batch_s_s1024``,
-``first_batch_s_files100k``, ``pss_mib_s64``, ``pss_mib_s1024``, ``pss_mib_files100k`` and the breakdowns.
+``first_batch_s_files100k``, ``per_source_kib_uss_s1024`` (the same from USS, private memory, which other
+processes on the machine mapping the same libraries do not move), ``server_cpu_s_*`` (the server tree's CPU
+seconds up to the first batch), ``pss_mib_s64``, ``pss_mib_s1024``, ``pss_mib_files100k`` and the breakdowns.
 """
 
 from __future__ import annotations
@@ -232,7 +234,9 @@ def run_case(tag: str, sources: list[tuple[str, str, list[str]]], work: Path, ba
         first = json.loads(got)["first_batch_s"]
         cpu = _cpu_s(_tree(server.pid))  # after the rank's batches: the job's start, its first reads and plans
         status = _loaders_idle(endpoint)
-        pss = max(sum(proc_memory(p)["pss"] for p in _tree(server.pid)) for _ in range(3))
+        mems = [[proc_memory(p) for p in _tree(server.pid)] for _ in range(3)]
+        pss = max(sum(m["pss"] for m in ms) for ms in mems)
+        uss = max(sum(m["uss"] for m in ms) for ms in mems)  # private: what other processes' sharing cannot move
         rank.stdin.write("\n")
         rank.stdin.flush()
         rank.wait(60)
@@ -240,11 +244,12 @@ def run_case(tag: str, sources: list[tuple[str, str, list[str]]], work: Path, ba
             "first_batch_s": round(first, 3),
             "cpu_s": round(cpu, 2),
             "pss_bytes": pss,
+            "uss_bytes": uss,
             "breakdown": _breakdown(status),
         }
         say(
-            f"  [{tag}] first batch {first:.2f} s (server CPU {cpu:.1f} s by then), server PSS {pss / MIB:.1f} MiB, "
-            f"load {os.getloadavg()[0]:.1f}, {out['breakdown']}"
+            f"  [{tag}] first batch {first:.2f} s (server CPU {cpu:.1f} s by then), server PSS {pss / MIB:.1f} MiB "
+            f"(USS {uss / MIB:.1f}), load {os.getloadavg()[0]:.1f}, {out['breakdown']}"
         )
         return out
     finally:
@@ -276,10 +281,12 @@ def scale_sources(size: str = "quick") -> dict:
         say(f"  wrote {nfiles} files in {gen_s:.1f} s")
         many = run_case(f"files={nfiles}", [("many", "jsonl", [str(work / "many" / "*" / "*.jsonl")])], work, batches)
         per = (res[large]["pss_bytes"] - res[small]["pss_bytes"]) / (large - small) / 1024
+        per_uss = (res[large]["uss_bytes"] - res[small]["uss_bytes"]) / (large - small) / 1024
         return {
             "per_source_kib_s1024": round(per, 1),
             "first_batch_s_s1024": res[large]["first_batch_s"],
             "first_batch_s_files100k": many["first_batch_s"],
+            "per_source_kib_uss_s1024": round(per_uss, 1),
             "pss_mib_s64": round(res[small]["pss_bytes"] / MIB, 1),
             "pss_mib_s1024": round(res[large]["pss_bytes"] / MIB, 1),
             "pss_mib_files100k": round(many["pss_bytes"] / MIB, 1),

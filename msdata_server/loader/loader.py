@@ -159,9 +159,17 @@ class SourceLoader:
         self._pump()
 
     def follow_plans(self) -> None:
-        """Keep payloads only up to ``readahead`` samples past what ``planned_to`` says is planned (module doc)."""
+        """Keep payloads only up to ``readahead`` samples past what ``planned_to`` says is planned (module doc),
+        and read the first batch now whatever the read-ahead: the planner asks every source it draws from for at
+        least a batch of lengths at its first step, one source after another (1,024 sources: 1,024 reads in a
+        row, unless they are under way together); only ``readahead`` of its payloads are held."""
         if self._planned is None:
             self._planned = -1
+            if self._started and not self._closed and self._inflight == 0 and not self._buf.batches:
+                b = self._part.global_batch(self._cursor)
+                if self._end is None or b < self._end:
+                    self._cursor += 1
+                    self._schedule(b)
 
     def planned_to(self, ordinal: int) -> None:
         """Ordinals of this source up to ``ordinal`` are planned (their payloads will be fetched)."""

@@ -11,9 +11,11 @@ and a released batch asked for again is read again (reads are deterministic). A 
 ``readahead`` takes its share of the node's budget (``budget.py``): both bounds shrink as loaders are added.
 
 Plans followed (``follow_plans``, the single-node jobs): a loader told how far the plans reach (``planned_to``)
-keeps the payloads of samples up to ``readahead`` past that point and only the lengths of those beyond (the
-planner reads lengths far ahead of what it plans: at 1,024 sources, 64 per source); such a sample asked for
-later is read again with the next ``readahead`` samples (``_refill``).
+whose read-ahead is less than a batch (a node of more than 64 sources) keeps the payloads of samples up to
+``readahead`` past that point and only the lengths of those beyond (the planner reads at least a batch of
+lengths of every source it draws from, far ahead of what it plans); such a sample asked for later is read
+again with the next ``readahead`` samples (``_refill``). With a batch or more of read-ahead, every payload read
+is held, as without plans followed (reading twice would cost the throughput of a few busy sources).
 
 This module schedules; ``_readbuffer`` accounts for what is held, ``_readcounts`` for what was read,
 ``_sampleread`` reads and transforms, ``_ordinals`` maps ordinals to this partition's batches.
@@ -178,7 +180,9 @@ class SourceLoader:
 
     def _keep_below(self) -> int | None:
         """The local sample index from which a fill keeps lengths only (None: it keeps every payload)."""
-        return None if self._planned is None else self._planned + 1 + self.readahead
+        if self._planned is None or self.readahead >= self.batch:
+            return None
+        return self._planned + 1 + self.readahead
 
     def _asked(self, last_ordinal: int) -> None:
         local = self._part.local_index(last_ordinal)

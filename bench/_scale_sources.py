@@ -303,5 +303,6 @@ def scale_sources(size: str = "quick") -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-if __name__ == "__main__":
-    print(json.dumps(scale_sources(sys.argv[1] if len(sys.argv) > 1 else "quick")))
+if __name__ == "__main__":  # run alone: python bench/_scale_sources.py [--smoke | --quick] (bench/scale.py runs it too)
+    arg = sys.argv[1].lstrip("-") if len(sys.argv) > 1 else "full"
+    print(json.dumps(scale_sources(arg if arg in SIZES else "quick")))

@@ -278,6 +278,7 @@ def scale_sources(size: str = "quick") -> dict:
             srcs = [(f"s{i:04d}", "parquet", files) for i in range(s)]
             res[s] = run_case(f"S={s}", srcs, work, batches)
         gen_s = _jsonl_files(work / "many", nfiles)
+        os.sync()  # written back before the server lists them: the first batch waits on no writeback
         say(f"  wrote {nfiles} files in {gen_s:.1f} s")
         many = run_case(f"files={nfiles}", [("many", "jsonl", [str(work / "many" / "*" / "*.jsonl")])], work, batches)
         per = (res[large]["pss_bytes"] - res[small]["pss_bytes"]) / (large - small) / 1024

@@ -52,7 +52,9 @@ class ParquetSource(UnitColumnsSource):
             footer = self._footers.get(self._index[path])
             md = pq.read_metadata(pa.BufferReader(footer)) if footer is not None else None
             return pq.ParquetFile(self.open_bytes(path), metadata=md, page_checksum_verification=True)
-        return pq.ParquetFile(path, page_checksum_verification=True)
+        # a local file is read where asked: pre-buffering (coalesced reads through Arrow's I/O threads) took 10x
+        # the CPU of the read itself for a row group of 128 rows (0.33 ms against 0.035 ms)
+        return pq.ParquetFile(path, page_checksum_verification=True, pre_buffer=False)
 
     def _prefetch(self, store: Any, obj: ListedFile) -> Any:
         """A remote file's footer: one suffix-range read, no HEAD."""

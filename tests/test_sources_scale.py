@@ -248,3 +248,29 @@ def test_node_totals_sum_the_sources():
     assert got["sources"]["total"] == 3 * len(MEMORY_KINDS) + 10
     assert set(got) == {"sources", "read_ahead_budget", "open_files"}
     assert got["open_files"]["limit"] == node_handles().limit
+
+
+def test_first_reads_are_started_a_few_at_a_time_in_the_order_asked():
+    from msdata_server.loader.budget import WARM_READS
+
+    budget, started = ReadAheadBudget(), []
+
+    class Loader:
+        def __init__(self, i: int, reads: bool):
+            self.i, self.reads = i, reads
+
+        def warm_read(self) -> bool:
+            if self.reads:
+                started.append(self.i)
+            return self.reads
+
+    loaders = [Loader(i, reads=i != 3) for i in range(40)]  # loader 3 had read already: it takes no slot
+    for ld in loaders:
+        budget.warm(ld)
+    assert started == [i for i in range(WARM_READS + 1) if i != 3]
+    for _ in range(5):
+        budget.warm_done()
+    assert started == [i for i in range(WARM_READS + 6) if i != 3]
+    for _ in range(40):
+        budget.warm_done()
+    assert started == [i for i in range(40) if i != 3]

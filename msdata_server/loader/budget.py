@@ -11,6 +11,7 @@ are woken to read on; when one joins, the others' shares shrink (what they hold 
 from __future__ import annotations
 
 import weakref
+from collections import deque
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_BYTES", "DEFAULT_SAMPLES", "MIN_BYTES", "MIN_SAMPLES", "ReadAheadBudget", "node_budget"]
@@ -19,6 +20,7 @@ DEFAULT_SAMPLES = 4096  # 64 loaders x 64 samples: what 64 sources read ahead be
 DEFAULT_BYTES = 1 << 30  # payload bytes past the highest ordinal asked for, all loaders together
 MIN_SAMPLES, MAX_SAMPLES = 8, 64  # per loader: the floor, and the ceiling (what one loader always read ahead)
 MIN_BYTES, MAX_BYTES = 1 << 20, 256 << 20
+WARM_READS = 16  # first batches read ahead of the planner's first step at once, node-wide (``warm``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,8 @@ class ReadAheadBudget:
         self.bytes = nbytes
         self._members: weakref.WeakSet = weakref.WeakSet()
         self._share = self._compute()
+        self._warm_queue: deque = deque()  # loaders waiting to read their first batch (``warm``)
+        self._warming = 0
 
     def configure(self, samples: int, nbytes: int) -> None:
         """New totals ([node] readahead_samples, readahead_mib); loaders see them at their next schedule."""
@@ -59,6 +63,23 @@ class ReadAheadBudget:
         if member in self._members:
             self._members.discard(member)
             self._changed()
+
+    def warm(self, member: object) -> None:
+        """Queue a loader's first read (its ``warm_read()`` starts it and says whether it did): at most
+        WARM_READS at once, in the order asked (the planner's), so what is read ahead of the planner's first
+        step stays bounded (1,024 sources read at once held every record waiting for the transforms)."""
+        self._warm_queue.append(weakref.ref(member))
+        self._start_warm()
+
+    def warm_done(self) -> None:
+        self._warming -= 1
+        self._start_warm()
+
+    def _start_warm(self) -> None:
+        while self._warming < WARM_READS and self._warm_queue:
+            member = self._warm_queue.popleft()()
+            if member is not None and member.warm_read():
+                self._warming += 1
 
     def _compute(self) -> Share:
         n = max(1, len(self._members))

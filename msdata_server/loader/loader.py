@@ -126,6 +126,7 @@ class SourceLoader:
         self._end: int | None = None  # global batch the read-ahead stops before (a new partitioning reads on)
         self._high = -1  # highest local sample index asked for
         self._planned: int | None = None  # highest local sample index planned (None: plans not followed)
+        self._warming: int | None = None  # the first batch read for the budget's ``warm``, until it is read
         self._inflight = 0
         self._tasks: set[asyncio.Task] = set()
         self._started = self._closed = False
@@ -167,11 +168,19 @@ class SourceLoader:
         row, unless they are under way together); only ``readahead`` of its payloads are held."""
         if self._planned is None:
             self._planned = -1
-            if self._started and not self._closed and self._inflight == 0 and not self._buf.batches:
-                b = self._part.global_batch(self._cursor)
-                if self._end is None or b < self._end:
-                    self._cursor += 1
-                    self._schedule(b)
+            (self._budget or node_budget()).warm(self)
+
+    def warm_read(self) -> bool:
+        """Read the first batch now unless something was read already (the budget's ``warm``); whether it did."""
+        if not self._started or self._closed or self._inflight or self._buf.batches:
+            return False
+        b = self._part.global_batch(self._cursor)
+        if self._end is not None and b >= self._end:
+            return False
+        self._cursor += 1
+        self._warming = b
+        self._schedule(b)
+        return True
 
     def planned_to(self, ordinal: int) -> None:
         """Ordinals of this source up to ``ordinal`` are planned (their payloads will be fetched)."""
@@ -297,6 +306,9 @@ class SourceLoader:
         finally:
             self._inflight -= 1
             bs.event.set()
+            if self._warming == bs.index:
+                self._warming = None
+                (self._budget or node_budget()).warm_done()
             self._pump()
             if self._inflight == 0:
                 self._idle.set()

@@ -610,6 +610,10 @@ def main() -> None:
         "cases": rows,
         "load": list(os.getloadavg()),
     }
+    if not args.case:  # many sources and 100,000 files on one node (issue 29 item 3)
+        from _scale_sources import scale_sources
+
+        result.update(scale_sources("smoke" if args.smoke else "quick" if args.quick else "full"))
     print(json.dumps(result))
 
 

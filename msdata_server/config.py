@@ -95,6 +95,11 @@ class NodeConfig:
     client_buffer_mib: int = 64  # partly received client frames held at once, all clients together
     frame_timeout: float = 30.0  # seconds a client may leave a frame half sent before it is dropped
     max_image_pixels: int = 50_000_000  # an image decoding to more pixels (after JPEG draft scaling) is a bad sample
+    # what the node's sources hold, all together (loader/budget.py, sources/handles.py): read-ahead shared among
+    # the loaders (each gets samples / loaders, at least 8; mib / loaders, at least 1 MiB), and open file handles
+    readahead_samples: int = 4096
+    readahead_mib: int = 1024
+    open_files: int = 256
 
     def __post_init__(self):
         if not self.id or not all(c.isalnum() or c in "-_." for c in self.id):
@@ -124,6 +129,9 @@ class NodeConfig:
         _int("node", "max_client_frame_kib", self.max_client_frame_kib, 64, 16 * 1024)
         _int("node", "client_buffer_mib", self.client_buffer_mib, 1)
         _int("node", "max_image_pixels", self.max_image_pixels, 1 << 16)
+        _int("node", "readahead_samples", self.readahead_samples, 0)
+        _int("node", "readahead_mib", self.readahead_mib, 0)
+        _int("node", "open_files", self.open_files, 1)
         if isinstance(self.frame_timeout, bool) or not isinstance(self.frame_timeout, (int, float)):
             raise ConfigError(f"[node] frame_timeout = {self.frame_timeout!r} must be a number of seconds > 0")
         if not 0 < self.frame_timeout < float("inf"):

@@ -21,11 +21,13 @@ from .errors import ClosedError, ConfigError, MsdataError, ProtocolError
 from .job import Job, RankPosition
 from .job.rings import RingConfig
 from .job.table import JobStarter, JobTable
+from .loader.budget import node_budget
 from .local.starter import LocalStarter
-from .ops.memory import proc_memory, tree_memory
+from .ops.memory import node_sources_memory, proc_memory, tree_memory
 from .ops.prometheus import start_metrics_server
 from .ops.sdnotify import Notifier
 from .shm import cleanup
+from .sources.handles import node_handles
 from .statedir import probe
 from .storage import configure as configure_storage
 from .tasks import TaskSet
@@ -90,6 +92,8 @@ class NodeServer:
             log.warning("removed %d stale shared-memory segment(s) of a previous server: %s", len(removed), removed)
         self.endpoint.bind()
         os.environ[MAX_IMAGE_PIXELS_ENV] = str(cfg.max_image_pixels)  # transforms here and in workers read it
+        node_budget().configure(cfg.readahead_samples, cfg.readahead_mib << 20)  # shared by every loader here
+        node_handles().limit = cfg.open_files
         if cfg.workers > 0:
             from .autoscale import Autoscaler
             from .autoscale.controller import initial_size
@@ -297,6 +301,7 @@ class NodeServer:
         cfg = self.config.node
         pids = [os.getpid()] + (self.pool.pids() + self.pool.helper_pids() if self.pool is not None else [])
         mem = tree_memory(pids)
+        jobs = [j.status() for j in self.jobs.values()]
         return {
             "node": cfg.id,
             "role": self.role,
@@ -305,8 +310,13 @@ class NodeServer:
             "uptime_s": round(time.monotonic() - self.started, 3),
             "workers": self.pool.size if self.pool is not None else 0,
             "autoscale": self.autoscaler.status() if self.autoscaler is not None else {"enabled": False, "sources": {}},
-            "memory": {"server_pss": proc_memory()["pss"], "total_pss": mem["pss"], "total_uss": mem["uss"]},
-            "jobs": [j.status() for j in self.jobs.values()],
+            "memory": {
+                "server_pss": proc_memory()["pss"],
+                "total_pss": mem["pss"],
+                "total_uss": mem["uss"],
+                **node_sources_memory(jobs),
+            },
+            "jobs": jobs,
             "state_dir": self._state_dir_status(),
             "storage": self.storage.stats.snapshot(),  # node-wide, cumulative since the server started
             **(

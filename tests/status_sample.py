@@ -24,6 +24,8 @@ def _source(samples: int, bad: dict) -> dict:
         "held_bound": 96,
         "held_pinned": 32,
         "workers": 3,
+        "memory": {"read_ahead": 1 << 20, "order": 60_000, "metadata": 4_200, "handles": 48_000, "decoded": 0},
+        "open_files": 2,
     }
 
 
@@ -36,7 +38,27 @@ SAMPLE = {
     "socket": "/run/msdata/msdata.sock",
     "uptime_s": 3725.5,
     "workers": 4,
-    "memory": {"server_pss": 210 << 20, "total_pss": 812 << 20, "total_uss": 600 << 20},
+    "memory": {
+        "server_pss": 210 << 20,
+        "total_pss": 812 << 20,
+        "total_uss": 600 << 20,
+        "sources": {
+            "read_ahead": 2 << 20,
+            "order": 120_000,
+            "metadata": 8_400,
+            "handles": 96_000,
+            "decoded": 0,
+            "total": (2 << 20) + 224_400,
+        },
+        "read_ahead_budget": {
+            "samples": 4096,
+            "bytes": 1 << 30,
+            "loaders": 2,
+            "per_loader_samples": 64,
+            "per_loader_bytes": 256 << 20,
+        },
+        "open_files": {"open": 4, "limit": 256, "evictions": 0},
+    },
     "storage": {
         "requests": 5120,
         "bytes": 3 << 30,

@@ -100,3 +100,58 @@ def test_data_wait_per_rank_is_measured_where_it_happens(server_factory):
     assert fig["wait_s"] < wall - n * compute * 0.9  # waits are what the wall time had beyond computing
     assert fig["wait_frac"] is not None
     assert fig["wait_frac"] < 0.5
+
+
+def test_status_breaks_down_each_sources_memory_within_the_node_bounds(server_factory, tmp_path):
+    """Four JSON Lines sources of 9 files each on a node that keeps 3 files open and 16 samples of read-ahead:
+    the same batches as with the defaults; status says what each source holds by kind, and the node's totals."""
+    import msdata_client as msd
+    from msdata_server.ops.memory import MEMORY_KINDS
+
+    from .e2e_util import status_json
+
+    names = [f"s{i}" for i in range(4)]
+    for n in names:
+        (tmp_path / n).mkdir()
+        for f in range(9):
+            text = "".join(f'{{"text": "{n} file {f} line {k} {"y" * (k * 7 % 90)}"}}\n' for k in range(20))
+            (tmp_path / n / f"{f}.jsonl").write_text(text)
+    g = msd.DGraph("mem", seed=2)
+    for n in names:
+        g.source(n, "jsonl", [str(tmp_path / n)], column="text", transform="msdata_server.transforms:byte_tokens")
+    spec = g.mix(dict.fromkeys(names, 1.0)).pack(256, micro_batches=2, rows=1).mesh(dp=2).plan()
+    steps = spec.micro_batches * 5
+    plain = server_factory().start()
+    want = run_ranks(spec, plain.socket, steps + 1)
+    plain.stop()
+    srv = server_factory(extra="open_files = 3\nreadahead_samples = 16\n").start()
+    go, got = threading.Event(), {}
+
+    def ranks():  # they hold the job open after their batches until the status is taken
+        got.update(run_ranks(spec, srv.socket, steps + 1, pause=(steps, go)))
+
+    t = threading.Thread(target=ranks, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        st = status_json(srv.socket)
+        if st["jobs"] and st["jobs"][0].get("micro_batches_published", 0) >= steps * 2:
+            break
+        time.sleep(0.05)  # polling the status under test until the ranks reach their pause
+    go.set()
+    t.join(60)
+    assert got == want  # the node's bounds change what is held, never what is delivered
+    sources = st["jobs"][0]["sources"]
+    assert sorted(sources) == names
+    for s in sources.values():
+        assert set(s["memory"]) == set(MEMORY_KINDS)
+        assert s["memory"]["read_ahead"] == s["memory_bytes"]
+        assert s["memory"]["metadata"] > 0
+        assert s["readahead"] == 8  # 16 / 4 loaders, at least the floor
+    mem = st["memory"]
+    assert mem["sources"]["total"] == sum(v for s in sources.values() for v in s["memory"].values())
+    assert mem["read_ahead_budget"]["samples"] == 16
+    assert mem["read_ahead_budget"]["loaders"] == 4
+    assert mem["open_files"]["limit"] == 3
+    assert mem["open_files"]["open"] <= 3 + len(names)  # the bound, passed over only for sources reading now
+    assert mem["open_files"]["evictions"] > 0

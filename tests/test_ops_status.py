@@ -202,6 +202,7 @@ def test_render_fits_the_width_and_shows_the_figures(width):
     assert "pretrain [running]" in screen
     assert "node-0  leader" in screen
     assert "storage 5120 req  3.0 GiB  retries 41  throttled 37  errors 0" in screen, screen
+    assert "sources 2.2 MiB (read-ahead 2.0 MiB, handles 93.8 KiB)  open files 4/256" in screen, screen
     assert "latency p50 21.5 ms  p99 88.0 ms  cache 900 hit / 100 miss" in screen, screen
     assert re.search(r"^\s+1\s+299\s+1200\s+4\.25s\s+1\.1ms\s+15\.0ms\s+1\.2%$", screen, re.MULTILINE), screen
     assert re.search(r"^  web\s+812\.5\s+341\.8 KiB\s+40/96\s+0\.62\s+4\s+1$", screen, re.MULTILINE), screen

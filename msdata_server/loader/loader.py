@@ -7,7 +7,15 @@ Bound: the loader schedules a batch only when its last ordinal is at most ``read
 samples beyond the highest ordinal asked for so far (by ``lengths``/``tokens``; ``seek`` resets it), and, past
 that ordinal, only while the payloads held weigh less than ``readahead_bytes`` (decoded pictures are large),
 with a few batches in flight; payloads stay until ``release``d. Batches asked for explicitly are always read,
-and a released batch asked for again is read again (reads are deterministic).
+and a released batch asked for again is read again (reads are deterministic). A loader built without its own
+``readahead`` takes its share of the node's budget (``budget.py``): both bounds shrink as loaders are added.
+
+Plans followed (``follow_plans``, the single-node jobs): a loader told how far the plans reach (``planned_to``)
+whose read-ahead is less than a batch (a node of more than 64 sources) keeps the payloads of samples up to
+``readahead`` past that point and only the lengths of those beyond (the planner reads at least a batch of
+lengths of every source it draws from, far ahead of what it plans); such a sample asked for later is read
+again with the next ``readahead`` samples (``_refill``). With a batch or more of read-ahead, every payload read
+is held, as without plans followed (reading twice would cost the throughput of a few busy sources).
 
 This module schedules; ``_readbuffer`` accounts for what is held, ``_readcounts`` for what was read,
 ``_sampleread`` reads and transforms, ``_ordinals`` maps ordinals to this partition's batches.
@@ -25,8 +33,9 @@ import numpy as np
 
 from ..errors import BadSampleError, ClosedError, ConfigError, MsdataError
 from ..sources.base import BadSample, Source
+from .budget import ReadAheadBudget, node_budget
 from .ordinals import Partition
-from .readbuffer import ReadBatch, ReadBuffer
+from .readbuffer import ReadBatch, ReadBuffer, compact
 from .readcounts import ReadCounts
 from .sampleread import SampleReader
 
@@ -61,6 +70,8 @@ class LoaderStats:
     held_ahead: int  # of ``ready``: payloads beyond the highest ordinal asked for; at most ``readahead``
     readahead: int  # the read-ahead bound, in samples of this partition
     readahead_bytes: int  # ...and in bytes of payloads held (past the highest ordinal asked for)
+    memory: Mapping[str, int]  # bytes by what holds them: read_ahead, order, metadata, handles, decoded
+    open_files: int  # of the node's open-handle LRU, this loader's source's
 
     def figures(self) -> dict:
         """These statistics as status JSON (scalars and tables only)."""
@@ -83,14 +94,17 @@ class SourceLoader:
         *,
         transform: str | None,
         seed: int,
-        readahead: int = 64,
+        readahead: int | None = None,
         batch: int = 64,
         partition: tuple[int, int] = (0, 1),
-        readahead_bytes: int = READAHEAD_BYTES,
+        readahead_bytes: int | None = None,
+        budget: ReadAheadBudget | None = None,
     ):
         _int_at_least("batch", batch, 1)
-        _int_at_least("readahead", readahead, 0)
-        _int_at_least("readahead_bytes", readahead_bytes, 0)
+        if readahead is not None:
+            _int_at_least("readahead", readahead, 0)
+        if readahead_bytes is not None:
+            _int_at_least("readahead_bytes", readahead_bytes, 0)
         k, n = partition
         if not (isinstance(k, int) and isinstance(n, int) and n >= 1 and 0 <= k < n):
             raise ConfigError(f"loader {partition=} must be (k, n) with 0 <= k < n")
@@ -99,8 +113,10 @@ class SourceLoader:
         self.transform = transform
         self.name = source.name
         self.seed = int(seed)
-        self.readahead = readahead
-        self.readahead_bytes = readahead_bytes
+        # None: a share of the node's budget (both, when neither is given); a number: this loader's own bound
+        self._own = (readahead, readahead_bytes)
+        shared = readahead is None or (readahead_bytes is None and budget is not None)
+        self._budget: ReadAheadBudget | None = (budget or node_budget()) if shared else None
         self.batch = batch
         self.partition = (k, n)
         self._part = Partition(k, n, batch)
@@ -109,12 +125,73 @@ class SourceLoader:
         self._cursor = 0  # local batch index the read-ahead schedules next
         self._end: int | None = None  # global batch the read-ahead stops before (a new partitioning reads on)
         self._high = -1  # highest local sample index asked for
+        self._planned: int | None = None  # highest local sample index planned (None: plans not followed)
+        self._warming: int | None = None  # the first batch read for the budget's ``warm``, until it is read
         self._inflight = 0
         self._tasks: set[asyncio.Task] = set()
         self._started = self._closed = False
         self._counts = ReadCounts(source)
         self._idle = asyncio.Event()  # no batch in flight (set until the first is scheduled)
         self._idle.set()
+        if self._budget is not None:  # counted from now: a job's loaders all count before the first starts
+            self._budget.join(self)
+
+    @property
+    def own_readahead(self) -> tuple[int | None, int | None]:
+        """(readahead, readahead_bytes) as given: None for a share of the node's budget."""
+        return self._own
+
+    @property
+    def readahead(self) -> int:
+        """The read-ahead bound in samples of this partition: its own, or its share of the node's budget."""
+        own = self._own[0]
+        if own is not None:
+            return own
+        assert self._budget is not None
+        return self._budget.share().samples
+
+    @property
+    def readahead_bytes(self) -> int:
+        own = self._own[1]
+        if own is not None:
+            return own
+        return self._budget.share().bytes if self._budget is not None else READAHEAD_BYTES
+
+    def budget_grew(self) -> None:
+        """The node's budget gives each loader more: read on (called by the budget)."""
+        self._pump()
+
+    def follow_plans(self) -> None:
+        """Keep payloads only up to ``readahead`` samples past what ``planned_to`` says is planned (module doc),
+        and read the first batch now whatever the read-ahead: the planner asks every source it draws from for at
+        least a batch of lengths at its first step, one source after another (1,024 sources: 1,024 reads in a
+        row, unless they are under way together); only ``readahead`` of its payloads are held."""
+        if self._planned is None:
+            self._planned = -1
+            (self._budget or node_budget()).warm(self)
+
+    def warm_read(self) -> bool:
+        """Read the first batch now unless something was read already (the budget's ``warm``); whether it did."""
+        if not self._started or self._closed or self._inflight or self._buf.batches:
+            return False
+        b = self._part.global_batch(self._cursor)
+        if self._end is not None and b >= self._end:
+            return False
+        self._cursor += 1
+        self._warming = b
+        self._schedule(b)
+        return True
+
+    def planned_to(self, ordinal: int) -> None:
+        """Ordinals of this source up to ``ordinal`` are planned (their payloads will be fetched)."""
+        if self._planned is not None:
+            self._planned = max(self._planned, self._part.first_local(int(ordinal) + 1)[1] - 1)
+
+    def _keep_below(self) -> int | None:
+        """The local sample index from which a fill keeps lengths only (None: it keeps every payload)."""
+        if self._planned is None or self.readahead >= self.batch:
+            return None
+        return self._planned + 1 + self.readahead
 
     def _asked(self, last_ordinal: int) -> None:
         local = self._part.local_index(last_ordinal)
@@ -146,6 +223,8 @@ class SourceLoader:
         if self._closed:
             return
         self._closed = True
+        if self._budget is not None:
+            self._budget.leave(self)
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel("loader closed")
@@ -212,7 +291,7 @@ class SourceLoader:
         ords = np.arange(bs.start, bs.start + self.batch, dtype=np.int64)
         try:
             records, results, nbytes = await self._reader.read(ords)
-            self._buf.fill(bs, results)
+            self._buf.fill(bs, results, self._keep_below())
             self._counts.batch_read(
                 ords, records, results, nbytes, int(bs.lengths.sum()) if bs.lengths is not None else 0
             )
@@ -227,6 +306,9 @@ class SourceLoader:
         finally:
             self._inflight -= 1
             bs.event.set()
+            if self._warming == bs.index:
+                self._warming = None
+                (self._budget or node_budget()).warm_done()
             self._pump()
             if self._inflight == 0:
                 self._idle.set()
@@ -283,16 +365,39 @@ class SourceLoader:
         self._asked(ordinal)
         bs = self._buf.get(b)
         if bs is None and self._behind(b):  # released or seeked over: read it once more, uncached
-            return self._good(ordinal, (await self._reader.transform_once(np.array([ordinal], dtype=np.int64)))[0])
+            return self._good(ordinal, await self._read_once(ordinal))
         bs = bs or self._ensure(b)
         if not bs.event.is_set() or bs.error is not None or self._closed:
             bs = await self._wait(bs)
         i = ordinal - bs.start
         assert bs.payloads is not None, "a finished batch without error was filled"
         p = bs.payloads[i]
+        if p is None and not bs.released[i]:  # kept as a length only (beyond the plans): read it and the next
+            p = await self._refill(bs, i)
         if p is None:  # released while others of its batch are held: read it once more, uncached
-            p = (await self._reader.transform_once(np.array([ordinal], dtype=np.int64)))[0]
+            p = await self._read_once(ordinal)
         return self._good(ordinal, p)
+
+    async def _read_once(self, ordinal: int) -> Any:
+        """One sample read again, uncached, as it would have been held (``compact``: the same dtype)."""
+        p = (await self._reader.transform_once(np.array([ordinal], dtype=np.int64)))[0]
+        return p if isinstance(p, BadSample) else compact(p)
+
+    async def _refill(self, bs: ReadBatch, i: int) -> Any:
+        """Read again sample i of a batch kept as lengths only, with the next ones of the batch in the same state
+        up to ``readahead`` (at least one), and hold their payloads; sample i's payload (None if it was released
+        meanwhile)."""
+        assert bs.payloads is not None
+        idx = [i]
+        for j in range(i + 1, min(self.batch, i + max(1, self.readahead))):
+            if bs.payloads[j] is not None or bs.released[j]:
+                break
+            idx.append(j)
+        got = await self._reader.transform_once(bs.start + np.array(idx, dtype=np.int64))
+        self._buf.refill(bs, idx, got)
+        if bs.payloads[i] is not None:
+            return bs.payloads[i]
+        return got[0] if isinstance(got[0], BadSample) else compact(got[0])
 
     def _good(self, ordinal: int, p: Any) -> np.ndarray:
         if isinstance(p, BadSample):
@@ -342,6 +447,8 @@ class SourceLoader:
             held_ahead=self._buf.held_ahead(self._high),
             readahead=self.readahead,
             readahead_bytes=self.readahead_bytes,
+            memory={"read_ahead": self._buf.memory, **self.source.memory()},
+            open_files=self.source.open_files(),
         )
 
     def asked_from(self, ordinal: int) -> int:

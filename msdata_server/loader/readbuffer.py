@@ -16,7 +16,7 @@ from ..document import VlmSample
 from ..sources.base import BadSample
 from .ordinals import Partition
 
-__all__ = ["ReadBatch", "ReadBuffer"]
+__all__ = ["ReadBatch", "ReadBuffer", "compact"]
 
 
 def _held(p: object) -> bool:
@@ -24,12 +24,12 @@ def _held(p: object) -> bool:
     return p is not None and not isinstance(p, BadSample)
 
 
-def _compact(a):
+def compact(a):
     """Token ids held in the read-ahead as uint16 when they fit (byte tokens and vocabularies up to 65536):
     half the memory of int32 for every sample waiting to be built; constructors widen them anyway. A picture
     document (``transforms.VlmSample``) keeps its pixels as they are and compacts its tokens."""
     if isinstance(a, VlmSample):
-        return dataclasses.replace(a, tokens=_compact(a.tokens))
+        return dataclasses.replace(a, tokens=compact(a.tokens))
     if a.dtype.kind in "iu" and a.dtype.itemsize > 2 and a.size and int(a.min()) >= 0 and int(a.max()) <= 0xFFFF:
         return a.astype(np.uint16)
     return a
@@ -94,8 +94,11 @@ class ReadBuffer:
         if self.batches.get(bs.index) is bs:
             del self.batches[bs.index]
 
-    def fill(self, bs: ReadBatch, results: list) -> None:
-        """Store a batch's transformed samples: lengths of all, payloads of those not released yet."""
+    def fill(self, bs: ReadBatch, results: list, keep_below: int | None = None) -> None:
+        """Store a batch's transformed samples: lengths of all, payloads of those not released yet whose local
+        sample index is below ``keep_below`` (None: all); the others' slots stay None, not released (``refill``)."""
+        first = self._part.local_batch(bs.index) * self._part.batch
+        keep = len(results) if keep_below is None else max(0, keep_below - first)
         lengths = np.zeros(len(results), dtype=np.int64)
         images = np.zeros(len(results), dtype=np.int64)
         patches: list[np.ndarray] = []
@@ -111,8 +114,8 @@ class ReadBuffer:
                 blocks = r.encoder_blocks()  # each image, and each temporal patch of each clip
                 images[i] = len(blocks)
                 patches.append(blocks)
-            if not bs.released[i]:
-                payloads[i] = r = _compact(r)
+            if not bs.released[i] and i < keep:
+                payloads[i] = r = compact(r)
                 held += 1
                 mem += r.nbytes
         bs.lengths, bs.payloads, bs.held, bs.nbytes = lengths, payloads, held, mem
@@ -123,6 +126,25 @@ class ReadBuffer:
             self.memory += mem
             if held == 0 and bs.released.all():
                 del self.batches[bs.index]
+
+    def refill(self, bs: ReadBatch, idx: list[int], results: list) -> None:
+        """Hold the payloads of samples ``idx`` of a filled batch, read again (slots still empty and not
+        released; a bad sample is recorded as at ``fill``)."""
+        assert bs.payloads is not None
+        mine = self.batches.get(bs.index) is bs
+        for i, r in zip(idx, results):
+            if bs.payloads[i] is not None or bs.released[i]:
+                continue
+            if not _held(r):
+                bs.payloads[i] = r
+                bs.released[i] = True
+                continue
+            bs.payloads[i] = r = compact(r)
+            bs.held += 1
+            bs.nbytes += r.nbytes
+            if mine:
+                self.ready += 1
+                self.memory += r.nbytes
 
     def release(self, ords: np.ndarray) -> None:
         """Free the payloads of ordinals; drop each batch left with none."""

@@ -47,6 +47,8 @@ class LocalPayloads:
 
     def __init__(self, loaders: list[SourceLoader]):
         self.parts = [SourceParts(ld) for ld in loaders]
+        for p in self.parts:
+            p.follow_plans()  # payloads held up to the read-ahead past the plans; beyond, lengths only
         self.refs = PieceRefs()  # payloads held for planned pieces not yet built
 
     @property
@@ -69,6 +71,12 @@ class LocalPayloads:
     # counted by the plan feed as plans are made, or taken back when a mixture change cuts them
     def planned(self, plan: StepPlan) -> None:
         self._free(self.refs.plan(plan.source, plan.ordinal, plan.last))
+        if plan.source.size:
+            src, ords = np.asarray(plan.source), np.asarray(plan.ordinal)
+            highest = np.full(len(self.parts), -1, dtype=np.int64)
+            np.maximum.at(highest, src.astype(np.int64), ords)
+            for s in np.flatnonzero(highest >= 0).tolist():
+                self.parts[s].planned_to(int(highest[s]))
 
     def unplanned(self, plan: StepPlan) -> None:
         self.refs.unplan(plan.source, plan.ordinal, plan.last)

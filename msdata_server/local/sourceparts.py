@@ -7,7 +7,8 @@ everything the current loaders scheduled or hold: batches >= B go to the new loa
 the generation that read them (their payloads are held there) and that generation reads no further (its
 loaders ``stop_at`` B). An old generation is closed once it holds nothing; a batch below B asked for after
 that is read again by the newest generation (reads are deterministic). Each partition reads ahead its own
-``readahead`` samples, so n partitions hold up to n times the read-ahead of one.
+``readahead`` samples (each a share of the node's budget, ``loader/budget.py``), so n partitions hold up to n
+times the read-ahead of one. How far the plans reach (``planned_to``) is passed to every loader of the source.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class SourceParts:
         self._gens: list[_Generation] = [_Generation(0, [first])]
         self._closing: set[asyncio.Task] = set()
         self._lock = asyncio.Lock()
+        self._planned: int | None = None  # the highest ordinal planned (None: plans not followed)
 
     @property
     def partitions(self) -> int:
@@ -108,6 +110,19 @@ class SourceParts:
     def sample_ids(self, ordinals) -> np.ndarray:
         return self._proto.sample_ids(ordinals)
 
+    def follow_plans(self) -> None:
+        """Loaders keep payloads only up to their read-ahead past what is planned (``SourceLoader.planned_to``)."""
+        if self._planned is None:
+            self._planned = -1
+            for ld in self.loaders():
+                ld.follow_plans()
+
+    def planned_to(self, ordinal: int) -> None:
+        if self._planned is not None and ordinal > self._planned:
+            self._planned = int(ordinal)
+            for ld in self.loaders():
+                ld.planned_to(self._planned)
+
     # ---- splitting and merging ----
     async def set_partitions(self, n: int) -> tuple[int, int] | None:
         """Read on with ``n`` partitions from the boundary batch (returns (boundary, n)); None if unchanged."""
@@ -131,14 +146,17 @@ class SourceParts:
                     p.pool,
                     transform=p.transform,
                     seed=p.seed,
-                    readahead=p.readahead,
+                    readahead=p.own_readahead[0],
                     batch=p.batch,
                     partition=(k, n),
-                    readahead_bytes=p.readahead_bytes,
+                    readahead_bytes=p.own_readahead[1],
                 )
                 for k, src in enumerate(sources)
             ]
             for ld in loaders:
+                if self._planned is not None:
+                    ld.follow_plans()
+                    ld.planned_to(self._planned)
                 ld.seek(boundary * self.batch)
                 await ld.start()
             cur.end = boundary

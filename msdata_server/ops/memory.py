@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["proc_memory", "tree_memory"]
+__all__ = ["MEMORY_KINDS", "node_sources_memory", "proc_memory", "tree_memory"]
+
+# what a source holds, by kind (status ``sources[...].memory``; loader.loader.LoaderStats)
+MEMORY_KINDS = ("read_ahead", "order", "metadata", "handles", "decoded")
 
 
 def proc_memory(pid: int | None = None) -> dict[str, int]:
@@ -39,3 +42,19 @@ def tree_memory(pids) -> dict[str, int]:
         for k in tot:
             tot[k] += m[k]
     return tot
+
+
+def node_sources_memory(jobs: list[dict]) -> dict:
+    """The node's totals for status ``memory``: ``sources``, bytes by kind summed over every job's sources (their
+    ``memory``), with ``total``; ``read_ahead_budget`` (loader/budget.py) and ``open_files`` (the node's LRU of
+    handles: open, limit, evictions). Imports the server's modules lazily: the rest of this module is stdlib."""
+    from ..loader.budget import node_budget
+    from ..sources.handles import node_handles
+
+    tot = dict.fromkeys(MEMORY_KINDS, 0)
+    for j in jobs:
+        for src in (j.get("sources") or {}).values():
+            for k, v in (src.get("memory") or {}).items():
+                tot[k] = tot.get(k, 0) + int(v)
+    tot["total"] = sum(tot.values())
+    return {"sources": tot, "read_ahead_budget": node_budget().figures(), "open_files": node_handles().figures()}

@@ -73,6 +73,12 @@ def _header(st: Mapping[str, Any]) -> list[str]:
             f"(server {_bytes(mem.get('server_pss'))})"
         )
     ]
+    src, files = mem.get("sources"), mem.get("open_files")
+    if isinstance(src, Mapping) and isinstance(files, Mapping):  # what the node's sources hold (ARCHITECTURE)
+        lines.append(
+            f"sources {_bytes(src.get('total'))} (read-ahead {_bytes(src.get('read_ahead'))}, handles "
+            f"{_bytes(src.get('handles'))})  open files {files.get('open')}/{files.get('limit')}"
+        )
     c = st.get("cluster")
     if isinstance(c, Mapping):
         t = c.get("traffic") or {}

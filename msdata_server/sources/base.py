@@ -23,6 +23,7 @@ from msdata_client.source import Shuffle
 from ..errors import ConfigError, StorageError
 from ..storage import ListedFile, RemoteFile, SourceMeta, get_store, is_uri, local_path
 from ._fd import Fd
+from .handles import SourceHandles, node_handles
 from .order import Order
 from .paths import expand_files
 
@@ -31,6 +32,7 @@ __all__ = [
     "BadDataLog",
     "BadSample",
     "FileSource",
+    "Ragged",
     "ReadResult",
     "Source",
     "SourceStats",
@@ -224,8 +226,33 @@ class Source:
     def _index_bytes(self) -> int:
         return self.order.nbytes if self.order is not None else 0
 
+    def memory(self) -> dict[str, int]:
+        """Bytes this source holds, by what (status ``sources[...].memory``): ``order``, the order's cached
+        permutations; ``metadata``, its index arrays (row counts, offsets, row-group starts); ``handles``, its
+        open handles (estimated: a Parquet footer decoded takes ~3x its serialized size); ``decoded``, decoded
+        units cached (Parquet row groups)."""
+        order = self.order
+        return {
+            "order": order.cache_bytes() if order is not None else 0,
+            "metadata": self._index_bytes(),
+            "handles": self._handles_bytes(),
+            "decoded": self._decoded_bytes(),
+        }
+
+    def _handles_bytes(self) -> int:
+        return 0
+
+    def open_files(self) -> int:
+        """Handles this source holds open now (cheap: status asks every second for every source)."""
+        return self._files_info()[2]
+
+    def _decoded_bytes(self) -> int:
+        return 0
+
     def trim(self) -> None:
         """Drop caches that only speed up reads close together in time (the loader calls it when idle)."""
+        if self.order is not None:
+            self.order.trim()
 
     def close(self) -> None:
         """Release file handles and caches. Idempotent."""
@@ -235,6 +262,36 @@ class Source:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Ragged:
+    """Per-file int64 arrays of varying length as one flat array and offsets (CSR): ``r[f]`` is file f's (a
+    view), with no numpy object kept per file (100,000 files: one array, not 100,000)."""
+
+    __slots__ = ("flat", "offsets")
+
+    def __init__(self, flat: np.ndarray, offsets: np.ndarray):
+        self.flat, self.offsets = flat, offsets
+
+    @classmethod
+    def of(cls, arrays: list[np.ndarray]) -> Ragged:
+        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+        np.cumsum([len(a) for a in arrays], out=offsets[1:])
+        flat = np.concatenate(arrays).astype(np.int64, copy=False) if arrays else np.zeros(0, np.int64)
+        return cls(flat, offsets)
+
+    def __getitem__(self, f: int) -> np.ndarray:
+        return self.flat[self.offsets[f] : self.offsets[f + 1]]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __iter__(self):
+        return (self[f] for f in range(len(self)))
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes + self.offsets.nbytes
 
 
 @dataclass(slots=True)
@@ -315,8 +372,9 @@ class FileSource(Source):
     """
 
     extensions: ClassVar[tuple[str, ...]] = ()
-    # open handles per source, an LRU: None keeps the order's lanes + 4 (the mixed order reads 32 files at
-    # once: 36 descriptors, ~1 MiB of Parquet footers; the file-local order reads one: 5); the index is numpy
+    # open handles per source, within the node's LRU ([node] open_files, handles.py): None keeps the order's
+    # lanes + 4 (the mixed order reads 32 files at once: 36 descriptors, ~1 MiB of Parquet footers; the
+    # file-local order reads one: 5); the index is numpy
     max_open: ClassVar[int | None] = None
     retries: ClassVar[int] = 3
     backoff: ClassVar[float] = 0.01  # seconds, doubled at every retry
@@ -326,7 +384,8 @@ class FileSource(Source):
         self.column: str = spec.column
         self.columns: tuple[str, ...] | None = selected_columns(spec)
         self.max_bytes: int = int(spec.max_sample_bytes)
-        self._handles: _Lru = _Lru(max_items=self.max_open or 4, max_bytes=1 << 62)  # resized once ordered
+        # resized once ordered
+        self._handles = SourceHandles(node_handles(), self._lock, self._close, self.max_open or 4)
         self._warm: dict[str, Any] = {}  # what the scan of remote files needs, fetched ahead in parallel
         self.skipped: dict[int, str] = {}
         store = get_store()
@@ -351,7 +410,7 @@ class FileSource(Source):
                 f"source {self.name!r}: none of its {len(self.paths)} {spec.format} file(s) could be read "
                 f"(first: {self.paths[0]}: {self.skipped[0]}); check that the files are valid {spec.format}"
             )
-        self.unit_cum = [np.concatenate(([0], np.cumsum(u))) for u in units]
+        self.unit_cum = Ragged.of([np.concatenate(([0], np.cumsum(u))) for u in units])
         shuffle = shuffle_of(spec)
         self.order = Order.from_units(
             seed=self.seed, name=self.name, units=units, window=shuffle.window, mode=shuffle.mode, spread=shuffle.spread
@@ -363,8 +422,9 @@ class FileSource(Source):
 
     def _set_files(self, files: list[ListedFile]) -> None:
         self._remote = any(is_uri(f.path) for f in files)
-        self.files: tuple[ListedFile, ...] = tuple(files)
-        self.paths: tuple[str, ...] = tuple(f.path for f in self.files)
+        self.paths: tuple[str, ...] = tuple(f.path for f in files)
+        # what remote reads need (the listed version of each object); a local source keeps its paths only
+        self.files: tuple[ListedFile, ...] = tuple(files) if self._remote else ()
         self._listed = {f.path: f for f in self.files}
         self._index = {f.path: i for i, f in enumerate(self.files)}
 
@@ -451,15 +511,19 @@ class FileSource(Source):
         return Fd(path)
 
     def keep_open(self, f: int, handle: Any) -> None:
-        """Put a handle opened while scanning into the cache."""
-        self._handles.put(f, handle, 1, on_evict=self._close)
+        """Put a handle opened while scanning into the cache, if the node's LRU has room (else close it: at 1,024
+        sources, keeping it would only close another source's)."""
+        if len(self._handles.lru) < self._handles.lru.limit:
+            self._handles.put(f, handle)
+        else:
+            self._close(handle)
 
     def handle(self, f: int) -> Any:
         """The open handle of file f (opened on demand, least recently used closed beyond max_open)."""
         h = self._handles.get(f)
         if h is None:
             h = self._retry(lambda: self._open(self.paths[f]))
-            self._handles.put(f, h, 1, on_evict=self._close)
+            self._handles.put(f, h)
         return h
 
     def _retry(self, fn: Callable[[], Any]) -> Any:
@@ -524,33 +588,44 @@ class FileSource(Source):
         """fn(k) for each k in range(len(files)): in order here, or, for remote files whose handles all fit the
         open-handle cache, in the store's threads after opening the handles here (the cache is not thread-safe;
         a handle open already is only looked up)."""
-        if not self._remote or len(files) < 2 or len(set(files)) > self._handles.max_items:
+        distinct = set(files)
+        if not self._remote or len(files) < 2 or len(distinct) > min(self._handles.max_items, node_handles().limit):
             return [fn(k) for k in range(len(files))]
         try:
-            for f in set(files):
+            for f in distinct:
                 self.handle(f)
         except Exception:  # the reads below say why, file by file
+            return [fn(k) for k in range(len(files))]
+        if any(self._handles.get(f) is None for f in distinct):  # closed for the node's bound meanwhile
             return [fn(k) for k in range(len(files))]
         return get_store().map(fn, list(range(len(files))))
 
     def _files_info(self) -> tuple[int, int, int]:
-        return len(self.paths), len(self.skipped), len(self._handles.items)
+        return len(self.paths), len(self.skipped), len(self._handles)
 
     def _index_bytes(self) -> int:
-        return super()._index_bytes() + sum(u.nbytes for u in self.unit_cum)
+        return super()._index_bytes() + self.unit_cum.nbytes
+
+    def _handles_bytes(self) -> int:
+        return sum(self._handle_size(h) for h in self._handles.values())
+
+    def _handle_size(self, handle: Any) -> int:
+        """Estimated bytes one open handle holds (a descriptor: a few hundred)."""
+        return 256
 
     def trim(self) -> None:
         """Close the open handles too (a Parquet footer with string statistics costs ~28 KB in memory; reopening
         costs ~0.2 ms when reading resumes); skipped while a read holds the lock, so the caller never blocks."""
         if self._lock.acquire(blocking=False):
             try:
+                super().trim()
                 self._trim_locked()
             finally:
                 self._lock.release()
 
     def _trim_locked(self) -> None:
         if not self._remote:  # a remote handle holds no descriptor, and reopening it would cost a request
-            self._handles.clear(on_evict=self._close)
+            self._handles.clear()
 
     @property
     def keeps_decoded(self) -> bool:
@@ -560,4 +635,4 @@ class FileSource(Source):
 
     def close(self) -> None:
         with self._lock:
-            self._handles.clear(on_evict=self._close)
+            self._handles.clear()

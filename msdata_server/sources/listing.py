@@ -94,6 +94,8 @@ def _root(entry: str) -> str:
 def _relative(path: str, root: str) -> str:
     if is_uri(root):
         return path[len(root) :].lstrip("/") if path.startswith(root) else path
+    if path.startswith(root.rstrip(os.sep) + os.sep) and os.path.isabs(root) and os.path.normpath(root) == root:
+        return path[len(root.rstrip(os.sep)) + 1 :]  # the common case, without relpath's two abspaths per file
     return os.path.relpath(path, root)
 
 

@@ -58,6 +58,9 @@ def window_starts(unit_rows: np.ndarray, target: int = DEFAULT_WINDOW) -> np.nda
     pieces of target rows. A window never straddles a unit boundary, so reading it touches few units.
     """
     unit_rows = np.asarray(unit_rows, dtype=np.int64)
+    if len(unit_rows) == 1:  # one unit (a JSON Lines file): the loop below, without its per-file overhead
+        n = int(unit_rows[0])
+        return np.arange(0, n, target, dtype=np.int64) if n else np.zeros(0, np.int64)
     unit_starts = np.concatenate(([0], np.cumsum(unit_rows)[:-1])) if len(unit_rows) else np.zeros(0, np.int64)
     starts: list[np.ndarray] = []
     acc = 0  # rows in the window being merged
@@ -140,7 +143,7 @@ class Order:
         spread: int = DEFAULT_SPREAD,
     ) -> Order:
         """Build from each file's unit sizes (an empty array for a skipped file)."""
-        counts = np.array([int(np.sum(u)) for u in units], dtype=np.int64)
+        counts = np.fromiter((u.sum() for u in units), dtype=np.int64, count=len(units))
         per_file = [window_starts(u, window) for u in units]
         offsets = np.zeros(len(units) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([len(s) for s in per_file])
@@ -154,6 +157,20 @@ class Order:
     @property
     def nbytes(self) -> int:
         return self.counts.nbytes + self.starts.nbytes + self.offsets.nbytes + self._fixed_cum.nbytes
+
+    def trim(self) -> None:
+        """Drop the cached window and row orders (recomputed when read again: ~10 us a window); a source read
+        rarely, one of 1,024 on a node, would keep ~60 KiB of them for nothing."""
+        with self._lock:
+            self._files.clear()
+            self._windows.clear()
+            self._last = None
+
+    def cache_bytes(self) -> int:
+        """Bytes of the cached permutations (epochs' file orders, files' window orders, windows' row orders)."""
+        with self._lock:
+            arrays = [a for v in self._epochs.values() for a in v] + [a for v in self._files.values() for a in v]
+            return sum(a.nbytes for a in arrays) + sum(a.nbytes for a in self._windows.values())
 
     def lane_position(self, pos: np.ndarray) -> np.ndarray:
         """Where positions of an epoch (0 <= pos < num_samples) of the mixed order sit in the file-local

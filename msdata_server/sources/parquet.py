@@ -52,7 +52,9 @@ class ParquetSource(UnitColumnsSource):
             footer = self._footers.get(self._index[path])
             md = pq.read_metadata(pa.BufferReader(footer)) if footer is not None else None
             return pq.ParquetFile(self.open_bytes(path), metadata=md, page_checksum_verification=True)
-        return pq.ParquetFile(path, page_checksum_verification=True)
+        # a local file is read where asked: pre-buffering (coalesced reads through Arrow's I/O threads) took 10x
+        # the CPU of the read itself for a row group of 128 rows (0.33 ms against 0.035 ms)
+        return pq.ParquetFile(path, page_checksum_verification=True, pre_buffer=False)
 
     def _prefetch(self, store: Any, obj: ListedFile) -> Any:
         """A remote file's footer: one suffix-range read, no HEAD."""
@@ -80,6 +82,15 @@ class ParquetSource(UnitColumnsSource):
     def _unit_name(self) -> str:
         return "row group"
 
+    def _handle_size(self, handle: Any) -> int:
+        try:
+            return 3 * handle.metadata.serialized_size + 1024  # decoded, a footer takes ~3x (module handles.py)
+        except Exception:
+            return 1024
+
+    def _decoded_bytes(self) -> int:
+        return self._groups.total
+
     def _meta_arrays(self, i: int) -> dict[str, np.ndarray]:
         footer = self._footers.get(i)
         return {} if footer is None else {"footer": np.frombuffer(footer, dtype=np.uint8)}
@@ -106,7 +117,7 @@ class ParquetSource(UnitColumnsSource):
             f, got = files[k], []
             for g in by_file[f]:
                 try:
-                    table = self.handle(f).read_row_group(g, columns=names)
+                    table = self.handle(f).read_row_group(g, columns=names, use_threads=len(names) > 1)
                 except Exception:
                     continue
                 got.append((g, [table.column(c).combine_chunks() for c in names]))
@@ -124,7 +135,7 @@ class ParquetSource(UnitColumnsSource):
         if got is None:
             names = list(self.columns) if self.columns is not None else [self.column]
             try:
-                table = self._retry(lambda: self.handle(f).read_row_group(g, columns=names))
+                table = self._retry(lambda: self.handle(f).read_row_group(g, columns=names, use_threads=len(names) > 1))
                 got = [table.column(c).combine_chunks() for c in names]
                 size = sum(c.nbytes for c in got)
             except Exception as e:

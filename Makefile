@@ -23,7 +23,7 @@ test: venv  # the whole suite: about 4-5 minutes on 2 cores
 	$(BIN)/python -m pytest -q tests
 
 # pure functions and the command line, no server processes: about 30 s (tests/test_packaging.py checks the list)
-QUICK_TESTS := tests/test_balance.py tests/test_graph.py tests/test_mesh.py tests/test_mixture.py \
+QUICK_TESTS := tests/test_balance.py tests/test_exchange.py tests/test_graph.py tests/test_mesh.py tests/test_mixture.py \
 	tests/test_planner.py tests/test_pieces.py tests/test_ring.py tests/test_cli_errors.py tests/test_packaging.py \
 	tests/test_job_reference.py tests/test_status_view.py
 

@@ -36,6 +36,7 @@ EXEMPT = {
     "workloads": "the workload definitions the benchmarks share (a module)",
     "_autoscale_tf": "bench/autoscale.py's transform, imported by its server's workers (a module)",
     "_remote_tf": "bench/remote.py's WebDataset transform, imported by its server's workers (a module)",
+    "_scale_sources": "bench/scale.py's one-node many-sources cases (a module; scale's --smoke runs them)",
     "suite": "the runner of every benchmark and the plots (tests/test_bench_suite.py)",
 }
 BENCHES = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in EXEMPT)
@@ -76,6 +77,10 @@ KEYS = {
         "node_bytes_ratio_n512",
         "plan_to_all_ms_p99_n512",
         "leader_overhead_ms_n512",
+        "plan_to_all_model_ms_p99_n512",
+        "per_source_kib_s1024",
+        "first_batch_s_s1024",
+        "first_batch_s_files100k",
         "cases",
     },
     "soak": {"pss_growth_pct_per_hour", "fd_growth", "shm_growth_bytes", "restarts"},

@@ -322,9 +322,9 @@ def main() -> None:
         thr = arm("remote-throttled", remote, 0.0)
         thr_stats = proxy.ctl(slowdown_share=0.0)["faults"]
         cache = f'cache_dir = "{work / "cache"}"\ncache_gib = 4\n'
-        # the fill reads half as many steps again: what the cached arm's read-ahead reads past its last step is
+        # the fill reads as many steps again: what the cached arm's read-ahead reads past its last step is
         # then in the cache too (else requests/step depends on how far each arm's read-ahead got)
-        arm("remote-fill-cache", remote, 0.0, storage=cache, steps=shape["steps"] * 3 // 2)
+        arm("remote-fill-cache", remote, 0.0, storage=cache, steps=shape["steps"] * 2)
         cached = arm("remote-cached", remote, 0.0, storage=cache)
 
         out = {

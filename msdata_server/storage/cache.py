@@ -1,6 +1,8 @@
 """The node's on-disk LRU cache of fetched object ranges (``[storage] cache_dir``, ``cache_gib``), shared by every
 job of the node: a range read again (a second epoch, a restart, another job over the same objects) costs no
-request. Keys name the object's version (path, size, mtime), so a changed object never serves stale bytes.
+request, nor does a range inside one cached (reads coalesce differently when the read-ahead reaches further).
+Keys name the object's version (path, size, mtime, etag) and the range, so a changed object never serves stale
+bytes and the index of cached ranges per object version is rebuilt from the file names at start.
 A cache directory that cannot be written (or a full disk) turns the cache off with one warning; reads go on."""
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import tempfile
 import threading
 from collections import OrderedDict
@@ -18,6 +21,8 @@ from .listing import ListedFile
 __all__ = ["DiskCache"]
 
 log = logging.getLogger(__name__)
+
+_KEY = re.compile(r"^([0-9a-f]{40})-(\d+)-(\d+)$")  # object version, offset, length
 
 
 class DiskCache:
@@ -30,6 +35,7 @@ class DiskCache:
         self.enabled = self.max_bytes > 0
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
+        self._ranges: dict[str, dict[int, int]] = {}  # object version -> offset -> length of its cached ranges
         self._total = 0
         if self.enabled:
             try:
@@ -51,6 +57,7 @@ class DiskCache:
         for _, key, size in sorted(found):
             self._index[key] = size
             self._total += size
+            self._add_range(key)
         self._evict()
 
     def _off(self, e: OSError) -> None:
@@ -64,26 +71,61 @@ class DiskCache:
 
     @staticmethod
     def key(obj: ListedFile, offset: int, n: int) -> str:
-        text = f"{obj.path}\0{obj.size}\0{obj.mtime_ns}\0{obj.etag}\0{offset}\0{n}"
-        return hashlib.sha256(text.encode()).hexdigest()
+        version = f"{obj.path}\0{obj.size}\0{obj.mtime_ns}\0{obj.etag}"
+        return f"{hashlib.sha256(version.encode()).hexdigest()[:40]}-{offset}-{n}"
+
+    def _add_range(self, key: str) -> None:
+        m = _KEY.match(key)
+        if m is not None:
+            self._ranges.setdefault(m[1], {})[int(m[2])] = int(m[3])
+
+    def _drop_range(self, key: str) -> None:
+        m = _KEY.match(key)
+        if m is not None and (ranges := self._ranges.get(m[1])) is not None:
+            ranges.pop(int(m[2]), None)
+            if not ranges:
+                del self._ranges[m[1]]
+
+    def _covering(self, key: str) -> tuple[str, int] | None:
+        """A cached range of the same object version that holds ``key``'s range: its key and where the range
+        starts in it; None if none does (called with the lock held)."""
+        m = _KEY.match(key)
+        ranges = self._ranges.get(m[1]) if m is not None else None
+        if m is None or not ranges:
+            return None
+        offset, n = int(m[2]), int(m[3])
+        for start, length in ranges.items():
+            if start <= offset and offset + n <= start + length:
+                return f"{m[1]}-{start}-{length}", offset - start
+        return None
 
     def _path(self, key: str) -> str:
         return os.path.join(self.dir, key[:2], key)
 
     def get(self, key: str) -> bytes | None:
+        """The bytes of ``key``'s range: its own file, or its part of a cached range of the same object version
+        that holds it; None when neither is cached."""
         if not self.enabled:
             return None
+        m = _KEY.match(key)
+        n = int(m[3]) if m is not None else -1  # -1: read the whole file
         with self._lock:
+            at = 0
             if key not in self._index:
-                return None
+                found = self._covering(key)
+                if found is None:
+                    return None
+                key, at = found
             self._index.move_to_end(key)
         try:
             with open(self._path(key), "rb") as f:
-                data = f.read()
+                f.seek(at)
+                data = f.read(n)
             os.utime(self._path(key))  # the use order survives a restart
         except OSError:
             with self._lock:
                 self._total -= self._index.pop(key, 0)
+                self._drop_range(key)
             return None
         return data
 
@@ -107,11 +149,13 @@ class DiskCache:
         with self._lock:
             self._total += len(data) - self._index.pop(key, 0)
             self._index[key] = len(data)
+            self._add_range(key)
             self._evict()
 
     def _evict(self) -> None:
         while self._total > self.max_bytes and self._index:
             key, size = self._index.popitem(last=False)
             self._total -= size
+            self._drop_range(key)
             with contextlib.suppress(OSError):
                 os.unlink(self._path(key))

@@ -37,8 +37,8 @@ sys.path.insert(0, str(HERE))
 
 SHAPES = {
     #         sources, files/source, rows/file, wds shards, samples/shard, steps, warmup, paced pairs
-    "full": dict(sources=64, files=31, rows=48, shards=16, samples=96, steps=800, warmup=300, pairs=3),
-    "quick": dict(sources=64, files=31, rows=32, shards=16, samples=64, steps=320, warmup=160, pairs=3),
+    "full": dict(sources=64, files=31, rows=48, shards=16, samples=96, steps=800, warmup=300, pairs=5),
+    "quick": dict(sources=64, files=31, rows=32, shards=16, samples=64, steps=320, warmup=160, pairs=5),
     "smoke": dict(sources=8, files=4, rows=32, shards=2, samples=32, steps=30, warmup=8, pairs=1),
 }
 SEQ_LEN, ROWS = 2048, 2

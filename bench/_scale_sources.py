@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from msdata_server.ops.memory import proc_memory  # noqa: E402
+from msdata_server.ops.memory import cpu_seconds, proc_memory, tree_pids  # noqa: E402
 
 MIB = 1 << 20
 SEED = 1234
@@ -138,34 +138,6 @@ def _job(sources: list[tuple[str, str, list[str]]]) -> dict:
     return g.plan().to_dict()
 
 
-def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for t in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    return out
-
-
-def _cpu_s(pids: list[int]) -> float:
-    """CPU seconds (user + system) the processes have used: a figure the machine's other load moves less than
-    wall time."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, ValueError, IndexError):
-            continue
-    return total / tick
-
-
 def _status(endpoint: str) -> dict:
     from msdata_client.wire import request
 
@@ -232,9 +204,9 @@ def run_case(tag: str, sources: list[tuple[str, str, list[str]]], work: Path, ba
         if not got:
             raise RuntimeError(f"rank failed; server log: {(d / 'server.log').read_text()[-3000:]}")
         first = json.loads(got)["first_batch_s"]
-        cpu = _cpu_s(_tree(server.pid))  # after the rank's batches: the job's start, its first reads and plans
+        cpu = cpu_seconds(tree_pids(server.pid))  # after the rank's batches: the job's start, its first reads and plans
         status = _loaders_idle(endpoint)
-        mems = [[proc_memory(p) for p in _tree(server.pid)] for _ in range(3)]
+        mems = [[proc_memory(p) for p in tree_pids(server.pid)] for _ in range(3)]
         pss = max(sum(m["pss"] for m in ms) for ms in mems)
         uss = max(sum(m["uss"] for m in ms) for ms in mems)  # private: what other processes' sharing cannot move
         rank.stdin.write("\n")

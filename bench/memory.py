@@ -54,7 +54,7 @@ sys.path.insert(0, HERE)
 
 from progress import bar, say  # noqa: E402
 
-from msdata_server.ops.memory import proc_memory  # noqa: E402  (stdlib only)
+from msdata_server.ops.memory import proc_memory, tree_pids  # noqa: E402  (stdlib only)
 
 MIB = 2**20
 SEED = 1234
@@ -245,25 +245,6 @@ def _trainer_main() -> None:
 
 # ---------------------------------------------------------------------------------------------------------
 # the driver: process trees, PSS, phases
-
-
-def tree_pids(pid: int) -> list[int]:
-    """pid and all its descendants, from /proc/PID/task/*/children."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-            except OSError:
-                pass
-    return out
 
 
 def _cmdline(pid: int) -> str:

@@ -160,23 +160,9 @@ def make_job(prefix: str, shape: dict, name: str = "remote"):
 
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) of a process and its live descendants so far, from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    procs: dict[int, tuple[int, float]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    text = f.read()
-            except OSError:
-                continue
-            rest = text[text.rindex(")") + 2 :].split()  # state, ppid, ... utime (14th field), stime (15th)
-            procs[int(d)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / tick)
-    tree, grew = {pid}, True
-    while grew:
-        more = {p for p, (ppid, _) in procs.items() if ppid in tree} - tree
-        tree |= more
-        grew = bool(more)
-    return sum(procs[p][1] for p in tree if p in procs)
+    from msdata_server.ops.memory import cpu_seconds, tree_pids
+
+    return cpu_seconds(tree_pids(pid))
 
 
 def run_arm(srv, spec, *, steps: int, warmup: int, compute_s: float) -> dict:

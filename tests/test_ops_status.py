@@ -4,9 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import io
+import os
 import re
+import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -14,9 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from msdata_server.errors import ConfigError
+from msdata_server.ops.memory import cpu_seconds, tree_memory, tree_pids
 from msdata_server.ops.prometheus import METRICS, families, start_metrics_server
 from msdata_server.ops.watch import CLEAR, render, watch
 
+from .polling import wait_for
 from .status_sample import SAMPLE
 
 NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
@@ -251,3 +258,25 @@ def test_watch_redraws_and_clears_only_a_terminal():
     out = io.StringIO()
     watch("/nowhere.sock", 0.01, iterations=1, stream=out, fetch=down)
     assert "no server at '/nowhere.sock'" in out.getvalue()
+
+
+def test_a_process_tree_its_memory_and_cpu_from_proc():
+    """tree_pids finds a child and its grandchild; cpu_seconds counts what the tree burnt; tree_memory sums PSS
+    (the figures `status` and the benchmarks report)."""
+    burn = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\nsys.stdin.read()"
+    grand = f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {burn!r}]).wait()"
+    child = subprocess.Popen([sys.executable, "-c", grand], stdin=subprocess.PIPE, stdout=None)
+    try:
+        pids = wait_for(lambda: len(t := tree_pids(child.pid)) == 2 and t, 30, "the child and its grandchild")
+        assert pids[0] == child.pid
+        wait_for(lambda: cpu_seconds(pids) >= 0.25, 30, "the grandchild's 0.3 s of CPU")
+        mem = tree_memory(pids)
+        assert mem["pss"] > 0
+        assert mem["uss"] <= mem["pss"] <= mem["rss"]
+        assert cpu_seconds([2**22 + 12345]) == 0  # gone (or never there): nothing
+    finally:
+        for p in reversed(tree_pids(child.pid)):
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+        child.wait()
+        child.stdin.close()

@@ -1,11 +1,11 @@
 """Process memory as the kernel accounts it: PSS and USS from /proc/PID/smaps_rollup (RSS overstates shared
-pages, ARCHITECTURE §9)."""
+pages, ARCHITECTURE §9); the process trees those are summed over and their CPU seconds (the benchmarks' too)."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["MEMORY_KINDS", "node_sources_memory", "proc_memory", "tree_memory"]
+__all__ = ["MEMORY_KINDS", "cpu_seconds", "node_sources_memory", "proc_memory", "tree_memory", "tree_pids"]
 
 # what a source holds, by kind (status ``sources[...].memory``; loader.loader.LoaderStats)
 MEMORY_KINDS = ("read_ahead", "order", "metadata", "handles", "decoded")
@@ -32,6 +32,39 @@ def proc_memory(pid: int | None = None) -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+def tree_pids(pid: int) -> list[int]:
+    """pid and all its live descendants, from /proc/PID/task/*/children."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except OSError:
+                pass
+    return out
+
+
+def cpu_seconds(pids) -> float:
+    """CPU seconds (user + system) the processes have used so far (a gone one counts 0): a figure the machine's
+    other load moves less than wall time."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()  # state, ppid, ... utime (14th field), stime (15th)
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / tick
 
 
 def tree_memory(pids) -> dict[str, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["least", "match_tiny", "pair_round", "scan_infeasible"]
+__all__ = ["least", "match_tiny", "pair_few", "pair_round", "scan_infeasible"]
 
 ROUND_ROBIN_LOOP = 16  # _round_robin: a loop over up to this many rounds of slots, else one sort
 LEAST_SORT = 256  # least: below this many values, or m over 1/16 of them, it sorts them all (np.partition is slow)
@@ -61,6 +61,33 @@ def pair_round(
         return by_proj[:take]
     ranks = np.empty(take, np.int64)  # the largest lowering to the highest projection
     ranks[np.argsort(delta[:take], kind="stable")] = by_proj[::-1][:take]
+    return ranks
+
+
+def pair_few(
+    rcost: list[float], rtok: list[int], elig: list[int], lengths: list[int], costs: list[float], rate: float, floor: int
+) -> list[int]:
+    """`pair_round` of a few eligible ranks and pieces, in Python floats (the same IEEE operations in the same order,
+    so the same ranks): where only a few ranks can take the head piece, a round's numpy calls cost more than its
+    work. `rcost`/`rtok`: the eligible ranks' (elig, ascending); returns the ranks of the first pieces."""
+    delta = [c - n * rate for c, n in zip(costs, lengths)]
+    grow = delta[0] >= 0
+    same = [d >= 0 for d in delta] if grow else [d < 0 for d in delta]
+    run = len(delta) if all(same) else same.index(False)
+    proj = [c + t * rate for c, t in zip(rcost, rtok)]
+    if grow:
+        bar = min(proj) + delta[0]
+        near = sum(1 for p in proj if p <= bar)
+    else:
+        bar = max(proj) + min(delta[:run])
+        near = sum(1 for p in proj if p >= bar)
+    take = min(run, max(near, floor))
+    by_proj = [elig[j] for j in sorted(range(len(proj)), key=proj.__getitem__)]  # (sorted is stable)
+    if grow:
+        return by_proj[:take]
+    ranks = [0] * take
+    for j, r in zip(sorted(range(take), key=delta.__getitem__), by_proj[::-1]):
+        ranks[j] = r
     return ranks
 
 

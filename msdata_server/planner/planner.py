@@ -405,7 +405,7 @@ class Planner:
         row_key = key[idx]  # rank * slots + slot = (rank * micro_batches + micro) * rows + row, ascending
         bounds = np.searchsorted(row_key, np.arange(cfg.dp * cfg.micro_batches + 1) * cfg.rows).astype(np.int64)
         rank, micro = _runs(bounds, cfg.dp, cfg.micro_batches)
-        placed, kept = np.take(pool, idx, axis=0), np.take(pool, gone, axis=0)  # in plan order; left over
+        placed, kept = _take_rows(pool, idx), _take_rows(pool, gone)  # in plan order; left over
         src_i, ords_i, off_i, lens_i = (placed[:, j] for j in range(4))
         per_source, started = _placed_by_source(carry, kept, taken - pos.taken, drawn)
         counts["started"] += started
@@ -532,8 +532,20 @@ def _pool(carry: dict, parts: list, vision: bool) -> np.ndarray:
                 drawn[at : at + p[3].size, j] = p[c]
             at += p[3].size
         order = np.argsort(np.concatenate([p[4] for p in parts]), kind="stable")
-        np.take(drawn, order, axis=0, out=out[n_carry:], mode="clip")  # (with out, mode "raise" buffers: 10x slower)
+        np.take(_as_records(drawn), order, out=_as_records(out)[n_carry:], mode="clip")  # (with out, mode "raise"
+        # buffers: 10x slower)
     return out
+
+
+def _as_records(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous 2-d int64 array as a 1-d array of its rows (opaque records of a row's bytes; a view)."""
+    return a.view(np.dtype((np.void, a.shape[1] * a.itemsize))).reshape(a.shape[0])
+
+
+def _take_rows(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """np.take(a, idx, axis=0) of a C-contiguous 2-d int64 array, as one gather of whole rows (3x faster: numpy
+    copies the rows of a 2-d take one small copy at a time)."""
+    return np.take(_as_records(a), idx).view(a.dtype).reshape(idx.size, a.shape[1])
 
 
 def _two_stages(

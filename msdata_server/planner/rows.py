@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .fit import match_tiny, pair_round, scan_infeasible
+from .fit import match_tiny, pair_few, pair_round, scan_infeasible
 from .layout import Layout
 from .partition import kk_partition
 
@@ -20,6 +20,7 @@ __all__ = ["Rows", "order_by"]
 ROUND_DIV = 4  # a greedy round places at least dp / ROUND_DIV pieces...
 TINY = 32  # ...and pieces shorter than seq_len / TINY go several per row (`_tiny_round`)
 TAIL_GIVE_UP = 16  # a tiny round that places under 1/16 of the pieces left ends the step's filling
+FEW = 4  # a round with at most this many eligible ranks runs in Python floats (`pair_few`, `Rows._put_few`)
 
 _BIG = np.iinfo(np.int64).max
 _COLUMNS = 8  # row_max/row_min: a loop over up to this many columns, else argmax and a gather
@@ -196,6 +197,9 @@ class Rows:
                     continue
             rate = self.pool_cost / self.pool_tok if self.pool_tok > 0 else 0.0
             cand = queue[i : i + elig.size]
+            if elig.size <= FEW:  # (the last rounds of a capped step: a few ranks with room left)
+                i += self._put_few(cand, elig, rate, floor, retry)
+                continue
             lengths, costs = L[cand], c[cand]
             ranks = pair_round(self.rcost, self.rtok, elig, lengths, costs, rate, floor)
             n_put = ranks.size
@@ -208,6 +212,51 @@ class Rows:
             i += ranks.size
         for piece in np.concatenate(retry) if retry else ():  # a cost_fn not growing with length; rare
             self.one(int(piece))
+
+    def _put_few(self, cand: np.ndarray, elig: np.ndarray, rate: float, floor: int, retry: list[np.ndarray]) -> int:
+        """A greedy round over a few eligible ranks (`fit.pair_few`) and `put` of its pieces, one by one in Python
+        floats: the same operations in the same order as the vectorised round, so the same placement. Pieces that
+        did not fit go to `retry`; returns how many pieces the round took."""
+        lengths, costs = self.L[cand].tolist(), self.c[cand].tolist()
+        ranks = pair_few(self.rcost[elig].tolist(), self.rtok[elig].tolist(), elig.tolist(), lengths, costs, rate, floor)
+        check, lay = not self.monotone, self.lay
+        score_rows = self.spread and lay.micro > 1
+        micro_of = self.micro_of.tolist()
+        ok = []
+        for j, r in enumerate(ranks):
+            tok, cj = lengths[j], costs[j]
+            if check and (self.maxrem[r] < tok or (self.capped and self.rcost[r] + cj > self.cap)):
+                continue
+            ok.append(j)
+            rr = self.rem[r].tolist()
+            if score_rows:  # the least projected micro-batch with a row the piece fits, its tightest such row
+                if lay.rows > 1:
+                    mproj = [mc + mt * rate for mc, mt in zip(self.mcost[r].tolist(), self.mtok[r].tolist())]
+                    score = [mproj[micro_of[w]] if x >= tok else np.inf for w, x in enumerate(rr)]
+                else:
+                    score = [mc + x * rate if x >= tok else np.inf for mc, x in zip(self.mcost[r].tolist(), rr)]
+                low = min(score)
+                fits = [sc == low for sc in score]
+            else:
+                fits = [x >= tok for x in rr]
+            w = min(range(len(rr)), key=lambda v: rr[v] if fits[v] else _BIG)  # (the first of the least)
+            rr[w] -= tok
+            self.rem[r, w] = rr[w]
+            self.maxrem[r] = max(rr)
+            self.rtok[r] -= tok
+            self.rcost[r] += cj
+            m = micro_of[w]
+            self.mcost[r, m] += cj
+            self.mtok[r, m] -= tok
+            self.rank[cand[j]], self.slot[cand[j]] = r, w
+        n = len(ranks)
+        if len(ok) < n:
+            bad = np.ones(n, bool)
+            bad[ok] = False
+            retry.append(cand[:n][bad])
+        self.pool_cost -= float(self.c[cand[:n][ok]].sum())  # (numpy's sum, as `put` takes it)
+        self.pool_tok -= sum(lengths[j] for j in ok)
+        return n
 
     def place_on(self, idx: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """Place pieces on given ranks, each rank's longest first; returns the pieces that did not fit."""

@@ -15,6 +15,8 @@ A view without `vision` (text only) has 0 patches everywhere.
 
 from __future__ import annotations
 
+import math
+
 import time
 from typing import Protocol
 
@@ -94,7 +96,8 @@ class LengthReader:
             arr = cols[0] if self._vision else cols
             used = np.minimum(arr, self._seq_len) if self._mode is LongDocs.TRUNCATE else arr
             ends = np.cumsum(used)
-            j = int(np.searchsorted(ends, deficit - have, side="left"))
+            # (the key as an int: a float key would convert all of `ends` to floats first; ends >= x iff ends >= ceil(x))
+            j = int(np.searchsorted(ends, math.ceil(deficit - have), side="left"))
             nonzero = int(np.count_nonzero(arr))
             if nonzero:
                 self._mean_len[s] = max(1.0, float(ends[-1]) / nonzero)

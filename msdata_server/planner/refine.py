@@ -3,6 +3,7 @@ trades that bound the carry-over (short left-over pieces for fewer long placed o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import numpy as np
@@ -125,13 +126,16 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     cand = _candidates(st, lo, priority, movable)
     if cand.size == 0:
         return False
-    key = st.rank[cand] * k + st.slot[cand]
-    o = order_by(key, st.lay.dp * k)  # stable: each row's first candidate (least index) leads its group
-    cand = cand[o[np.flatnonzero(np.diff(key[o], prepend=-1))]]  # one per row
+    # one per row, its first (least index): the least candidate of each row, by one scatter over the rows (no sort)
+    first = np.full(st.lay.dp * k, L.size, np.int64)
+    np.minimum.at(first, st.rank[cand] * k + st.slot[cand], cand)
+    rows = np.flatnonzero(first < L.size)
+    cand = first[rows]
     heavy_first = np.empty(st.lay.dp, np.int64)
     heavy_first[np.argsort(-st.rcost, kind="stable")] = np.arange(st.lay.dp)
-    # costliest ranks first, then by index: the rows' firsts only, not every candidate (a few per row)
-    cand = cand[np.argsort(heavy_first[st.rank[cand]] * st.L.size + cand, kind="stable")]
+    # costliest ranks first, then by index: the rows' firsts only, not every candidate (a few per row); the keys are
+    # distinct, so any sort orders them alike
+    cand = cand[np.argsort(heavy_first[rows // k] * L.size + cand)]
     ends = np.cumsum(L[left])
     cost_ends = np.concatenate([[0.0], np.cumsum(c[left])])
     stop = np.searchsorted(ends, np.cumsum(L[cand]), side="left") + 1  # chunk j: left[start_j:stop_j]
@@ -161,7 +165,8 @@ def _candidates(st: Rows, lo: float, priority: int, movable: np.ndarray | None) 
         if st.neg_len is None:
             st.neg_len = -L[st.desc]  # ascending
         a = int(np.searchsorted(st.neg_len, -half, side="left"))
-        b = int(np.searchsorted(st.neg_len, -lo, side="right"))
+        b = int(np.searchsorted(st.neg_len, -math.ceil(lo), side="right"))  # (L >= lo iff L >= ceil(lo): an int key,
+        # as a float key would convert all of neg_len to floats first)
         if (b - a) * CANDIDATES_BY_LENGTH < L.size:  # (a sort of those beats three passes over every piece)
             cand = np.sort(st.desc[a:b])
             return cand[(cand >= priority) & (st.rank[cand] >= 0)]
@@ -226,17 +231,18 @@ def _cuts(st: Rows, cand: np.ndarray, cap: float, priority: int) -> np.ndarray:
     cand, r, c = cand[ok], r[ok], c[ok]
     if cand.size == 0:
         return cand
-    excess = st.rcost[r] - cap
     starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
     group = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, r.size]))
-    cover = np.where(c >= excess, c, np.inf)
+    excess = st.rcost[r[starts]] - cap  # per rank here
+    over = excess[group]
+    cover = np.where(c >= over, c, np.inf)
     least = np.minimum.reduceat(cover, starts)  # the cheapest piece that covers its rank's excess
     at = np.minimum.reduceat(np.where(cover == least[group], np.arange(r.size), r.size), starts)
     covered = np.isfinite(least)
     out = [cand[at[covered]]]
-    short = ~covered[group]  # no piece covers: the costliest pieces, until they do
-    if short.any():
-        cs, rs, cc, xs = _costlier(cand[short], r[short], c[short], excess[short])
+    if not covered.all():  # no piece covers: the costliest pieces, until they do
+        keep = _costlier(c, group, starts, excess, ~covered)
+        cs, rs, cc, xs = cand[keep], r[keep], c[keep], over[keep]
         # by rank, costliest first: one stable sort of a float key (rank apart by more than any cost; 3x a lexsort)
         o = np.argsort(rs * (2.0 * float(cc.max()) + 1.0) - cc, kind="stable")
         cs, rs, cc, xs = cs[o], rs[o], cc[o], xs[o]
@@ -248,15 +254,13 @@ def _cuts(st: Rows, cand: np.ndarray, cap: float, priority: int) -> np.ndarray:
 
 
 def _costlier(
-    cand: np.ndarray, r: np.ndarray, c: np.ndarray, excess: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Of the pieces `cand` (ranks `r`, grouped; costs `c`; their rank's `excess`), those that `_cuts` can take
-    when it takes each rank's costliest until they cover the excess: the pieces costing at least COSTLIER x their
-    rank's costliest where those cover it (a few per rank), else all of the rank's. (The sort that follows then
-    orders a few pieces per rank, not all.)"""
-    first = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
-    group = np.repeat(np.arange(first.size), np.diff(np.r_[first, r.size]))
-    high = c >= COSTLIER * np.maximum.reduceat(c, first)[group]
-    enough = np.add.reduceat(np.where(high, c, 0.0), first) >= excess[first] * (1.0 + 1e-9)  # (margin: rounding)
-    keep = high | ~enough[group]
-    return cand[keep], r[keep], c[keep], excess[keep]
+    c: np.ndarray, group: np.ndarray, starts: np.ndarray, excess: np.ndarray, short: np.ndarray
+) -> np.ndarray:
+    """Of the pieces (costs `c`, grouped by rank: `group` of each, `starts` of each group, `excess` per group), those
+    of the `short` groups that `_cuts` can take when it takes each rank's costliest until they cover the excess: the
+    pieces costing at least COSTLIER x their rank's costliest where those cover it (a few per rank), else all of the
+    rank's. (The sort that follows then orders a few pieces per rank, not all.) Indices, ascending. A group's sums
+    run over its own pieces, as over the short groups alone (np.add.reduceat of a segment: the same in any array)."""
+    high = c >= COSTLIER * np.maximum.reduceat(c, starts)[group]
+    enough = np.add.reduceat(np.where(high, c, 0.0), starts) >= excess * (1.0 + 1e-9)  # (margin: rounding)
+    return np.flatnonzero((short & ~enough)[group] | (high & short[group]))

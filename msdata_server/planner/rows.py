@@ -72,6 +72,8 @@ class Rows:
         self.mcost = np.zeros((dp, layout.micro))
         self.mtok = np.full((dp, layout.micro), layout.rows * layout.seq_len, np.int64)
         self.micro_of = np.arange(k) // layout.rows
+        self._rem_flat, self._mcost_flat, self._mtok_flat = self.rem.reshape(-1), self.mcost.reshape(-1), self.mtok.reshape(-1)
+        self._first_slot = np.arange(0, dp * k, k)  # (put: where each rank's rows start in a [ranks, slots] gather)
         self.rank = np.full(lengths.size, -1, np.int64)
         self.slot = np.full(lengths.size, -1, np.int64)
         self.pool_cost = float(costs.sum())  # pieces not yet placed or given up
@@ -133,16 +135,15 @@ class Rows:
             if bad.any():
                 ok = ~bad
                 idx, ranks, toks, c = idx[ok], ranks[ok], toks[ok], c[ok]
-        k = self.lay.slots
+        lay, k = self.lay, self.lay.slots
         if k == 1:
-            w = np.zeros(idx.size, np.int64)
-            self.rem[ranks, 0] -= toks
-            self.maxrem[ranks] -= toks
+            w = flat = ranks
+            np.subtract.at(self.maxrem, ranks, toks)
         else:
             rr = np.take(self.rem, ranks, axis=0)  # (np.take of whole rows: several times faster than rem[ranks])
             fit = rr >= toks[:, None]
-            if self.spread and self.lay.micro > 1:
-                if self.lay.rows > 1:  # micro-batch projections
+            if self.spread and lay.micro > 1:
+                if lay.rows > 1:  # micro-batch projections
                     mproj = np.take(self.mcost, ranks, axis=0) + np.take(self.mtok, ranks, axis=0) * rate
                     score = mproj[:, self.micro_of]
                 else:  # (a row per micro-batch: its free tokens are the micro-batch's)
@@ -151,18 +152,17 @@ class Rows:
                 fit = score == row_min(score)[:, None]
             w = np.argmin(np.where(fit, rr, _BIG), axis=1)
             flat = ranks * k + w
-            self.rem.reshape(-1)[flat] -= toks  # (distinct ranks)
-            rr.reshape(-1)[np.arange(0, w.size * k, k) + w] -= toks  # rr: their rows now
+            rr.reshape(-1)[self._first_slot[: w.size] + w] -= toks  # rr: their rows now
             self.maxrem[ranks] = row_max(rr)
-        self.rtok[ranks] -= toks
-        self.rcost[ranks] += c
-        if self.lay.micro > 1:
-            mi = ranks * self.lay.micro + self.micro_of[w] if self.lay.rows > 1 else flat  # (a row per micro-batch)
-            self.mcost.reshape(-1)[mi] += c
-            self.mtok.reshape(-1)[mi] -= toks
-        else:
-            self.mcost[ranks, 0] += c
-            self.mtok[ranks, 0] -= toks
+        # (the ranks are distinct: each ufunc.at below adds once per entry, as a gather, add and scatter would)
+        np.subtract.at(self._rem_flat, flat, toks)
+        np.subtract.at(self.rtok, ranks, toks)
+        np.add.at(self.rcost, ranks, c)
+        mi = flat if lay.rows == 1 else ranks * lay.micro + self.micro_of[w]  # (a row per micro-batch: the row)
+        np.add.at(self._mcost_flat, mi, c)
+        np.subtract.at(self._mtok_flat, mi, toks)
+        if k == 1:
+            w = np.zeros(idx.size, np.int64)
         self.rank[idx] = ranks
         self.slot[idx] = w
         self.pool_cost -= float(c.sum())

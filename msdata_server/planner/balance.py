@@ -141,15 +141,17 @@ def _fill(
     desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
     desc_len = lengths[desc]
     st.set_cap(desc, tolerance, base, desc_len)
-    st.monotone = bool(np.all(np.diff(costs[desc]) <= 0))
+    desc_cost = costs[desc]
+    st.monotone = bool(np.all(np.diff(desc_cost) <= 0))
     st.desc, st.neg_len = desc, -desc_len  # (for refine.consolidate)
     # carry-over first, so that no piece is left over twice; best fit, which keeps whole rows free
     # for the long pieces that follow
     early = desc < priority
     st.spread = False
-    st.greedy(desc[early])
+    st.greedy(desc[early], desc_len[early], desc_cost[early])
     st.spread = True
-    rest = desc[~early]
+    late = ~early
+    rest, rest_len, rest_cost = desc[late], desc_len[late], desc_cost[late]
     if method is Method.KARMARKAR_KARP and layout.dp > 1 and rest.size and not _over_budget(st, rest):
         rate = st.rate()
         long = costs[rest] - lengths[rest] * rate > 0
@@ -159,8 +161,9 @@ def _fill(
             keep = np.ones(n, bool)
             keep[big] = False
             keep[failed] = True
-            rest = rest[keep[rest]]
-    st.greedy(rest)
+            kept = keep[rest]
+            rest, rest_len, rest_cost = rest[kept], rest_len[kept], rest_cost[kept]
+    st.greedy(rest, rest_len, rest_cost)
     refine(st, REFINE_ITERS)
     _settle(st, priority)
     if tolerance is not None and layout.dp > 1:  # the padding lowered the mean: hold the tolerance to the real one

@@ -194,26 +194,27 @@ def scan_infeasible(
     cap: float,
     lengths: np.ndarray,
     costs: np.ndarray,
-    queue: np.ndarray,
     i: int,
     window: int,
-) -> tuple[np.ndarray, list[np.ndarray]]:
+) -> tuple[int, np.ndarray, list[tuple[int, np.ndarray]]]:
     """Split the queue from i into the pieces left (the head fits a rank, or none left) and those that fit none.
 
-    `maxrem` is each rank's roomiest row, `rcost` its cost, `lengths`/`costs` per piece. Checks
-    `window` pieces at a time (later pieces are shorter, so likelier to fit, and get checked when they
-    come up); returns the queue left and the pieces that fit no rank now, hence never will, window by window.
+    `maxrem` is each rank's roomiest row, `rcost` its cost, `lengths`/`costs` those of the queue's pieces, in queue
+    order. Checks `window` pieces at a time (later pieces are shorter, so likelier to fit, and get checked when they
+    come up). Returns (at, feasible, dropped): the last window checked starts at `at`, `feasible` masks the pieces in
+    it that fit a rank (the queue past it is left unchecked; none: at = len(queue) and feasible is empty); `dropped`:
+    per window checked, (its start, mask of its pieces that fit no rank now, hence never will).
     """
     o = np.argsort(-maxrem, kind="stable")
     room = maxrem[o]
     budget = np.maximum.accumulate(cap - rcost[o])
-    dropped: list[np.ndarray] = []
-    while i < queue.size:
-        part = queue[i : i + window]
+    dropped: list[tuple[int, np.ndarray]] = []
+    while i < lengths.size:
+        part = slice(i, i + window)
         cnt = np.searchsorted(-room, -lengths[part], side="right")  # ranks with a row this long
         feasible = (cnt > 0) & (budget[np.maximum(cnt - 1, 0)] >= costs[part])
-        dropped.append(part[~feasible])
+        dropped.append((i, ~feasible))
         if feasible.any():
-            return np.concatenate([part[feasible], queue[i + part.size :]]), dropped
-        i += part.size
-    return queue[:0], dropped
+            return i, feasible, dropped
+        i += feasible.size
+    return lengths.size, np.zeros(0, bool), dropped

@@ -169,38 +169,40 @@ class Rows:
         self.pool_tok -= int(toks.sum())
         return bad
 
-    def greedy(self, queue: np.ndarray) -> None:
+    def greedy(self, queue: np.ndarray, lengths: np.ndarray | None = None, costs: np.ndarray | None = None) -> None:
         """Place queue (longest first) in rounds; each round pairs pieces with ranks by projection.
 
         A round (`fit.pair_round`) gives the next pieces to distinct ranks that can take the head
         piece, at least dp / ROUND_DIV of them. Tiny pieces go by `_tiny_round`; pieces that fit
-        nowhere any more are given up (the caller carries them).
+        nowhere any more are given up (the caller carries them). `lengths`, `costs`: L[queue] and c[queue] when the
+        caller has them; the rounds read the queue's lengths and costs from these, in queue order (slices, not
+        gathers of pieces all over L and c), and keep them in step with the queue.
         """
-        L, c = self.L, self.c
+        qlen = self.L[queue] if lengths is None else lengths
+        qcost = self.c[queue] if costs is None else costs
         floor = max(1, self.lay.dp // ROUND_DIV)
         tiny = self.lay.seq_len / TINY
         retry: list[np.ndarray] = []
         i, n, own = 0, queue.size, False
         while i < n:
-            head = queue[i]
-            elig = self.eligible(int(head))
+            elig = self._eligible(qlen[i], qcost[i])
             if elig.size == 0:
-                queue, i, own = self._drop_infeasible(queue, i), 0, True
-                n = queue.size
+                queue, qlen, qcost = self._drop_infeasible(queue, qlen, qcost, i)
+                i, n, own = 0, queue.size, True
                 continue
-            if L[head] < tiny and self.spread:  # (not for carry-over: it would touch every row)
+            if qlen[i] < tiny and self.spread:  # (not for carry-over: it would touch every row)
                 if not own:  # _tiny_round reorders the queue in place: ours, not the caller's
-                    queue, own = queue.copy(), True
-                at = self._tiny_round(queue, i)
+                    queue, qlen, qcost, own = queue.copy(), qlen.copy(), qcost.copy(), True
+                at = self._tiny_round(queue, qlen, qcost, i)
                 if at is not None:
                     i = at
                     continue
             rate = self.pool_cost / self.pool_tok if self.pool_tok > 0 else 0.0
-            cand = queue[i : i + elig.size]
+            j = i + elig.size
+            cand, lengths, costs = queue[i:j], qlen[i:j], qcost[i:j]
             if elig.size <= FEW:  # (the last rounds of a capped step: a few ranks with room left)
-                i += self._put_few(cand, elig, rate, floor, retry)
+                i += self._put_few(cand, lengths, costs, elig, rate, floor, retry)
                 continue
-            lengths, costs = L[cand], c[cand]
             ranks = pair_round(self.rcost, self.rtok, elig, lengths, costs, rate, floor)
             n_put = ranks.size
             idx = cand[:n_put]
@@ -213,11 +215,21 @@ class Rows:
         for piece in np.concatenate(retry) if retry else ():  # a cost_fn not growing with length; rare
             self.one(int(piece))
 
-    def _put_few(self, cand: np.ndarray, elig: np.ndarray, rate: float, floor: int, retry: list[np.ndarray]) -> int:
+    def _put_few(
+        self,
+        cand: np.ndarray,
+        cand_len: np.ndarray,
+        cand_cost: np.ndarray,
+        elig: np.ndarray,
+        rate: float,
+        floor: int,
+        retry: list[np.ndarray],
+    ) -> int:
         """A greedy round over a few eligible ranks (`fit.pair_few`) and `put` of its pieces, one by one in Python
-        floats: the same operations in the same order as the vectorised round, so the same placement. Pieces that
-        did not fit go to `retry`; returns how many pieces the round took."""
-        lengths, costs = self.L[cand].tolist(), self.c[cand].tolist()
+        floats: the same operations in the same order as the vectorised round, so the same placement. `cand_len`,
+        `cand_cost`: the candidates' lengths and costs. Pieces that did not fit go to `retry`; returns how many
+        pieces the round took."""
+        lengths, costs = cand_len.tolist(), cand_cost.tolist()
         ranks = pair_few(self.rcost[elig].tolist(), self.rtok[elig].tolist(), elig.tolist(), lengths, costs, rate, floor)
         check, lay = not self.monotone, self.lay
         score_rows = self.spread and lay.micro > 1
@@ -254,7 +266,7 @@ class Rows:
             bad = np.ones(n, bool)
             bad[ok] = False
             retry.append(cand[:n][bad])
-        self.pool_cost -= float(self.c[cand[:n][ok]].sum())  # (numpy's sum, as `put` takes it)
+        self.pool_cost -= float(cand_cost[:n][ok].sum())  # (numpy's sum, as `put` takes it)
         self.pool_tok -= sum(lengths[j] for j in ok)
         return n
 
@@ -289,44 +301,51 @@ class Rows:
 
     def eligible(self, piece: int) -> np.ndarray:
         """The ranks that can take `piece` now: a row it fits and, under the cap, room for its cost."""
-        mask = self.maxrem >= self.L[piece]
+        return self._eligible(self.L[piece], self.c[piece])
+
+    def _eligible(self, length: np.int64, cost: np.float64) -> np.ndarray:
+        """The ranks that can take a piece of this length and cost now."""
+        mask = self.maxrem >= length
         if self.capped:
-            mask &= self.rcost <= self.cap - self.c[piece]
+            mask &= self.rcost <= self.cap - cost
         return np.flatnonzero(mask)
 
-    def _tiny_round(self, queue: np.ndarray, i: int) -> int | None:
+    def _tiny_round(self, queue: np.ndarray, qlen: np.ndarray, qcost: np.ndarray, i: int) -> int | None:
         """Place the next tiny pieces (`fit.match_tiny`); returns where the queue left starts (None: none placed).
-        The pieces that waited move up in place, before the rest of the queue (no copy of the queue).
+        The pieces that waited move up in place, before the rest of the queue (no copy of the queue;
+        `qlen`, `qcost`: the queue's lengths and costs, reordered alike).
 
         Tiny pieces barely move a projection, so placing thousands at once costs no balance, and the
         tail (many short pieces, few rows with room) takes a few rounds instead of one per rank. When
         a round places only a trickle, the rest of the queue is given up (carried over): the room
         left is then on ranks at the cap.
         """
-        cand = queue[i : i + 4 * self.lay.dp * self.lay.slots]
+        end = i + 4 * self.lay.dp * self.lay.slots
+        cand, lengths, costs = queue[i:end], qlen[i:end], qcost[i:end]
         cap = self.cap if self.capped else None
         # (match_tiny needs their costliest only: the first when cost grows with length, as the queue is longest first)
-        costs = self.c[cand[:1]] if self.monotone else self.c[cand]
-        lengths = self.L[cand]
-        match = match_tiny(self.rem, self.rcost, self.rtok, lengths, costs, cap, self.rate())
+        match = match_tiny(self.rem, self.rcost, self.rtok, lengths, costs[:1] if self.monotone else costs, cap, self.rate())
         if match is None:
             return None
         got, rows = match
-        idx, wait = cand[got], cand[~got]  # (copies: cand is a view of the queue)
-        self._put_rows(idx, rows, lengths[got])
-        at = i + cand.size - wait.size
-        queue[at : i + cand.size] = wait
+        wait = ~got
+        idx = cand[got]  # (copies: cand, lengths and costs are views of the queue's)
+        waiting = cand[wait], lengths[wait], costs[wait]
+        self._put_rows(idx, rows, lengths[got], costs[got])
+        at = end = i + cand.size
+        at -= waiting[0].size
+        queue[at:end], qlen[at:end], qcost[at:end] = waiting
         if idx.size * TAIL_GIVE_UP < queue.size - at:  # a trickle: the room left is on ranks at the cap
-            self.give_up(queue[at:])
+            self._give_up(qlen[at:], qcost[at:])
             return queue.size
         return at
 
-    def _put_rows(self, idx: np.ndarray, rows: np.ndarray, toks: np.ndarray) -> None:
-        """Put pieces idx (lengths `toks`) into the given flat rows (rank * slots + slot), several per rank and row."""
+    def _put_rows(self, idx: np.ndarray, rows: np.ndarray, toks: np.ndarray, cc: np.ndarray) -> None:
+        """Put pieces idx (lengths `toks`, costs `cc`) into the given flat rows (rank * slots + slot), several per rank
+        and row."""
         lay = self.lay
         k = lay.slots
         ranks, w = np.divmod(rows, k)
-        cc = self.c[idx]
         # tokens per row, and from them per rank and micro-batch (integers: exact in any order)
         drow = np.bincount(rows, toks, minlength=self.rem.size).astype(np.int64).reshape(lay.dp, k)
         self.rem -= drow
@@ -344,13 +363,23 @@ class Rows:
         self.pool_cost -= float(cc.sum())
         self.pool_tok -= int(toks.sum())
 
-    def _drop_infeasible(self, queue: np.ndarray, i: int) -> np.ndarray:
-        """Give up the next queued pieces (from i) that fit no rank now, hence never will; return the rest."""
+    def _drop_infeasible(
+        self, queue: np.ndarray, qlen: np.ndarray, qcost: np.ndarray, i: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Give up the next queued pieces (from i) that fit no rank now, hence never will; return the rest (the queue,
+        its lengths and its costs)."""
         window = max(4 * self.lay.dp, 1024)
-        rest, dropped = scan_infeasible(self.maxrem, self.rcost, self.cap, self.L, self.c, queue, i, window)
-        for part in dropped:
-            self.give_up(part)
-        return rest
+        at, feasible, dropped = scan_infeasible(self.maxrem, self.rcost, self.cap, qlen, qcost, i, window)
+        for lo, drop in dropped:
+            hi = lo + drop.size
+            self._give_up(qlen[lo:hi][drop], qcost[lo:hi][drop])
+        hi = at + feasible.size
+        return tuple(np.concatenate([a[at:hi][feasible], a[hi:]]) for a in (queue, qlen, qcost))  # type: ignore[return-value]
+
+    def _give_up(self, lengths: np.ndarray, costs: np.ndarray) -> None:
+        """`give_up` of pieces of these lengths and costs (in the same order: the same sums)."""
+        self.pool_cost -= float(costs.sum())
+        self.pool_tok -= int(lengths.sum())
 
     def one(self, piece: int) -> None:
         """Place a single piece on the best eligible rank, or give it up."""

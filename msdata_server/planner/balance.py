@@ -142,7 +142,7 @@ def _fill(
     desc_len = lengths[desc]
     st.set_cap(desc, tolerance, base, desc_len)
     desc_cost = costs[desc]
-    st.monotone = bool(np.all(np.diff(desc_cost) <= 0))
+    st.monotone = bool((desc_cost[1:] - desc_cost[:-1] <= 0).all())  # (np.diff)
     st.desc, st.neg_len = desc, -desc_len  # (for refine.consolidate)
     # carry-over first, so that no piece is left over twice; best fit, which keeps whole rows free
     # for the long pieces that follow
@@ -177,7 +177,7 @@ def _over_budget(st: Rows, rest: np.ndarray) -> bool:
     """More long pieces in `rest` than Rows.partition_long takes (KK_BUDGET pieces x ranks), so it would decline:
     told from the first that many + 1 of them (the pieces are longest first) instead of all."""
     head = rest[: KK_BUDGET // st.lay.dp + 1]
-    return bool(np.all(st.c[head] - st.L[head] * st.rate() > 0)) and head.size * st.lay.dp > KK_BUDGET
+    return bool((st.c[head] - st.L[head] * st.rate() > 0).all()) and head.size * st.lay.dp > KK_BUDGET
 
 
 def _settle(st: Rows, priority: int) -> None:
@@ -186,7 +186,7 @@ def _settle(st: Rows, priority: int) -> None:
         if not consolidate(st, priority):
             break
     # the moves and trades above can open room that a piece left over fits in
-    left = np.flatnonzero(st.rank < 0)
+    left = (st.rank < 0).nonzero()[0]
     if left.size:
         st.greedy(left[order_by(st.lay.seq_len - st.L[left], st.lay.seq_len + 1)])
 

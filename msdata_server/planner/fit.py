@@ -8,21 +8,32 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["least", "match_tiny", "pair_few", "pair_round", "scan_infeasible"]
+__all__ = ["least", "match_tiny", "pair_few", "pair_round", "run_lengths", "run_starts", "scan_infeasible"]
 
 ROUND_ROBIN_LOOP = 16  # _round_robin: a loop over up to this many rounds of slots, else one sort
 LEAST_SORT = 256  # least: below this many values, or m over 1/16 of them, it sorts them all (np.partition is slow)
+
+
+def run_starts(a: np.ndarray) -> np.ndarray:
+    """Where each run of equal values of a non-empty 1-d array starts (np.flatnonzero(np.r_[True, a[1:] != a[:-1]]),
+    without np.r_'s and np.flatnonzero's Python-level overhead: these run in loops)."""
+    return np.concatenate(([True], a[1:] != a[:-1])).nonzero()[0]
+
+
+def run_lengths(starts: np.ndarray, n: int) -> np.ndarray:
+    """The length of each run from its start (`run_starts`) in an array of n: np.diff(np.r_[starts, n])."""
+    return np.concatenate((starts[1:], [n])) - starts
 
 
 def least(a: np.ndarray, m: int) -> np.ndarray:
     """np.argsort(a, kind="stable")[:m] of a 1-d float array, without sorting all of it: a partition finds the
     m-th least value, and only the values up to it (the m least and their ties, in index order) are sorted."""
     if a.size <= LEAST_SORT or 16 * m >= a.size:
-        return np.argsort(a, kind="stable")[:m]
+        return a.argsort(kind="stable")[:m]
     if m <= 0:
         return np.zeros(0, np.int64)
-    sel = np.flatnonzero(a <= np.partition(a, m - 1)[m - 1])
-    return sel[np.argsort(a[sel], kind="stable")[:m]]
+    sel = (a <= np.partition(a, m - 1)[m - 1]).nonzero()[0]
+    return sel[a[sel].argsort(kind="stable")[:m]]
 
 
 def pair_round(
@@ -46,7 +57,7 @@ def pair_round(
     delta = costs - lengths * rate
     grow = bool(delta[0] >= 0)
     same = delta >= 0 if grow else delta < 0
-    run = lengths.size if same[-1] and same.all() else int(np.argmin(same))
+    run = lengths.size if same[-1] and np.count_nonzero(same) == same.size else int(same.argmin())
     every = elig.size == rcost.size  # (elig is ascending: then every rank, in order)
     proj = rcost + rtok * rate if every else rcost[elig] + rtok[elig] * rate
     if grow:
@@ -54,13 +65,13 @@ def pair_round(
     else:
         near = int(np.count_nonzero(proj >= proj.max() + delta[:run].min()))
     take = min(run, max(near, floor))
-    by_proj = np.argsort(proj, kind="stable")
+    by_proj = proj.argsort(kind="stable")
     if not every:
         by_proj = elig[by_proj]
     if grow:  # the largest raise to the lowest projection
         return by_proj[:take]
     ranks = np.empty(take, np.int64)  # the largest lowering to the highest projection
-    ranks[np.argsort(delta[:take], kind="stable")] = by_proj[::-1][:take]
+    ranks[delta[:take].argsort(kind="stable")] = by_proj[::-1][:take]
     return ranks
 
 
@@ -119,7 +130,7 @@ def match_tiny(
         room = allow[:, None] - _before(full + part)  # slots left in the rank
         full = np.clip(np.minimum(full, room), 0, None)
         part &= full < room
-    rows = np.flatnonzero(full + part)
+    rows = (full + part).ravel().nonzero()[0]
     if rows.size == 0:
         return None
     full, part = full.reshape(-1)[rows], part.reshape(-1)[rows]
@@ -130,17 +141,19 @@ def match_tiny(
     n_full = int(full.sum())
     if n_full >= lengths.size:  # every piece fits a full slot: all matched, in order (the greedy below agrees)
         return np.ones(lengths.size, bool), rows[_round_robin(full, lengths.size)]
-    tail = np.flatnonzero(part)
+    tail = part.nonzero()[0]
     tail_size = rem.reshape(-1)[rows[tail]] % size
     o = np.lexsort((tail, full[tail], -tail_size))  # (rows here are few: one remainder each)
     tail, tail_size = tail[o], tail_size[o]
     # slots with room for each piece: the full ones and the remainders at least as long (a table by length: the
     # lengths are at most `size`, and a searchsorted of every piece was several times slower)
-    at_least = np.cumsum(np.bincount(tail_size, minlength=size + 1)[::-1])[::-1]
+    at_least = (np.bincount(tail_size, minlength=size + 1)[::-1]).cumsum()[::-1]
     fits = n_full + at_least[lengths]
     n = np.arange(lengths.size)
     matched = np.minimum(n + 1, np.minimum.accumulate(fits - n) + n)  # greedy matches so far
-    got = np.diff(matched, prepend=0) > 0
+    got = np.empty(matched.size, bool)  # (np.diff(matched, prepend=0) > 0)
+    got[0] = matched[0] > 0
+    np.greater(matched[1:], matched[:-1], out=got[1:])
     m = int(matched[-1])  # the pieces matched take the first m slots, in order
     if m == 0:
         return None
@@ -164,7 +177,7 @@ def _by_projection(
     first (ties by rank), then by slot: one scatter over the dp * k rows, no sort of them."""
     dp = proj.size
     place = np.empty(dp, np.int64)
-    place[np.argsort(proj, kind="stable")] = np.arange(dp)
+    place[proj.argsort(kind="stable")] = np.arange(dp)
     at = np.full(dp * k, -1, np.int64)
     at[place[rows // k] * k + rows % k] = np.arange(rows.size)
     o = at[at >= 0]
@@ -178,14 +191,14 @@ def _round_robin(full: np.ndarray, m: int) -> np.ndarray:
     if rounds <= ROUND_ROBIN_LOOP:
         out, have, j = [], 0, 0
         while have < m:
-            sel = np.flatnonzero(full > j)
+            sel = (full > j).nonzero()[0]
             out.append(sel)
             have += sel.size
             j += 1
         return np.concatenate(out)[:m] if out else np.zeros(0, np.int64)
-    row = np.repeat(np.arange(full.size), full)
-    nth = np.arange(row.size) - np.repeat(np.cumsum(full) - full, full)
-    return row[np.argsort(nth.astype(np.uint16) if rounds <= 1 << 16 else nth, kind="stable")][:m]
+    row = np.arange(full.size).repeat(full)
+    nth = np.arange(row.size) - (full.cumsum() - full).repeat(full)
+    return row[(nth.astype(np.uint16) if rounds <= 1 << 16 else nth).argsort(kind="stable")][:m]
 
 
 def scan_infeasible(
@@ -205,13 +218,13 @@ def scan_infeasible(
     it that fit a rank (the queue past it is left unchecked; none: at = len(queue) and feasible is empty); `dropped`:
     per window checked, (its start, mask of its pieces that fit no rank now, hence never will).
     """
-    o = np.argsort(-maxrem, kind="stable")
+    o = (-maxrem).argsort(kind="stable")
     room = maxrem[o]
     budget = np.maximum.accumulate(cap - rcost[o])
     dropped: list[tuple[int, np.ndarray]] = []
     while i < lengths.size:
         part = slice(i, i + window)
-        cnt = np.searchsorted(-room, -lengths[part], side="right")  # ranks with a row this long
+        cnt = (-room).searchsorted(-lengths[part], side="right")  # ranks with a row this long
         feasible = (cnt > 0) & (budget[np.maximum(cnt - 1, 0)] >= costs[part])
         dropped.append((i, ~feasible))
         if feasible.any():

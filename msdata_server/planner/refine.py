@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .fit import least
+from .fit import least, run_lengths, run_starts
 from .rows import Rows, order_by
 
 __all__ = ["CARRY_KEEP", "CONSOLIDATE_PASSES", "consolidate", "refine", "trim"]
@@ -27,7 +27,7 @@ class RankMembers:
     def __init__(self, rank: np.ndarray, dp: int):
         self.rank = rank
         self.order = order_by(rank + 1, dp + 1)
-        self.bounds = np.cumsum(np.bincount(rank + 1, minlength=dp + 1))  # pieces below each rank (-1 first)
+        self.bounds = np.bincount(rank + 1, minlength=dp + 1).cumsum()  # pieces below each rank (-1 first)
         self.moved: dict[int, list[int]] = {}
 
     def __call__(self, r: int) -> np.ndarray:
@@ -51,7 +51,7 @@ def refine(st: Rows, iters: int) -> None:
     members = RankMembers(st.rank, st.lay.dp)
 
     for _ in range(iters):
-        r = int(np.argmax(st.rcost))
+        r = int(st.rcost.argmax())
         top = st.rcost[r]
         mine = members(r)
         if mine.size == 0:
@@ -74,9 +74,9 @@ def refine(st: Rows, iters: int) -> None:
                 ok = (d > 0) & (d < gap)
                 ok &= (lt[None, :] <= room_r[:, None]) & (lm[:, None] <= room_q[None, :])
                 gain = np.where(ok, np.minimum(d, gap - d), -1.0)
-                flat = int(np.argmax(gain))
+                flat = int(gain.argmax())
                 best_swap = float(gain.flat[flat])
-            a = int(np.argmax(gain_move))
+            a = int(gain_move.argmax())
             if max(gain_move[a], best_swap) <= 0:
                 continue
             if gain_move[a] >= best_swap:
@@ -96,7 +96,7 @@ def refine(st: Rows, iters: int) -> None:
 def _partners(rcost: np.ndarray) -> Iterator[int]:
     """The REFINE_PARTNERS cheapest ranks, cheapest first (ties by rank): the first by one argmin, the others
     only when it is passed over (most passes take the cheapest)."""
-    yield int(np.argmin(rcost))
+    yield int(rcost.argmin())
     yield from least(rcost, REFINE_PARTNERS)[1:].tolist()
 
 
@@ -112,7 +112,7 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     one short piece, which adds that much padding. Vectorised; no loop over pieces.
     `movable` (bool per piece, None: all): only these are traded, either way (two stages: the text pieces).
     """
-    left = np.flatnonzero(st.rank < 0)
+    left = (st.rank < 0).nonzero()[0]
     excess = left.size - CARRY_KEEP
     if excess <= 0:
         return False
@@ -129,16 +129,16 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     # one per row, its first (least index): the least candidate of each row, by one scatter over the rows (no sort)
     first = np.full(st.lay.dp * k, L.size, np.int64)
     np.minimum.at(first, st.rank[cand] * k + st.slot[cand], cand)
-    rows = np.flatnonzero(first < L.size)
+    rows = (first < L.size).nonzero()[0]
     cand = first[rows]
     heavy_first = np.empty(st.lay.dp, np.int64)
-    heavy_first[np.argsort(-st.rcost, kind="stable")] = np.arange(st.lay.dp)
+    heavy_first[(-st.rcost).argsort(kind="stable")] = np.arange(st.lay.dp)
     # costliest ranks first, then by index: the rows' firsts only, not every candidate (a few per row); the keys are
     # distinct, so any sort orders them alike
-    cand = cand[np.argsort(heavy_first[rows // k] * L.size + cand)]
-    ends = np.cumsum(L[left])
-    cost_ends = np.concatenate([[0.0], np.cumsum(c[left])])
-    stop = np.searchsorted(ends, np.cumsum(L[cand]), side="left") + 1  # chunk j: left[start_j:stop_j]
+    cand = cand[(heavy_first[rows // k] * L.size + cand).argsort()]
+    ends = L[left].cumsum()
+    cost_ends = np.concatenate([[0.0], c[left].cumsum()])
+    stop = ends.searchsorted(L[cand].cumsum(), side="left") + 1  # chunk j: left[start_j:stop_j]
     keep = stop <= left.size
     cand, stop = cand[keep], stop[keep]
     start = np.concatenate([[0], stop[:-1]])
@@ -152,8 +152,8 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     dtok = L[cand] - tok
     dcost = cost_ends[stop] - cost_ends[start] - c[cand]
     counts = stop - start
-    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    st.trade(cand, left[np.repeat(start, counts) + within], counts, dtok, dcost)
+    within = np.arange(int(counts.sum())) - (counts.cumsum() - counts).repeat(counts)
+    st.trade(cand, left[start.repeat(counts) + within], counts, dtok, dcost)
     return True
 
 
@@ -164,8 +164,8 @@ def _candidates(st: Rows, lo: float, priority: int, movable: np.ndarray | None) 
     if st.desc is not None and movable is None:
         if st.neg_len is None:
             st.neg_len = -L[st.desc]  # ascending
-        a = int(np.searchsorted(st.neg_len, -half, side="left"))
-        b = int(np.searchsorted(st.neg_len, -math.ceil(lo), side="right"))  # (L >= lo iff L >= ceil(lo): an int key,
+        a = int(st.neg_len.searchsorted(-half, side="left"))
+        b = int(st.neg_len.searchsorted(-math.ceil(lo), side="right"))  # (L >= lo iff L >= ceil(lo): an int key,
         # as a float key would convert all of neg_len to floats first)
         if (b - a) * CANDIDATES_BY_LENGTH < L.size:  # (a sort of those beats three passes over every piece)
             cand = np.sort(st.desc[a:b])
@@ -173,7 +173,7 @@ def _candidates(st: Rows, lo: float, priority: int, movable: np.ndarray | None) 
     ok = (st.rank >= 0) & (lo <= L) & (half >= L)  # (one pass over the pieces, no gathers)
     if movable is not None:
         ok &= movable
-    return np.flatnonzero(ok[priority:]) + priority
+    return ok[priority:].nonzero()[0] + priority
 
 
 COSTLIER = 0.9  # trim's _costlier: the pieces of a rank costing at least this share of its costliest
@@ -208,7 +208,7 @@ def trim(st: Rows, tolerance: float, base: float, priority: int) -> float:
             break
         # the pieces on the ranks above, grouped by rank (ascending), each rank's in index order: one pass over
         # the pieces and a sort of those (no grouping of every rank; pieces only leave ranks here)
-        cand = np.flatnonzero(np.r_[False, over][st.rank + 1])
+        cand = np.concatenate(([False], over))[st.rank + 1].nonzero()[0]
         cand = cand[order_by(st.rank[cand], st.lay.dp)]
         out = _cuts(st, cand, cap, priority)
         rest = st.rcost - np.bincount(st.rank[out], st.c[out], minlength=st.lay.dp)
@@ -231,8 +231,8 @@ def _cuts(st: Rows, cand: np.ndarray, cap: float, priority: int) -> np.ndarray:
     cand, r, c = cand[ok], r[ok], c[ok]
     if cand.size == 0:
         return cand
-    starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
-    group = np.repeat(np.arange(starts.size), np.diff(np.r_[starts, r.size]))
+    starts = run_starts(r)
+    group = np.arange(starts.size).repeat(run_lengths(starts, r.size))
     excess = st.rcost[r[starts]] - cap  # per rank here
     over = excess[group]
     cover = np.where(c >= over, c, np.inf)
@@ -244,11 +244,11 @@ def _cuts(st: Rows, cand: np.ndarray, cap: float, priority: int) -> np.ndarray:
         keep = _costlier(c, group, starts, excess, ~covered)
         cs, rs, cc, xs = cand[keep], r[keep], c[keep], over[keep]
         # by rank, costliest first: one stable sort of a float key (rank apart by more than any cost; 3x a lexsort)
-        o = np.argsort(rs * (2.0 * float(cc.max()) + 1.0) - cc, kind="stable")
+        o = (rs * (2.0 * float(cc.max()) + 1.0) - cc).argsort(kind="stable")
         cs, rs, cc, xs = cs[o], rs[o], cc[o], xs[o]
-        before = np.cumsum(cc) - cc  # costs taken before each piece, within its rank
-        first = np.flatnonzero(np.r_[True, rs[1:] != rs[:-1]])
-        before -= np.repeat(before[first], np.diff(np.r_[first, rs.size]))
+        before = cc.cumsum() - cc  # costs taken before each piece, within its rank
+        first = run_starts(rs)
+        before -= before[first].repeat(run_lengths(first, rs.size))
         out.append(cs[before < xs])
     return np.concatenate(out)
 
@@ -263,4 +263,4 @@ def _costlier(
     run over its own pieces, as over the short groups alone (np.add.reduceat of a segment: the same in any array)."""
     high = c >= COSTLIER * np.maximum.reduceat(c, starts)[group]
     enough = np.add.reduceat(np.where(high, c, 0.0), starts) >= excess * (1.0 + 1e-9)  # (margin: rounding)
-    return np.flatnonzero((short & ~enough)[group] | (high & short[group]))
+    return ((short & ~enough)[group] | (high & short[group])).nonzero()[0]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .fit import match_tiny, pair_few, pair_round, scan_infeasible
+from .fit import match_tiny, pair_few, pair_round, run_lengths, run_starts, scan_infeasible
 from .layout import Layout
 from .partition import kk_partition
 
@@ -39,7 +39,7 @@ def _by_columns(a: np.ndarray, ufunc: np.ufunc, wide: Callable[[np.ndarray], np.
 
 def row_max(a: np.ndarray) -> np.ndarray:
     """a.max(axis=1) of a 2-d array, faster (see _by_columns)."""
-    return _by_columns(a, np.maximum, lambda w: w[np.arange(w.shape[0]), np.argmax(w, axis=1)])
+    return _by_columns(a, np.maximum, lambda w: w[np.arange(w.shape[0]), w.argmax(axis=1)])
 
 
 def row_sum(a: np.ndarray) -> np.ndarray:
@@ -49,14 +49,14 @@ def row_sum(a: np.ndarray) -> np.ndarray:
 
 def row_min(a: np.ndarray) -> np.ndarray:
     """a.min(axis=1) of a 2-d array (see row_max)."""
-    return _by_columns(a, np.minimum, lambda w: w[np.arange(w.shape[0]), np.argmin(w, axis=1)])
+    return _by_columns(a, np.minimum, lambda w: w[np.arange(w.shape[0]), w.argmin(axis=1)])
 
 
 def order_by(keys: np.ndarray, bound: int) -> np.ndarray:
     """Stable argsort of int keys in [0, bound): numpy's radix sort when they fit 16 bits (5x faster)."""
     if bound <= 1 << 16:
-        return np.argsort(keys.astype(np.uint16), kind="stable")
-    return np.argsort(keys, kind="stable")
+        return keys.astype(np.uint16).argsort(kind="stable")
+    return keys.argsort(kind="stable")
 
 
 class Rows:
@@ -96,8 +96,8 @@ class Rows:
         """
         if tolerance is None or desc.size == 0:
             return
-        ends = np.cumsum(self.L[desc] if desc_len is None else desc_len)
-        n = int(np.searchsorted(ends, self.lay.capacity, side="right"))
+        ends = (self.L[desc] if desc_len is None else desc_len).cumsum()
+        n = int(ends.searchsorted(self.lay.capacity, side="right"))
         mean = float(self.c[desc[: max(n, 1)]].sum()) / self.lay.dp
         self.cap = max((mean + base) * (1.0 + tolerance) - base, float(self.c.max()))
         self.capped = True
@@ -140,17 +140,17 @@ class Rows:
             w = flat = ranks
             np.subtract.at(self.maxrem, ranks, toks)
         else:
-            rr = np.take(self.rem, ranks, axis=0)  # (np.take of whole rows: several times faster than rem[ranks])
+            rr = self.rem.take(ranks, axis=0)  # (np.take of whole rows: several times faster than rem[ranks])
             fit = rr >= toks[:, None]
             if self.spread and lay.micro > 1:
                 if lay.rows > 1:  # micro-batch projections
-                    mproj = np.take(self.mcost, ranks, axis=0) + np.take(self.mtok, ranks, axis=0) * rate
+                    mproj = self.mcost.take(ranks, axis=0) + self.mtok.take(ranks, axis=0) * rate
                     score = mproj[:, self.micro_of]
                 else:  # (a row per micro-batch: its free tokens are the micro-batch's)
-                    score = np.take(self.mcost, ranks, axis=0) + rr * rate
+                    score = self.mcost.take(ranks, axis=0) + rr * rate
                 score = np.where(fit, score, np.inf)
                 fit = score == row_min(score)[:, None]
-            w = np.argmin(np.where(fit, rr, _BIG), axis=1)
+            w = np.where(fit, rr, _BIG).argmin(axis=1)
             flat = ranks * k + w
             rr.reshape(-1)[self._first_slot[: w.size] + w] -= toks  # rr: their rows now
             self.maxrem[ranks] = row_max(rr)
@@ -209,7 +209,7 @@ class Rows:
             # ranks were chosen to fit the head; pieces after it are shorter and, when cost grows
             # with length, no costlier, so they fit too
             failed = self.put(idx, ranks, rate, not self.monotone, lengths[:n_put], costs[:n_put])
-            if failed.any():
+            if np.count_nonzero(failed):  # (count_nonzero: a C call, where .any() goes through Python)
                 retry.append(idx[failed])
             i += ranks.size
         for piece in np.concatenate(retry) if retry else ():  # a cost_fn not growing with length; rare
@@ -276,11 +276,11 @@ class Rows:
             return idx
         o = np.lexsort((idx, -self.L[idx], ranks))
         idx, ranks = idx[o], ranks[o]
-        starts = np.flatnonzero(np.r_[True, ranks[1:] != ranks[:-1]])
-        nth = np.arange(idx.size) - np.repeat(starts, np.diff(np.r_[starts, idx.size]))
+        starts = run_starts(ranks)
+        nth = np.arange(idx.size) - starts.repeat(run_lengths(starts, idx.size))
         failed = []
         for j in range(int(nth.max()) + 1):
-            sel = np.flatnonzero(nth == j)
+            sel = (nth == j).nonzero()[0]
             rate = self.rate()
             bad = self.put(idx[sel], ranks[sel], rate)
             failed.append(idx[sel][bad])
@@ -308,7 +308,7 @@ class Rows:
         mask = self.maxrem >= length
         if self.capped:
             mask &= self.rcost <= self.cap - cost
-        return np.flatnonzero(mask)
+        return mask.nonzero()[0]
 
     def _tiny_round(self, queue: np.ndarray, qlen: np.ndarray, qcost: np.ndarray, i: int) -> int | None:
         """Place the next tiny pieces (`fit.match_tiny`); returns where the queue left starts (None: none placed).
@@ -351,8 +351,8 @@ class Rows:
         self.rem -= drow
         dmicro = drow.reshape(lay.dp, lay.micro, lay.rows).sum(axis=2) if lay.rows > 1 else drow
         drank = row_sum(dmicro)
-        touched = np.flatnonzero(drank)
-        self.maxrem[touched] = row_max(np.take(self.rem, touched, axis=0))
+        touched = drank.nonzero()[0]
+        self.maxrem[touched] = row_max(self.rem.take(touched, axis=0))
         self.rtok -= drank
         self.rcost += np.bincount(ranks, cc, minlength=lay.dp)
         mi = ranks * lay.micro + self.micro_of[w] if lay.rows > 1 else rows  # (a row per micro-batch: the row)
@@ -383,14 +383,14 @@ class Rows:
 
     def one(self, piece: int) -> None:
         """Place a single piece on the best eligible rank, or give it up."""
-        elig = np.flatnonzero((self.maxrem >= self.L[piece]) & (self.rcost + self.c[piece] <= self.cap))
+        elig = ((self.maxrem >= self.L[piece]) & (self.rcost + self.c[piece] <= self.cap)).nonzero()[0]
         if elig.size == 0:
             self.give_up(np.array([piece]))
             return
         rate = self.rate()
         proj = self.rcost[elig] + self.rtok[elig] * rate
         grow = self.c[piece] - self.L[piece] * rate >= 0
-        r = elig[np.argmin(proj)] if grow else elig[np.argmax(proj)]
+        r = elig[proj.argmin()] if grow else elig[proj.argmax()]
         self.put(np.array([piece]), np.array([r]), rate)
 
     # -- moves of placed pieces (refine.py decides them) ----------------------------------------
@@ -399,7 +399,7 @@ class Rows:
         """Move placed piece p to rank q, into its tightest row that fits."""
         self._take(p)
         free = self.rem[q]
-        w = int(np.argmin(np.where(free >= self.L[p], free, _BIG)))  # best fit
+        w = int(np.where(free >= self.L[p], free, _BIG).argmin())  # best fit
         self._drop(p, q, w)
 
     def swap(self, a: int, b: int) -> None:
@@ -421,11 +421,11 @@ class Rows:
         np.add.at(self.rcost, r, dcost)
         np.add.at(self.mcost, (r, m), dcost)
         np.add.at(self.mtok, (r, m), dtok)
-        touched = np.flatnonzero(np.bincount(r, minlength=self.lay.dp))
-        self.maxrem[touched] = row_max(np.take(self.rem, touched, axis=0))
+        touched = np.bincount(r, minlength=self.lay.dp).nonzero()[0]
+        self.maxrem[touched] = row_max(self.rem.take(touched, axis=0))
         self.rank[out] = self.slot[out] = -1
-        self.rank[into] = np.repeat(r, counts)
-        self.slot[into] = np.repeat(w, counts)
+        self.rank[into] = r.repeat(counts)
+        self.slot[into] = w.repeat(counts)
 
     def carry(self, idx: np.ndarray) -> None:
         """Take placed pieces idx out of their rows: they are left over (carried to the next step)."""
@@ -438,8 +438,8 @@ class Rows:
         mi = r * lay.micro + self.micro_of[w]
         self.mcost -= np.bincount(mi, c, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
         self.mtok += np.bincount(mi, L, minlength=lay.dp * lay.micro).astype(np.int64).reshape(lay.dp, lay.micro)
-        touched = np.flatnonzero(np.bincount(r, minlength=lay.dp))
-        self.maxrem[touched] = row_max(np.take(self.rem, touched, axis=0))
+        touched = np.bincount(r, minlength=lay.dp).nonzero()[0]
+        self.maxrem[touched] = row_max(self.rem.take(touched, axis=0))
         self.rank[idx] = self.slot[idx] = -1
 
     def _take(self, p: int) -> tuple[int, int]:

@@ -71,9 +71,9 @@ def refine(st: Rows, iters: int) -> None:
                 lt = L[theirs]
                 d = cm[:, None] - c[theirs][None, :]
                 room_q = st.rem[q, st.slot[theirs]] + lt
-                ok = (d > 0) & (d < gap)
-                ok &= (lt[None, :] <= room_r[:, None]) & (lm[:, None] <= room_q[None, :])
-                gain = np.where(ok, np.minimum(d, gap - d), -1.0)
+                gain = np.minimum(d, gap - d)  # > 0 exactly where 0 < d < gap (x - y > 0 iff x > y, in floats)
+                ok = (gain > 0) & (lt[None, :] <= room_r[:, None]) & (lm[:, None] <= room_q[None, :])
+                gain = np.where(ok, gain, -1.0)
                 flat = int(gain.argmax())
                 best_swap = float(gain.flat[flat])
             a = int(gain_move.argmax())

@@ -31,8 +31,10 @@ def _by_columns(a: np.ndarray, ufunc: np.ufunc, wide: Callable[[np.ndarray], np.
     axis row by row, 10-20x slower); ``wide`` for more than _COLUMNS columns."""
     if a.shape[1] > _COLUMNS:
         return wide(a)
-    m = a[:, 0].copy()
-    for j in range(1, a.shape[1]):
+    if a.shape[1] == 1:
+        return a[:, 0].copy()
+    m = ufunc(a[:, 0], a[:, 1])
+    for j in range(2, a.shape[1]):
         ufunc(m, a[:, j], out=m)
     return m
 
@@ -73,7 +75,8 @@ class Rows:
         self.mtok = np.full((dp, layout.micro), layout.rows * layout.seq_len, np.int64)
         self.micro_of = np.arange(k) // layout.rows
         self._rem_flat, self._mcost_flat, self._mtok_flat = self.rem.reshape(-1), self.mcost.reshape(-1), self.mtok.reshape(-1)
-        self._first_slot = np.arange(0, dp * k, k)  # (put: where each rank's rows start in a [ranks, slots] gather)
+        self._none_bad = np.zeros(dp, bool)
+        self._none_bad.flags.writeable = False
         self.rank = np.full(lengths.size, -1, np.int64)
         self.slot = np.full(lengths.size, -1, np.int64)
         self.pool_cost = float(costs.sum())  # pieces not yet placed or given up
@@ -127,7 +130,7 @@ class Rows:
         """
         toks = self.L[idx] if toks is None else toks
         c = self.c[idx] if c is None else c
-        bad = np.zeros(idx.size, bool)
+        bad = self._none_bad[: idx.size]  # (all False; read-only)
         if check:
             bad = self.maxrem[ranks] < toks
             if self.capped:
@@ -152,10 +155,10 @@ class Rows:
                 fit = score == row_min(score)[:, None]
             w = np.where(fit, rr, _BIG).argmin(axis=1)
             flat = ranks * k + w
-            rr.reshape(-1)[self._first_slot[: w.size] + w] -= toks  # rr: their rows now
-            self.maxrem[ranks] = row_max(rr)
         # (the ranks are distinct: each ufunc.at below adds once per entry, as a gather, add and scatter would)
         np.subtract.at(self._rem_flat, flat, toks)
+        if k > 1:
+            self.maxrem[ranks] = row_max(self.rem.take(ranks, axis=0))
         np.subtract.at(self.rtok, ranks, toks)
         np.add.at(self.rcost, ranks, c)
         mi = flat if lay.rows == 1 else ranks * lay.micro + self.micro_of[w]  # (a row per micro-batch: the row)

@@ -61,7 +61,7 @@ def plan_load(dp: int, steps: int) -> dict:
     )
     view = SyntheticLengths(TEXT4, SEQ, seed=0)
     planner = Planner(cfg)
-    walls, cpus, docs = [], [], []
+    walls, cpus, docs, computes = [], [], [], []
     for i in range(steps + 1):
         t, c = time.perf_counter(), time.thread_time()
         plan = planner.plan_step(view)
@@ -69,12 +69,15 @@ def plan_load(dp: int, steps: int) -> dict:
             walls.append((time.perf_counter() - t) * 1e3)
             cpus.append((time.thread_time() - c) * 1e3)  # (CPU: what other processes on the machine cannot add)
             docs.append(len(plan))
+            computes.append(plan.stats.plan_ms)  # (wall less the view's reads of lengths)
     state = orjson.dumps(planner.state_dict())
     ms = statistics.median(walls)
     return {
         "dp": dp,
         "plan_ms": ms,
         "plan_cpu_ms": statistics.median(cpus),
+        "plan_compute_ms": statistics.median(computes),
+        "pieces_per_s": statistics.median(docs) / ms * 1e3,
         "load": os.getloadavg()[0],
         "plans_per_s": 1e3 / ms,
         "docs": int(statistics.median(docs)),
@@ -569,14 +572,17 @@ def main() -> None:
         f"planner load: text4, seq_len {SEQ}, {MICRO} micro-batches per rank, metadata only; "
         f"median of {steps} steps after 1 warm-up"
     )
-    say(f"{'dp':>5} {'plan ms':>9} {'plans/s':>8} {'docs/step':>10} {'state B':>8}")
+    say(f"{'dp':>5} {'plan ms':>9} {'CPU ms':>8} {'plans/s':>8} {'docs/step':>10} {'pieces/s':>10} {'state B':>8}")
     prog = bar(6, "cluster", "phase")  # plan x2, state write, failover x2, data path
     res = {}
     for dp in (512, 4096):
         r = plan_load(dp, steps)
         prog.update(1)
         res[dp] = r
-        say(f"{dp:>5} {r['plan_ms']:>9.1f} {r['plans_per_s']:>8.2f} {r['docs']:>10} {r['state_bytes']:>8}")
+        say(
+            f"{dp:>5} {r['plan_ms']:>9.1f} {r['plan_cpu_ms']:>8.1f} {r['plans_per_s']:>8.2f} {r['docs']:>10} "
+            f"{r['pieces_per_s']:>10.0f} {r['state_bytes']:>8}"
+        )
     w = asyncio.run(state_write(res[4096]["state"], writes))
     prog.update(1)
     say(f"fenced etcd write of the dp-4096 planner state ({res[4096]['state_bytes']} B): {w:.2f} ms median")
@@ -619,6 +625,10 @@ def main() -> None:
                 "plan_cpu_ms_dp4096": round(res[4096]["plan_cpu_ms"], 2),
                 "plan_load_avg": round(res[4096]["load"], 2),
                 "plans_per_s_dp4096": round(res[4096]["plans_per_s"], 3),
+                "plan_compute_ms_dp512": round(res[512]["plan_compute_ms"], 2),
+                "plan_compute_ms_dp4096": round(res[4096]["plan_compute_ms"], 2),
+                "pieces_per_s_dp512": round(res[512]["pieces_per_s"]),
+                "pieces_per_s_dp4096": round(res[4096]["pieces_per_s"]),
                 "state_bytes_dp4096": res[4096]["state_bytes"],
                 "state_write_ms": round(w, 3),
                 "cross_node_steps_per_s": round(dpath["three"]["steps_per_s"], 2),

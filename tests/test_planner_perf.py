@@ -426,3 +426,41 @@ def test_consolidate_candidates_by_length_are_the_one_pass_ones(seed):
             ok = (rows.rank >= 0) & (lo <= rows.L) & (half >= rows.L)
             want = np.flatnonzero(ok[priority:]) + priority
             np.testing.assert_array_equal(_candidates(rows, lo, priority, None), want)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(("rows_", "micro"), [(1, 4), (2, 2), (3, 2)])
+@pytest.mark.parametrize("skew_cost", [False, True])
+def test_the_few_rank_rounds_place_what_the_vectorised_rounds_place(monkeypatch, seed, rows_, micro, skew_cost):
+    """Rows.greedy runs a round with at most rows.FEW eligible ranks (the last rounds of a capped step) in Python
+    floats: the same placement, costs and pool as the vectorised rounds, bit for bit (costs that do not grow with
+    length too, where pieces can fail their rank and are retried)."""
+    import msdata_server.planner.rows as rows_mod
+
+    def fill(few: int) -> Rows:
+        monkeypatch.setattr(rows_mod, "FEW", few)
+        rng = np.random.default_rng(seed)
+        seq, dp = 4096, 32
+        lengths = np.minimum(np.rint(rng.lognormal(6.5, 1.0, dp * 90)).astype(np.int64) + 1, seq)  # over a step
+        costs = attention_cost(lengths) * (rng.uniform(0.5, 1.5, lengths.size) if skew_cost else 1.0)
+        st_ = Rows(lengths, costs, Layout(dp=dp, micro=micro, rows=rows_, seq_len=seq))
+        desc = order_by(seq - lengths, seq + 1)
+        st_.set_cap(desc, 0.01)
+        st_.monotone = bool(np.all(np.diff(costs[desc]) <= 0))
+        st_.greedy(desc)
+        trim(st_, 0.002, 0.0, priority=0)  # ranks cut below the cap: the few with room take the left-over pieces
+        left = np.flatnonzero(st_.rank < 0)
+        st_.greedy(left[order_by(seq - lengths[left], seq + 1)])
+        return st_
+
+    calls = []
+    few_round = rows_mod._put_few
+    monkeypatch.setattr(rows_mod, "_put_few", lambda *a: calls.append(1) or few_round(*a))
+    got = fill(rows_mod.FEW)
+    assert calls  # the few-rank rounds ran
+    calls.clear()
+    want = fill(0)
+    assert not calls
+    for name in ("rank", "slot", "rcost", "mcost", "rem", "maxrem", "rtok", "mtok"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert (got.pool_cost, got.pool_tok) == (want.pool_cost, want.pool_tok)

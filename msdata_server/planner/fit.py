@@ -76,7 +76,13 @@ def pair_round(
 
 
 def pair_few(
-    rcost: list[float], rtok: list[int], elig: list[int], lengths: list[int], costs: list[float], rate: float, floor: int
+    rcost: list[float],
+    rtok: list[int],
+    elig: list[int],
+    lengths: list[int],
+    costs: list[float],
+    rate: float,
+    floor: int,
 ) -> list[int]:
     """`pair_round` of a few eligible ranks and pieces, in Python floats (the same IEEE operations in the same order,
     so the same ranks): where only a few ranks can take the head piece, a round's numpy calls cost more than its
@@ -202,13 +208,7 @@ def _round_robin(full: np.ndarray, m: int) -> np.ndarray:
 
 
 def scan_infeasible(
-    maxrem: np.ndarray,
-    rcost: np.ndarray,
-    cap: float,
-    lengths: np.ndarray,
-    costs: np.ndarray,
-    i: int,
-    window: int,
+    maxrem: np.ndarray, rcost: np.ndarray, cap: float, lengths: np.ndarray, costs: np.ndarray, i: int, window: int
 ) -> tuple[int, np.ndarray, list[tuple[int, np.ndarray]]]:
     """Split the queue from i into the pieces left (the head fits a rank, or none left) and those that fit none.
 

@@ -16,7 +16,6 @@ A view without `vision` (text only) has 0 patches everywhere.
 from __future__ import annotations
 
 import math
-
 import time
 from typing import Protocol
 
@@ -96,7 +95,7 @@ class LengthReader:
             arr = cols[0] if self._vision else cols
             used = np.minimum(arr, self._seq_len) if self._mode is LongDocs.TRUNCATE else arr
             ends = np.cumsum(used)
-            # (the key as an int: a float key would convert all of `ends` to floats first; ends >= x iff ends >= ceil(x))
+            # (an int key: a float key converts all of `ends` to floats first; ends >= x iff ends >= ceil(x))
             j = int(np.searchsorted(ends, math.ceil(deficit - have), side="left"))
             nonzero = int(np.count_nonzero(arr))
             if nonzero:

@@ -74,7 +74,11 @@ class Rows:
         self.mcost = np.zeros((dp, layout.micro))
         self.mtok = np.full((dp, layout.micro), layout.rows * layout.seq_len, np.int64)
         self.micro_of = np.arange(k) // layout.rows
-        self._rem_flat, self._mcost_flat, self._mtok_flat = self.rem.reshape(-1), self.mcost.reshape(-1), self.mtok.reshape(-1)
+        self._rem_flat, self._mcost_flat, self._mtok_flat = (
+            self.rem.reshape(-1),
+            self.mcost.reshape(-1),
+            self.mtok.reshape(-1),
+        )
         self._none_bad = np.zeros(dp, bool)
         self._none_bad.flags.writeable = False
         self.rank = np.full(lengths.size, -1, np.int64)
@@ -204,7 +208,7 @@ class Rows:
             j = i + elig.size
             cand, lengths, costs = queue[i:j], qlen[i:j], qcost[i:j]
             if elig.size <= FEW:  # (the last rounds of a capped step: a few ranks with room left)
-                i += self._put_few(cand, lengths, costs, elig, rate, floor, retry)
+                i += _put_few(self, cand, lengths, costs, elig, rate, floor, retry)
                 continue
             ranks = pair_round(self.rcost, self.rtok, elig, lengths, costs, rate, floor)
             n_put = ranks.size
@@ -217,61 +221,6 @@ class Rows:
             i += ranks.size
         for piece in np.concatenate(retry) if retry else ():  # a cost_fn not growing with length; rare
             self.one(int(piece))
-
-    def _put_few(
-        self,
-        cand: np.ndarray,
-        cand_len: np.ndarray,
-        cand_cost: np.ndarray,
-        elig: np.ndarray,
-        rate: float,
-        floor: int,
-        retry: list[np.ndarray],
-    ) -> int:
-        """A greedy round over a few eligible ranks (`fit.pair_few`) and `put` of its pieces, one by one in Python
-        floats: the same operations in the same order as the vectorised round, so the same placement. `cand_len`,
-        `cand_cost`: the candidates' lengths and costs. Pieces that did not fit go to `retry`; returns how many
-        pieces the round took."""
-        lengths, costs = cand_len.tolist(), cand_cost.tolist()
-        ranks = pair_few(self.rcost[elig].tolist(), self.rtok[elig].tolist(), elig.tolist(), lengths, costs, rate, floor)
-        check, lay = not self.monotone, self.lay
-        score_rows = self.spread and lay.micro > 1
-        micro_of = self.micro_of.tolist()
-        ok = []
-        for j, r in enumerate(ranks):
-            tok, cj = lengths[j], costs[j]
-            if check and (self.maxrem[r] < tok or (self.capped and self.rcost[r] + cj > self.cap)):
-                continue
-            ok.append(j)
-            rr = self.rem[r].tolist()
-            if score_rows:  # the least projected micro-batch with a row the piece fits, its tightest such row
-                if lay.rows > 1:
-                    mproj = [mc + mt * rate for mc, mt in zip(self.mcost[r].tolist(), self.mtok[r].tolist())]
-                    score = [mproj[micro_of[w]] if x >= tok else np.inf for w, x in enumerate(rr)]
-                else:
-                    score = [mc + x * rate if x >= tok else np.inf for mc, x in zip(self.mcost[r].tolist(), rr)]
-                low = min(score)
-                fits = [sc == low for sc in score]
-            else:
-                fits = [x >= tok for x in rr]
-            w = min(range(len(rr)), key=lambda v: rr[v] if fits[v] else _BIG)  # (the first of the least)
-            rr[w] -= tok
-            self.rem[r, w] = rr[w]
-            self.maxrem[r] = max(rr)
-            self.rtok[r] -= tok
-            self.rcost[r] += cj
-            m = micro_of[w]
-            self.mcost[r, m] += cj
-            self.mtok[r, m] -= tok
-            self.rank[cand[j]], self.slot[cand[j]] = r, w
-        n = len(ranks)
-        if len(ok) < n:
-            bad = np.ones(n, bool)
-            bad[ok] = False
-            retry.append(cand[:n][bad])
-        self.pool_cost -= float(cand_cost[:n][ok].sum())  # (numpy's sum, as `put` takes it)
-        self.pool_tok -= sum(lengths[j] for j in ok)
-        return n
 
     def place_on(self, idx: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """Place pieces on given ranks, each rank's longest first; returns the pieces that did not fit."""
@@ -327,7 +276,9 @@ class Rows:
         cand, lengths, costs = queue[i:end], qlen[i:end], qcost[i:end]
         cap = self.cap if self.capped else None
         # (match_tiny needs their costliest only: the first when cost grows with length, as the queue is longest first)
-        match = match_tiny(self.rem, self.rcost, self.rtok, lengths, costs[:1] if self.monotone else costs, cap, self.rate())
+        match = match_tiny(
+            self.rem, self.rcost, self.rtok, lengths, costs[:1] if self.monotone else costs, cap, self.rate()
+        )
         if match is None:
             return None
         got, rows = match
@@ -469,3 +420,59 @@ class Rows:
     def result(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(rank, slot) per piece, cost per rank, cost per (rank, micro-batch)."""
         return self.rank, self.slot, self.rcost, self.mcost
+
+
+def _put_few(
+    st: Rows,
+    cand: np.ndarray,
+    cand_len: np.ndarray,
+    cand_cost: np.ndarray,
+    elig: np.ndarray,
+    rate: float,
+    floor: int,
+    retry: list[np.ndarray],
+) -> int:
+    """`Rows.greedy`'s round over a few eligible ranks (`fit.pair_few`) and `put` of its pieces, one by one in Python
+    floats: the same operations in the same order as the vectorised round, so the same placement. `cand_len`,
+    `cand_cost`: the candidates' lengths and costs. Pieces that did not fit go to `retry`; returns how many
+    pieces the round took."""
+    lengths, costs = cand_len.tolist(), cand_cost.tolist()
+    ranks = pair_few(st.rcost[elig].tolist(), st.rtok[elig].tolist(), elig.tolist(), lengths, costs, rate, floor)
+    check, lay = not st.monotone, st.lay
+    score_rows = st.spread and lay.micro > 1
+    micro_of = st.micro_of.tolist()
+    ok = []
+    for j, r in enumerate(ranks):
+        tok, cj = lengths[j], costs[j]
+        if check and (st.maxrem[r] < tok or (st.capped and st.rcost[r] + cj > st.cap)):
+            continue
+        ok.append(j)
+        rr = st.rem[r].tolist()
+        if score_rows:  # the least projected micro-batch with a row the piece fits, its tightest such row
+            if lay.rows > 1:
+                mproj = [mc + mt * rate for mc, mt in zip(st.mcost[r].tolist(), st.mtok[r].tolist())]
+                score = [mproj[micro_of[w]] if x >= tok else np.inf for w, x in enumerate(rr)]
+            else:
+                score = [mc + x * rate if x >= tok else np.inf for mc, x in zip(st.mcost[r].tolist(), rr)]
+            low = min(score)
+            fits = [sc == low for sc in score]
+        else:
+            fits = [x >= tok for x in rr]
+        w = min(range(len(rr)), key=lambda v: rr[v] if fits[v] else _BIG)  # (the first of the least)
+        rr[w] -= tok
+        st.rem[r, w] = rr[w]
+        st.maxrem[r] = max(rr)
+        st.rtok[r] -= tok
+        st.rcost[r] += cj
+        m = micro_of[w]
+        st.mcost[r, m] += cj
+        st.mtok[r, m] -= tok
+        st.rank[cand[j]], st.slot[cand[j]] = r, w
+    n = len(ranks)
+    if len(ok) < n:
+        bad = np.ones(n, bool)
+        bad[ok] = False
+        retry.append(cand[:n][bad])
+    st.pool_cost -= float(cand_cost[:n][ok].sum())  # (numpy's sum, as `put` takes it)
+    st.pool_tok -= sum(lengths[j] for j in ok)
+    return n

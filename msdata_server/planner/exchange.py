@@ -31,6 +31,7 @@ WIDTH = 16  # pieces of each rank considered in a round: its largest, by its lar
 DOUBLE_WIDTH = 8  # the largest pieces of a heavy rank whose pairs are tried against one of the light rank
 ROTATE = 37  # from the second cycle of keys on, the light partners are rotated by this much per cycle
 TEXT_WIDTH = 4  # text_trades: a heavy rank's costliest text pieces tried in a round
+TRADE_STOP = 0.01  # ...which stop after a round trading at most this share of dp
 _GAIN = 1e-9  # a choice must lower the pair's largest entry by this share (no churn on ties)
 
 
@@ -207,7 +208,7 @@ def text_trades(st: Rows, parts: np.ndarray, scale: np.ndarray, rounds: int, don
         ok = (worst[heavy] > 1.0 + done) & (fb[heavy] > fb[light])
         got = _trade_round(st, text, scale[0], fb, other, heavy[ok], light[ok])
         changed += got
-        if not got:
+        if got <= TRADE_STOP * dp:
             break
     return changed
 

@@ -26,17 +26,18 @@ spell of paired rounds with rounds of `exchange.text_trades`: a long text piece 
 into a row of a light one for that row's shortest text pieces (as few as make room), which lowers the heavy
 rank's backbone while no encoder load moves, and the next spell has backbone room to move images into.
 
-Where vlm4 at 16k, dp 512 stands (the bench's loop, 10 steps): 1.0200 / 1.0205 (encoder / backbone) on seed 0
-and 1.0213 / 1.0216 on seed 1, from 1.0285 / 1.0289 and 1.0291 / 1.0296 (its --quick steps, the first three:
-1.018 / 1.019 on seed 0); vlm_video at dp 512 1.008 from 1.0165, at dp 64 1.005 from 1.021; planning CPU
-1.1-1.3x. The bad steps stay (1.033 on seed 0): there 58 ranks hold a full-row text piece of 0.81 of the mean
-backbone, and their images are already near the densest there are (14 of the largest, 0.78 of the mean
-encoder at 1.03 of the backbone). A lower bound from the step's own placed pieces (each text piece above 0.5 of
-a mean backbone alone on its rank with no other text, its rank's images at most the step's densest per
-backbone cost, fractional, the densest shared out densest first, and the other ranks taking the rest of the
-encoder evenly; rows and tokens ignored) is 1.022 in that step and 1.0077 over the --quick steps, 1.0095 over
-the ten. HEAVY 0.65 (from 0.75) because the full-row piece is 0.74-0.81 of the first fill's mean from step to
-step: at 0.75 the densest images went to those ranks only in some steps.
+Where vlm4 at 16k, dp 512 stands (the bench's loop, 10 steps, encoder / backbone): 1.0199 / 1.0206 on seed 0,
+1.0213 / 1.0216 on seed 1, 1.0207 / 1.0210 on seed 2, from 1.0285 / 1.0289, 1.0291 / 1.0296, 1.0293 / 1.0295
+(--quick, its first three steps: 1.0182 / 1.0191 on seed 0, from 1.0297 / 1.0299); vlm_video at 16k 1.0077 at dp
+512 (from 1.0165) and 1.0053 at dp 64 (from 1.021); planning CPU 1.1-1.2x. The bad steps stay (1.033 on seed 0):
+there 58 ranks hold a full-row text piece of 0.81 of the mean backbone, and their images are already near the
+densest there are (14 of the largest, 0.78 of the mean encoder at 1.03 of the backbone). A lower bound from the
+step's own placed pieces (each text piece above 0.5 of a mean backbone alone on its rank with no other text, its
+rank's images at most the step's densest per backbone cost, fractional, the densest shared out densest first, and
+the other ranks taking the rest of the encoder evenly; rows and tokens ignored) is 1.022 in that step and 1.0077
+over the --quick steps, 1.0095 over the ten. HEAVY 0.65 (from 0.75) because the full-row piece is 0.74-0.81 of the
+first fill's mean from step to step: at 0.75 the densest images went to those ranks only in some steps (0.7: vlm4
+seed 0 --quick 1.0207, and vlm_video dp 512 1.0070 with padding 0.093, where 0.65 pads 0.101).
 
 Before the text trades (10-step means 1.029-1.056; differences under 0.002 are noise): the exchange and refine
 at 8x the CPU (200 rounds, 300 passes, tables 32 wide, pairs among 12) reached 1.0255 from the fill without

@@ -185,7 +185,8 @@ def text_trades(st: Rows, parts: np.ndarray, scale: np.ndarray, rounds: int, don
     each row of the light rank: the piece goes into that row and the row's shortest text pieces, as few as make it
     room, go into the piece's old row (they must fit there), keeping the choice that leaves the pair's largest
     normalised entry lowest, if it is lower than now. The other stages' loads do not change (text costs nothing
-    there). `parts`, `scale`, `done` as for `pair_exchange`; stops when a round changes nothing.
+    there). `parts`, `scale`, `done` as for `pair_exchange`; stops after a round that trades for at most
+    TRADE_STOP x dp pairs (the later rounds trade a few each).
     """
     dp = st.lay.dp
     if dp < 2 or rounds <= 0:

@@ -1,13 +1,14 @@
 """Paired exchange (planner/exchange.py): rounds of moves and swaps between heavy and light ranks lower the worst
 rank's largest normalised stage load, never raise it, keep every running total of the Rows exact, keep pieces
-within their rows, and are a pure function of their input."""
+within their rows, and are a pure function of their input; so do the text trades (one long text piece for a row's
+short ones), which also leave every rank's other stages as they were."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from msdata_server.planner.exchange import pair_exchange
+from msdata_server.planner.exchange import pair_exchange, text_trades
 from msdata_server.planner.layout import Layout
 from msdata_server.planner.rows import Rows
 from msdata_server.planner.stages import encoder_load, exchange_stages
@@ -91,3 +92,75 @@ def test_one_rank_or_nothing_placed_changes_nothing():
     lay = Layout(dp=4, micro=1, rows=1, seq_len=64)
     empty = Rows(np.array([8], np.int64), np.array([1.0]), lay)
     assert exchange_stages(empty, np.array([0.0]), 8) == 0
+
+
+def _full_of_short_text(seed: int) -> tuple[Rows, np.ndarray]:
+    """Ranks 0-3 hold a long text piece and an image in each row, with room left; ranks 4-7 rows full of short text
+    pieces (no token free), far lighter in the backbone: no move fits a light rank, and a one-for-one swap cannot
+    move the backbone cost that differs (a long piece costs more per token than the short ones it displaces)."""
+    rng = np.random.default_rng(seed)
+    lay = Layout(dp=8, micro=2, rows=1, seq_len=8192)
+    lengths, rank, slot = [], [], []
+    for r in range(4):
+        for w in range(2):
+            lengths += [int(rng.integers(5000, 7000)), 600]
+            rank += [r, r]
+            slot += [w, w]
+    for r in range(4, 8):  # every row filled exactly with short pieces
+        for w in range(2):
+            parts = rng.integers(50, 200, 120)
+            parts = parts[np.cumsum(parts) < lay.seq_len]
+            parts = np.append(parts, lay.seq_len - parts.sum())
+            lengths += parts.tolist()
+            rank += [r] * parts.size
+            slot += [w] * parts.size
+    lengths = np.array(lengths, np.int64)
+    costs = lengths.astype(np.float64) ** 2 + 4096.0 * lengths
+    vision = np.zeros(lengths.size)
+    vision[1:16:2] = 1e5  # the image pieces of ranks 0-3
+    last = np.flatnonzero(np.diff(np.append(rank, lay.dp)) != 0)  # each rank's last piece
+    vision[last[4:]] = 2e5  # and one piece of each light rank: every rank at the mean encoder load
+    st = Rows(lengths, costs, lay)
+    for p, (r, w) in enumerate(zip(rank, slot)):
+        st.rem[r, w] -= lengths[p]
+        st.rank[p], st.slot[p] = r, w
+    st.rtok = st.rem.sum(axis=1)
+    st.maxrem = st.rem.max(axis=1)
+    st.rcost = np.bincount(st.rank, costs, minlength=lay.dp)
+    mi = st.rank * lay.micro + st.micro_of[st.slot]
+    st.mcost = np.bincount(mi, costs, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
+    st.mtok = lay.rows * lay.seq_len - np.bincount(mi, lengths, minlength=lay.dp * lay.micro).reshape(lay.dp, lay.micro)
+    return st, vision
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_text_trades_move_backbone_cost_where_no_swap_can(seed):
+    st, vision = _full_of_short_text(seed)
+    _check_totals(st)
+    assert (st.rtok[4:] == 0).all()
+    scale = 1.0 / np.array([st.rcost.mean(), encoder_load(st, vision).mean()])
+    parts = np.stack([st.c, vision])
+    enc = encoder_load(st, vision)
+    before = _worst(st, vision, scale)
+    top = float(st.rcost.max())
+    changed = text_trades(st, parts, scale, rounds=8)
+    _check_totals(st)
+    assert changed > 0
+    assert float(st.rcost.max()) < top * 0.9  # the heavy ranks gave long text for short
+    assert pair_exchange(st, parts, scale, rounds=8) >= 0
+    assert _worst(st, vision, scale) <= before * (1 + 1e-12)
+    np.testing.assert_array_equal(encoder_load(st, vision), enc)  # images stay where they were
+    assert int((st.rank >= 0).sum()) == st.L.size  # nothing dropped
+    assert text_trades(st, parts, scale, rounds=0) == 0
+
+
+def test_text_trades_keep_random_rows_exact_and_never_raise_the_worst():
+    for seed, dp in [(11, 2), (12, 16), (13, 64)]:
+        st, vision = _random_rows(seed, dp)
+        scale = 1.0 / np.array([st.rcost.mean(), encoder_load(st, vision).mean()])
+        enc = encoder_load(st, vision)
+        before = _worst(st, vision, scale)
+        text_trades(st, np.stack([st.c, vision]), scale, rounds=8)
+        _check_totals(st)
+        np.testing.assert_allclose(encoder_load(st, vision), enc)
+        assert _worst(st, vision, scale) <= before * (1 + 1e-12)

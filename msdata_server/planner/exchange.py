@@ -12,6 +12,11 @@ two pieces cheap in its light stage out for one dense in it (a rank holding a lo
 full, trades two small images for one large). Pairs are disjoint, so the round applies all their choices at
 once. The rank tables of pieces are kept as pieces move (no regrouping per round). Pure numpy over
 [pairs, candidates, WIDTH]; no loop per piece or pair.
+
+`text_trades` is the many-for-one trade none of those can make: a rank full of short text pieces has no token
+free and is light in the first stage (a full rank's linear cost is every full rank's, the quadratic differs),
+so a long text piece of a heavy rank goes into one of its rows for as many of that row's shortest text pieces as
+make room, which go into the long piece's old row. Vectorised the same way over [pairs, TEXT_WIDTH, rows].
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import numpy as np
 
 from .rows import Rows
 
-__all__ = ["WIDTH", "pair_exchange"]
+__all__ = ["TEXT_WIDTH", "WIDTH", "pair_exchange", "text_trades"]
 
 WIDTH = 16  # pieces of each rank considered in a round: its largest, by its largest normalised entry
 DOUBLE_WIDTH = 8  # the largest pieces of a heavy rank whose pairs are tried against one of the light rank
 ROTATE = 37  # from the second cycle of keys on, the light partners are rotated by this much per cycle
+TEXT_WIDTH = 4  # text_trades: a heavy rank's costliest text pieces tried in a round
+TRADE_STOP = 0.01  # ...which stop after a round trading at most this share of dp
 _GAIN = 1e-9  # a choice must lower the pair's largest entry by this share (no churn on ties)
 
 
@@ -164,3 +171,108 @@ def _relocate(st: Rows, extra: np.ndarray, norm: np.ndarray, p: np.ndarray, r2: 
     touched = np.unique(np.concatenate([r1, r2]))
     st.maxrem[touched] = st.rem[touched].max(axis=1)
     st.rank[p], st.slot[p] = r2, w2
+
+
+def text_trades(st: Rows, parts: np.ndarray, scale: np.ndarray, rounds: int, done: float = 0.0) -> int:
+    """Lower the worst rank's largest normalised load by many-for-one trades of pieces with no cost but the first
+    stage's (text); the changes made.
+
+    A rank full of short text is light in the first stage (a full rank's linear cost is every full rank's; what
+    differs is the quadratic, which long pieces bring), while a rank holding long pieces is heavy there, and a
+    one-for-one or two-for-one swap cannot move the difference: the light rank has no tokens free. So a round
+    pairs the ranks heaviest-first in the first stage with the lightest-first (rotated by ROTATE from the second
+    round on) and, for every pair at once, tries each of the heavy rank's TEXT_WIDTH costliest text pieces against
+    each row of the light rank: the piece goes into that row and the row's shortest text pieces, as few as make it
+    room, go into the piece's old row (they must fit there), keeping the choice that leaves the pair's largest
+    normalised entry lowest, if it is lower than now. The other stages' loads do not change (text costs nothing
+    there). `parts`, `scale`, `done` as for `pair_exchange`; stops after a round that trades for at most
+    TRADE_STOP x dp pairs (the later rounds trade a few each).
+    """
+    dp = st.lay.dp
+    if dp < 2 or rounds <= 0:
+        return 0
+    text = ~np.any(parts[1:] != 0, axis=0)
+    placed = st.rank >= 0
+    other = np.zeros(dp)  # each rank's largest normalised load in the other stages (fixed here)
+    for s in range(1, parts.shape[0]):
+        other = np.maximum(other, np.bincount(st.rank[placed], parts[s, placed] * scale[s], minlength=dp))
+    half, changed = dp // 2, 0
+    for t in range(rounds):
+        fb = st.rcost * scale[0]
+        worst = np.maximum(fb, other)
+        if float(worst.max()) <= 1.0 + done:
+            break
+        order = np.argsort(-fb, kind="stable")
+        heavy, light = order[:half], order[::-1][:half]
+        if t:
+            light = np.roll(light, t * ROTATE % half)
+        ok = (worst[heavy] > 1.0 + done) & (fb[heavy] > fb[light])
+        got = _trade_round(st, text, scale[0], fb, other, heavy[ok], light[ok])
+        changed += got
+        if got <= TRADE_STOP * dp:
+            break
+    return changed
+
+
+def _trade_round(
+    st: Rows, text: np.ndarray, wb: float, fb: np.ndarray, other: np.ndarray, heavy: np.ndarray, light: np.ndarray
+) -> int:
+    """One round of `text_trades` over the pairs (heavy[i], light[i]); applies the trades, returns how many."""
+    k, slots = heavy.size, st.lay.slots
+    if k == 0:
+        return 0
+    dp = st.lay.dp
+    role = np.zeros(dp + 1, np.int8)  # (index -1: not placed)
+    role[heavy], role[light] = 1, 2
+    on = np.where(text, role[st.rank], 0)
+    # the heavy ranks' costliest text pieces: [k, TEXT_WIDTH], -1 padded
+    table = _tables(np.where(on == 1, st.rank, -1), st.c, dp, TEXT_WIDTH)[heavy]
+    valid = table >= 0
+    x = np.where(valid, table, 0)
+    # every row of a light rank: its text pieces shortest first, with running sums of their lengths and costs
+    idx = np.flatnonzero(on == 2)
+    g = st.rank[idx] * slots + st.slot[idx]
+    o = np.lexsort((idx, st.L[idx], g))
+    idx, g = idx[o], g[o]
+    start = np.searchsorted(g, np.arange(dp * slots + 1))
+    cum_l = np.cumsum(st.L[idx])
+    cum_c = np.cumsum(st.c[idx])
+    base_l = np.concatenate([[0], cum_l])[start[:-1]]  # sums before each group
+    base_c = np.concatenate([[0.0], cum_c])[start[:-1]]
+    span = st.lay.seq_len + 1
+    key = g * span + (cum_l - base_l[g])  # increasing: by group, then by running length
+    # queries [k, W, slots]: piece x of h into row w of l
+    rows = light[:, None, None] * slots + np.arange(slots)[None, None, :]
+    lx = st.L[x][:, :, None]
+    need = lx - st.rem.reshape(-1)[rows]
+    pos = np.searchsorted(key, rows * span + np.maximum(need, 1))
+    end = start[rows + 1]
+    some = need > 0
+    feasible = ~some | (pos < end)
+    posc = np.minimum(pos, idx.size)  # (one past the end: infeasible, read from the sentinel)
+    out_l = np.where(some, np.append(cum_l, 0)[posc] - base_l[rows], 0)
+    out_c = np.where(some, np.append(cum_c, 0.0)[posc] - base_c[rows], 0.0)
+    room_h = st.rem[heavy[:, None], np.maximum(st.slot[x], 0)] + st.L[x]  # x's old row once x has left
+    feasible &= valid[:, :, None] & (out_l <= room_h[:, :, None])
+    d = (st.c[x][:, :, None] - out_c) * wb  # what h sheds
+    h3, l3 = heavy[:, None, None], light[:, None, None]
+    val = np.maximum(np.maximum(fb[h3] - d, other[h3]), np.maximum(fb[l3] + d, other[l3]))
+    val = np.where(feasible, val, np.inf).reshape(k, -1)
+    j = np.argmin(val, axis=1)
+    best = val[np.arange(k), j]
+    now = np.maximum(np.maximum(fb[heavy], other[heavy]), np.maximum(fb[light], other[light]))
+    i = np.flatnonzero(best < now * (1.0 - _GAIN))
+    if i.size == 0:
+        return 0
+    c_x, w = np.divmod(j[i], slots)
+    h, q = heavy[i], light[i]
+    p = x[i, c_x]
+    r = q * slots + w
+    n_out = np.where(some[i, c_x, w], pos[i, c_x, w] - start[r] + 1, 0)
+    first = start[r]
+    out = idx[np.repeat(first, n_out) + np.arange(int(n_out.sum())) - np.repeat(np.cumsum(n_out) - n_out, n_out)]
+    pieces = np.concatenate([p, out])
+    to_rank = np.concatenate([q, np.repeat(h, n_out)])
+    to_slot = np.concatenate([w, np.repeat(st.slot[p], n_out)])
+    _relocate(st, np.zeros((0, dp)), np.zeros((1, st.L.size)), pieces, to_rank, to_slot)
+    return int(i.size)

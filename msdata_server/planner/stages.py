@@ -18,27 +18,45 @@ In the second fill the ranks holding a text piece above HEAVY of the mean backbo
 the encoder first (`reserve_dense`), up to the first fill's means: after the exchange those ranks ended at the
 backbone bound and 0.6-0.9 of the mean encoder, holding average images.
 
-Where vlm4 at 16k, dp 512 stands (10 steps; without reserve_dense 1.030-1.032 on seeds 0-2, with it 1.029-1.030;
-HEAVY 0.7 gives 1.028-1.029 but puts video dp512 on seed 0 at 1.0203): in a bad step (1.047) 55 ranks hold a
-full-row text piece (0.74-0.84 of a mean rank's backbone) and the other ranks are full (0.99 of their tokens),
-so the backbone those ranks have left must hold tokens. A lower bound from the step's own placed pieces (each
-text piece above 0.51 of a mean backbone alone on its rank, its images at most the step's densest per backbone
-cost, the others at most the bound) is 1.017-1.026 in the bad steps and 1.009 on average (about 1.011 with the
-densest images shared out); it ignores rows and tokens. The exchange and refine at 8x the CPU (200 rounds, 300
-passes, tables 32 wide, pairs among 12) reach 1.0255 from the fill without reserve_dense. Tried and not kept
-(10-step means 1.029-1.056; differences under 0.002 are noise): reserving in the first fill too, or up to the
-projected means, or for ranks with text above 0.3-0.65 of a mean (1.029-1.043), or closing their rows to the
-short text as well (padding 10-16%); letting ranks heavy with text take only the densest 30-50% of images
-(1.030-1.042); capping the backbone projection `cost + free tokens * rate` of `place_images` at its mean
-(1.033); carrying text pieces above 0.7 of a mean rank beyond 7-9% of dp to the next step (smoother steps, same
-mean); the second fill's cap at 0.5, 2 or -1 times the tolerance, or no second fill (1.031-1.056).
+Paired exchange alone could not lower what that left (1.029 at 16k, dp 512 on seeds 0-2): in a bad step half
+the ranks sat at the backbone's max and a quarter, full of short text pieces (every token used, so no move or
+one-for-one swap fits them), 0.82-0.95 of the mean backbone at the encoder's max. A full rank's linear backbone
+cost is every full rank's; what differs is the quadratic, which long pieces bring, so `exchange_stages` ends each
+spell of paired rounds with rounds of `exchange.text_trades`: a long text piece of a backbone-heavy rank goes
+into a row of a light one for that row's shortest text pieces (as few as make room), which lowers the heavy
+rank's backbone while no encoder load moves, and the next spell has backbone room to move images into.
+
+Where vlm4 at 16k, dp 512 stands (the bench's loop, 10 steps, encoder / backbone): 1.0199 / 1.0206 on seed 0,
+1.0213 / 1.0216 on seed 1, 1.0207 / 1.0210 on seed 2, from 1.0285 / 1.0289, 1.0291 / 1.0296, 1.0293 / 1.0295
+(--quick, its first three steps: 1.0182 / 1.0191 on seed 0, from 1.0297 / 1.0299); vlm_video at 16k 1.0077 at dp
+512 (from 1.0165) and 1.0053 at dp 64 (from 1.021); planning CPU 1.1-1.2x. The bad steps stay (1.033 on seed 0):
+there 58 ranks hold a full-row text piece of 0.81 of the mean backbone, and their images are already near the
+densest there are (14 of the largest, 0.78 of the mean encoder at 1.03 of the backbone). A lower bound from the
+step's own placed pieces (each text piece above 0.5 of a mean backbone alone on its rank with no other text, its
+rank's images at most the step's densest per backbone cost, fractional, the densest shared out densest first, and
+the other ranks taking the rest of the encoder evenly; rows and tokens ignored) is 1.022 in that step and 1.0077
+over the --quick steps, 1.0095 over the ten. HEAVY 0.65 (from 0.75) because the full-row piece is 0.74-0.81 of the
+first fill's mean from step to step: at 0.75 the densest images went to those ranks only in some steps (0.7: vlm4
+seed 0 --quick 1.0207, and vlm_video dp 512 1.0070 with padding 0.093, where 0.65 pads 0.101).
+
+Before the text trades (10-step means 1.029-1.056; differences under 0.002 are noise): the exchange and refine
+at 8x the CPU (200 rounds, 300 passes, tables 32 wide, pairs among 12) reached 1.0255 from the fill without
+reserve_dense. Tried and not kept: reserving in the first fill too, or up to the projected means, or for ranks
+with text above 0.3-0.65 of a mean (1.029-1.043), or closing their rows to the short text as well (padding
+10-16%); letting ranks heavy with text take only the densest 30-50% of images (1.030-1.042); capping the
+backbone projection `cost + free tokens * rate` of `place_images` at its mean (1.033); carrying text pieces
+above 0.7 of a mean rank beyond 7-9% of dp to the next step (smoother steps, same mean); the second fill's cap
+at 0.5, 2 or -1 times the tolerance, or no second fill (1.031-1.056). With the text trades: one spell of 32
+paired rounds then 16 trade rounds then 32 more reaches 1.0217 in the replayed steps at twice the exchange's
+CPU (4 spells of 8: 1.0207); swaps of one image for one of about the same length and more encoder between a
+backbone-heavy and an encoder-heavy rank (300 a step) changed nothing.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .exchange import pair_exchange
+from .exchange import pair_exchange, text_trades
 from .layout import Layout
 from .refine import CONSOLIDATE_PASSES, RankMembers, consolidate
 from .rows import ROUND_DIV, Rows, order_by
@@ -63,9 +81,11 @@ STAGE_PARTNERS = 4  # lightest ranks by each measure (backbone, encoder, their m
 DONE = 1e-3  # refine_stages stops once the worst rank is within this of both bounds
 FULL = 0.01  # a rank is full when less than this share of its rows is free...
 EXCHANGE_ROUNDS = 32  # exchange_stages rounds (each pairs every heavy rank with a light one) before refine_stages
+EXCHANGE_SPELLS = 4  # ...in this many spells, each followed by TRADE_ROUNDS rounds of text trades
+TRADE_ROUNDS = 8  # (each round pairs the backbone's heavy ranks with its light ones)
 POLISH_ITERS = 32  # refine_stages passes after them at most (it works on the worst rank alone)
 # reserve_dense: a rank holding a text piece above this share of the mean backbone gets the densest images first
-HEAVY = 0.75
+HEAVY = 0.65
 RESERVE_STOP = 0.02  # ...until it is within this share of either stage's mean
 FULL_RANKS = 4  # ...and the second fill's cap is (1 + tolerance) x the full ranks' mean when dp / this are full
 
@@ -120,11 +140,20 @@ def _scales(st: Rows, vision: np.ndarray) -> np.ndarray | None:
 
 
 def exchange_stages(st: Rows, vision: np.ndarray, rounds: int) -> int:
-    """`exchange.pair_exchange` on both stages' normalised loads: rounds of paired moves and swaps."""
+    """`exchange.pair_exchange` on both stages' normalised loads, `rounds` rounds of paired moves and swaps in
+    EXCHANGE_SPELLS spells, each followed by TRADE_ROUNDS rounds of `exchange.text_trades` (a long text piece of
+    a rank heavy in the backbone for a row's short ones of a light rank full of them: the heavy ranks' backbone
+    falls, no encoder load moves, and the next spell has room to move images); the changes made."""
     scale = _scales(st, vision)
     if scale is None:
         return 0
-    return pair_exchange(st, np.stack([st.c, vision]), scale, rounds, DONE)
+    parts = np.stack([st.c, vision])
+    spells = max(1, min(EXCHANGE_SPELLS, rounds))
+    changed = 0
+    for k in range(spells):
+        changed += pair_exchange(st, parts, scale, rounds // spells + (k < rounds % spells), DONE)
+        changed += text_trades(st, parts, scale, TRADE_ROUNDS, DONE)
+    return changed
 
 
 def _fill(

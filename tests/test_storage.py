@@ -51,7 +51,7 @@ def s3(tmp_path_factory):
 def proxy(s3, monkeypatch):
     """The fault proxy in front of moto, the process's store pointed at it (short give-up for the tests)."""
     s3_env(monkeypatch)
-    p = FaultProxy(s3[0].addr)
+    p = FaultProxy(s3[0])
     store = configure(StorageConfig(s3_endpoint=p.endpoint, s3_region="us-east-1", give_up_s=20))
     p.store = store
     yield p

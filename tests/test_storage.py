@@ -120,6 +120,40 @@ def test_storage_section_of_node_toml():
             parse_config({"storage": bad})
 
 
+def test_kept_metadata_round_trips_packed_and_unpacked_fields(tmp_path):
+    """A field's arrays of every file are kept as one member (any dtype and trailing shape, files without it);
+    a field whose arrays differ in dtype or shape is kept per file. What comes back equals what went in."""
+    from msdata_server.storage import MetaCache, SourceMeta
+
+    n = 9
+    files = [ListedFile(f"s3://b/x{i}", 100 + i, 5, "e") for i in range(n)]
+    units = [np.arange(i % 3, dtype=np.int64) for i in range(n)]
+    arrays = [
+        {}
+        if i == 4  # a skipped file: nothing kept
+        else {
+            "footer": np.frombuffer(bytes([i]) * (50 + i), np.uint8),
+            "pairs": np.full((i, 2), i, np.int16),
+            "mixed": np.zeros(2, np.int32) if i % 2 else np.zeros(3, np.int64),
+        }
+        for i in range(n)
+    ]
+    cache = MetaCache(str(tmp_path))
+    cache.save({"id": 1}, SourceMeta(files, units, {4: "bad"}, arrays, {"k": [1]}))
+    got = cache.load({"id": 1})
+    assert got is not None
+    assert (got.files, got.skipped, got.extra) == (files, {4: "bad"}, {"k": [1]})
+    for i in range(n):
+        assert got.units[i].dtype == np.int64
+        assert np.array_equal(got.units[i], units[i])
+        assert set(got.arrays[i]) == set(arrays[i])
+        for k, a in arrays[i].items():
+            b = got.arrays[i][k]
+            assert (b.dtype, b.shape) == (a.dtype, a.shape)
+            assert np.array_equal(b, a)
+    assert cache.load({"id": 2}) is None
+
+
 # ---- same files, same records ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_bucket_gives_the_local_files_and_records(s3, proxy, fmt):

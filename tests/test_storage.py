@@ -234,8 +234,11 @@ def test_give_up_fails_or_skips_as_the_job_says(s3, proxy):
 
 
 def test_an_object_changed_under_a_running_source_is_named(s3, proxy, tmp_path):
+    """Found at the object's next open (a HEAD): the store keeps an object open for every reader of it and
+    opens it again when it was opened longer than revalidate_s ago (300 s; 0 here: at every read)."""
     server, _, dirs = s3
     server.upload(dirs["jsonl"], "changing")
+    proxy.store.revalidate_s = 0.0
     src = open_source(_spec("jsonl", ["s3://changing/"]), seed=0)
     src.trim()
     target = src.paths[0].removeprefix("s3://")
@@ -243,6 +246,30 @@ def test_an_object_changed_under_a_running_source_is_named(s3, proxy, tmp_path):
     with pytest.raises(StorageError, match=f"{src.paths[0]} changed since it was listed"):
         src.read(np.arange(src.num_samples))
     src.close()
+
+
+def test_an_object_is_opened_once_for_all_its_readers(s3, proxy):
+    """An object's open (pyarrow's HEAD) is shared by every reader of it in the process: a source's handle
+    closed and opened again, another source over it; opened again only after revalidate_s."""
+    store = proxy.store
+    objs = store.list_entry("s", "s3://data/jsonl/", (".jsonl",))
+    proxy.reset_counts()
+    for k in range(3):  # other ranges each round: none served from the ranges kept in memory
+        for obj in objs:
+            f = store.open(obj)
+            assert store.read(f, 10 * k, 7) == _range(s3[1], obj, 10 * k, 7)
+            f.close()
+    assert (proxy.counts.get("HEAD", 0), proxy.counts.get("GET", 0)) == (len(objs), 3 * len(objs)), proxy.counts
+    store.revalidate_s = 0.0
+    for obj in objs:
+        with store.open(obj) as f:
+            store.read(f, 40, 7)
+    assert proxy.counts.get("HEAD", 0) == 2 * len(objs), proxy.counts
+
+
+def _range(root: Path, obj: ListedFile, offset: int, n: int) -> bytes:
+    data = (root / obj.path.removeprefix("s3://data/")).read_bytes()
+    return data[offset : offset + n]
 
 
 def test_an_object_rewritten_with_the_same_size_is_named(s3, proxy, tmp_path):

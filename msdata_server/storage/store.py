@@ -36,7 +36,9 @@ _LIST_PAGE = 1000  # keys per listing page (S3 ListObjectsV2)
 _RECENT_BYTES = 64 << 20  # ranges read lately, kept in memory for the other partitions of a source
 _ETAGS = 1 << 17  # object versions whose first ETag is kept (~200 bytes each)
 _REVALIDATE_S = 300.0  # seconds an object stays open before its next read opens (and checks) it again
-_NATIVES = 8192  # objects kept open for every reader of the process (a few hundred bytes each)
+# objects kept open for every reader of the process: an S3 object's open file is a few hundred bytes and holds no
+# connection; another scheme's (HDFS...) may hold a descriptor or a socket until it is dropped
+_NATIVES = {True: 8192, False: 64}  # by "is S3"
 
 
 def _head_metadata(nf: Any) -> dict[str, str]:
@@ -104,7 +106,11 @@ class Store:
         # each listed object version's ETag at its first open, the latest _ETAGS (beyond them, a rewrite within
         # the second of the listing's mtime goes unseen; the Last-Modified check still holds)
         self._etags: OrderedDict[tuple[str, int, int], str] = OrderedDict()
-        self._natives: OrderedDict[tuple[str, int, int], tuple[Any, float]] = OrderedDict()  # (file, opened at)
+        # (file, opened at) by object version, S3 objects apart from other schemes' (_NATIVES)
+        self._natives: dict[bool, OrderedDict[tuple[str, int, int], tuple[Any, float]]] = {
+            True: OrderedDict(),
+            False: OrderedDict(),
+        }
         # an object opened longer ago than this is opened again (a HEAD) at its next read, which checks its
         # version: a rewrite of the same size under a running job is found within this time
         self.revalidate_s = _REVALIDATE_S
@@ -234,28 +240,30 @@ class Store:
     def _native(self, obj: ListedFile) -> Any:
         """The object's open pyarrow file, shared by every RemoteFile of this version of it (a source's handle
         closed and opened again, another job's source, another partition): opened, a HEAD that checks its
-        version, at most once per ``revalidate_s``; the latest _NATIVES kept (an open S3 file holds no
-        connection: a path, a size and the HEAD's headers)."""
-        key = _version(obj)
+        version, at most once per ``revalidate_s``; the latest _NATIVES kept (dropped, not closed: a read may be
+        using one; it closes when the last reader lets it go)."""
+        key, s3 = _version(obj), obj.path.startswith(("s3://", "s3a://"))
+        kept = self._natives[s3]
         with self._lock:
-            got = self._natives.get(key)
+            got = kept.get(key)
             if got is not None and time.monotonic() - got[1] <= self.revalidate_s:
-                self._natives.move_to_end(key)
+                kept.move_to_end(key)
                 return got[0]
         opened_at = time.monotonic()
         native = self._open_checked(obj)
         with self._lock:
-            self._natives[key] = (native, opened_at)
-            self._natives.move_to_end(key)
-            while len(self._natives) > _NATIVES:
-                self._natives.popitem(last=False)  # not closed: a read may be using it (closing frees nothing)
+            kept[key] = (native, opened_at)
+            kept.move_to_end(key)
+            while len(kept) > _NATIVES[s3]:
+                kept.popitem(last=False)
         return native
 
     def _forget(self, obj: ListedFile, native: Any) -> None:
+        kept = self._natives[obj.path.startswith(("s3://", "s3a://"))]
         with self._lock:
-            got = self._natives.get(_version(obj))
+            got = kept.get(_version(obj))
             if got is not None and got[0] is native:
-                del self._natives[_version(obj)]
+                del kept[_version(obj)]
 
     def _open_checked(self, obj: ListedFile) -> Any:
         """The object opened (pyarrow's open sends a HEAD), its size, modification time and ETag from that HEAD

@@ -1,7 +1,9 @@
 """A source's listing and per-file metadata (units per file, Parquet footers, JSON Lines line offsets, the
 WebDataset member index), kept in ``state_dir`` so a restart or a resume opens a remote source without listing
 or reading footers again. One file per source identity (format, paths, selected columns); written atomically;
-a file that cannot be read is ignored (the source is listed and scanned again)."""
+a file that cannot be read is ignored (the source is listed and scanned again). Each field's arrays of every
+file are kept as one array and its offsets (a few members per source, not two per file: the members' headers
+were most of a warm open's CPU)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from .listing import ListedFile
 __all__ = ["MetaCache", "MetaShare", "SourceMeta"]
 
 log = logging.getLogger(__name__)
-_VERSION = 1
+_VERSION = 2  # 2: a field's arrays of every file packed in one member
 
 
 @dataclass(slots=True)
@@ -107,14 +109,15 @@ class MetaCache:
                 head = json.loads(bytes(z["head"]).decode())
                 n = len(head["files"])
                 arrays: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
-                units: list[np.ndarray] = [np.zeros(0, np.int64)] * n
-                for name in z.files:
-                    if name == "head":
-                        continue
-                    i, _, field = name.partition(".")
-                    if field == "units":
-                        units[int(i)] = z[name].astype(np.int64)
-                    else:
+                units = _unpack(z["units"], z["units.off"], np.ones(n, dtype=bool))
+                for field in head["packed"]:
+                    got = _unpack(z[f"a.{field}"], z[f"a.{field}.off"], z[f"a.{field}.has"].astype(bool))
+                    for i, a in enumerate(got):
+                        if a is not None:
+                            arrays[i][field] = a
+                for name in z.files:  # a field whose arrays differ in dtype or shape: one member per file
+                    i, dot, field = name.partition(".")
+                    if dot and i.isdigit():
                         arrays[int(i)][field] = z[name]
         except FileNotFoundError:
             return None
@@ -125,7 +128,7 @@ class MetaCache:
             return None
         return SourceMeta(
             files=[ListedFile.from_json(f) for f in head["files"]],
-            units=units,
+            units=[u.astype(np.int64) if u is not None else np.zeros(0, np.int64) for u in units],
             skipped={int(k): v for k, v in head["skipped"].items()},
             arrays=arrays,
             extra=head["extra"],
@@ -133,20 +136,45 @@ class MetaCache:
 
     def save(self, identity: dict[str, Any], meta: SourceMeta) -> None:
         """Write atomically; a state_dir that cannot be written only costs a listing next time (one warning)."""
-        head = {
+        packed: list[str] = []
+        head: dict[str, Any] = {
             "identity": identity,
             "files": [f.to_json() for f in meta.files],
             "skipped": {str(k): v for k, v in meta.skipped.items()},
             "extra": meta.extra,
+            "packed": packed,
         }
-        blobs: dict[str, np.ndarray] = {"head": np.frombuffer(json.dumps(head).encode(), dtype=np.uint8)}
-        for i, u in enumerate(meta.units):
-            blobs[f"{i}.units"] = u
-            for field, a in meta.arrays[i].items():
-                blobs[f"{i}.{field}"] = a
+        blobs: dict[str, np.ndarray] = {}
+        blobs["units"], blobs["units.off"], _ = _pack([np.asarray(u, dtype=np.int64) for u in meta.units])
+        for field in sorted({f for a in meta.arrays for f in a}):
+            per_file = [a.get(field) for a in meta.arrays]
+            got = [a for a in per_file if a is not None]
+            if len({(a.dtype.str, a.shape[1:]) for a in got}) == 1 and got[0].ndim >= 1:
+                packed.append(field)
+                blobs[f"a.{field}"], blobs[f"a.{field}.off"], blobs[f"a.{field}.has"] = _pack(per_file)
+            else:
+                blobs.update({f"{i}.{field}": a for i, a in enumerate(per_file) if a is not None})
+        blobs["head"] = np.frombuffer(json.dumps(head).encode(), dtype=np.uint8)
         try:
             buf = io.BytesIO()
             np.savez(buf, **blobs)  # type: ignore[arg-type]
             self._write(identity, buf.getbuffer())
         except OSError as e:
             log.warning("storage: cannot keep source metadata in %s (%s); the next start lists again", self.dir, e)
+
+
+def _pack(arrays: list[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Arrays of one dtype and trailing shape (None: a file without one) as (their concatenation along the
+    first axis, offsets into it (len + 1), which are present)."""
+    got = [a for a in arrays if a is not None]
+    sizes = [0 if a is None else len(a) for a in arrays]
+    off = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=off[1:])
+    data = np.concatenate(got) if got else np.zeros(0, dtype=np.int64)
+    return data, off, np.array([a is not None for a in arrays], dtype=np.uint8)
+
+
+def _unpack(data: np.ndarray, off: np.ndarray, has: np.ndarray) -> list[np.ndarray | None]:
+    """The arrays ``_pack`` packed (views of ``data``)."""
+    bounds = off.tolist()
+    return [data[bounds[i] : bounds[i + 1]] if has[i] else None for i in range(len(has))]

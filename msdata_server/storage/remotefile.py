@@ -19,7 +19,8 @@ class RangeReader(Protocol):
 
 class RemoteFile(io.RawIOBase):
     """Object ``obj`` read by ranges (``pread``) or as a seekable raw stream; the size is the listing's (no
-    request to learn it). Thread-safe for ``pread``; the stream position is for one reader at a time."""
+    request to learn it). Thread-safe for ``pread``; the stream position is for one reader at a time. Opening
+    and closing one costs nothing: the store keeps the object's pyarrow file for every reader of it."""
 
     def __init__(self, store: RangeReader, obj: ListedFile):
         super().__init__()
@@ -27,8 +28,6 @@ class RemoteFile(io.RawIOBase):
         self.obj = obj
         self.size = obj.size
         self._pos = 0
-        self.native: Any = None  # the store's open pyarrow file, opened (a HEAD) on the first request
-        self.opened_at = 0.0  # time.monotonic() of that open (the store opens it again when held long)
         self._preloaded: tuple[int, bytes] = (0, b"")  # (offset, bytes) fetched ahead (a footer), served locally
 
     # ---- ranged reads ----
@@ -82,7 +81,5 @@ class RemoteFile(io.RawIOBase):
         return self.read(-1)
 
     def close(self) -> None:
-        native, self.native = self.native, None
-        if native is not None:
-            native.close()
+        self._preloaded = (0, b"")
         super().close()

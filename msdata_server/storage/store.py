@@ -36,6 +36,9 @@ _LIST_PAGE = 1000  # keys per listing page (S3 ListObjectsV2)
 _RECENT_BYTES = 64 << 20  # ranges read lately, kept in memory for the other partitions of a source
 _ETAGS = 1 << 17  # object versions whose first ETag is kept (~200 bytes each)
 _REVALIDATE_S = 300.0  # seconds an object stays open before its next read opens (and checks) it again
+# objects kept open for every reader of the process: an S3 object's open file is a few hundred bytes and holds no
+# connection; another scheme's (HDFS...) may hold a descriptor or a socket until it is dropped
+_NATIVES = {True: 8192, False: 64}  # by "is S3"
 
 
 def _head_metadata(nf: Any) -> dict[str, str]:
@@ -103,7 +106,12 @@ class Store:
         # each listed object version's ETag at its first open, the latest _ETAGS (beyond them, a rewrite within
         # the second of the listing's mtime goes unseen; the Last-Modified check still holds)
         self._etags: OrderedDict[tuple[str, int, int], str] = OrderedDict()
-        # an object held open longer than this is opened again (a HEAD) at its next read, which checks its
+        # (file, opened at) by object version, S3 objects apart from other schemes' (_NATIVES)
+        self._natives: dict[bool, OrderedDict[tuple[str, int, int], tuple[Any, float]]] = {
+            True: OrderedDict(),
+            False: OrderedDict(),
+        }
+        # an object opened longer ago than this is opened again (a HEAD) at its next read, which checks its
         # version: a rewrite of the same size under a running job is found within this time
         self.revalidate_s = _REVALIDATE_S
 
@@ -213,17 +221,11 @@ class Store:
             self.stats.add("cache_misses")
 
         def get() -> bytes:
-            if f.native is not None and time.monotonic() - f.opened_at > self.revalidate_s:
-                native, f.native = f.native, None  # held long: open again, so the version is checked again
-                native.close()
-            if f.native is None:  # a HEAD: the object's size and version now, which must be the listed ones
-                f.native = self._open_checked(obj)
-                f.opened_at = time.monotonic()
+            native = self._native(obj)
             try:
-                data = f.native.read_at(n, offset)
+                data = native.read_at(n, offset)
             except BaseException:
-                native, f.native = f.native, None  # reopen on the retry (a reset connection)
-                native.close()
+                self._forget(obj, native)  # reopen on the retry (a reset connection)
                 raise
             if len(data) != n:
                 raise StorageError(self.changed(obj, f"a read of {n} bytes at {offset} gave {len(data)}"))
@@ -234,6 +236,34 @@ class Store:
             cache.put(key, data)
         self._remember(key, data)
         return data
+
+    def _native(self, obj: ListedFile) -> Any:
+        """The object's open pyarrow file, shared by every RemoteFile of this version of it (a source's handle
+        closed and opened again, another job's source, another partition): opened, a HEAD that checks its
+        version, at most once per ``revalidate_s``; the latest _NATIVES kept (dropped, not closed: a read may be
+        using one; it closes when the last reader lets it go)."""
+        key, s3 = _version(obj), obj.path.startswith(("s3://", "s3a://"))
+        kept = self._natives[s3]
+        with self._lock:
+            got = kept.get(key)
+            if got is not None and time.monotonic() - got[1] <= self.revalidate_s:
+                kept.move_to_end(key)
+                return got[0]
+        opened_at = time.monotonic()
+        native = self._open_checked(obj)
+        with self._lock:
+            kept[key] = (native, opened_at)
+            kept.move_to_end(key)
+            while len(kept) > _NATIVES[s3]:
+                kept.popitem(last=False)
+        return native
+
+    def _forget(self, obj: ListedFile, native: Any) -> None:
+        kept = self._natives[obj.path.startswith(("s3://", "s3a://"))]
+        with self._lock:
+            got = kept.get(_version(obj))
+            if got is not None and got[0] is native:
+                del kept[_version(obj)]
 
     def _open_checked(self, obj: ListedFile) -> Any:
         """The object opened (pyarrow's open sends a HEAD), its size, modification time and ETag from that HEAD

@@ -326,7 +326,7 @@ class SourceLoader:
             self._pump()
             if self._inflight == 0:
                 self._idle.set()
-                self._reader.trim_soon()  # read-ahead full: decode caches would only sit there until the next burst
+                self.source.trim()  # read-ahead full: decode caches would only sit there until the next burst
 
     # ---- the API the node server uses ----
     async def _filled(self, start: int, count: int) -> list[tuple[ReadBatch, int, int]]:

@@ -7,7 +7,6 @@ Reads run one at a time, in a thread (they block on files); transforms in the po
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -21,8 +20,6 @@ if TYPE_CHECKING:
     from ..pool import WorkerPool
 
 __all__ = ["SampleReader", "probe"]
-
-log = logging.getLogger(__name__)
 
 
 class SampleReader:
@@ -59,17 +56,6 @@ class SampleReader:
         """The transformed samples of ordinals, read again."""
         return (await self.read(ords))[1]
 
-    def trim_soon(self) -> None:
-        """The source's ``trim`` in a reading thread, not on the event loop: closing a source's files and freeing
-        its decoded row groups takes ~0.5 ms, which at 1,024 sources starting at once is half a second the
-        loop would not serve the pool or the planner (trim never blocks: it passes while a read runs)."""
-        try:
-            fut = asyncio.get_running_loop().run_in_executor(self.source.read_executor(), self.source.trim)
-        except RuntimeError:  # the executor is shut down (the server stopping): here, then
-            self.source.trim()
-            return
-        fut.add_done_callback(_log_failure)
-
     def _read_lock(self) -> asyncio.Lock:
         if self._lock is None:
             self._lock = asyncio.Lock()
@@ -86,11 +72,6 @@ class SampleReader:
         records, nbytes, ids = self._read(ords)
         fn = self._fn if self._fn is not None else load_transform(self.transform)  # the pool has no workers
         return records, run_transform(fn, records, seed=self._tseed, sample_ids=ids), nbytes
-
-
-def _log_failure(fut: asyncio.Future) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.error("trimming a source's caches failed", exc_info=fut.exception())
 
 
 def probe(source: Source, transform: str | None, seed: int, count: int = 8) -> list[tuple[int, object]]:

@@ -223,8 +223,8 @@ def _fds() -> int:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
 def test_parquet_descriptors_close_with_their_handles(tmp_path, handle_limit):
-    """Closing a local Parquet handle (trim, the node bound, close) closes its descriptor: the node's bound on
-    handles is a bound on descriptors."""
+    """Local Parquet files are opened by the source (pa.OSFile), which ParquetFile would leave open: closing a
+    handle (trim, the node bound, close) must close its descriptor."""
     handle_limit(2)
     d = _parquet_dir(tmp_path / "c", 7, 30)
     base = _fds()

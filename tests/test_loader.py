@@ -60,6 +60,30 @@ def test_synthetic_lengths_and_tokens(loop):
     assert st.bad_samples == {}
 
 
+def test_figures_are_the_statistics_as_json():
+    """figures() (status JSON, built field by field for speed) is what dataclasses.asdict of the statistics
+    gives, scalars and tables only; ``ready`` is the statistics' count without building them."""
+    import dataclasses
+
+    src = synthetic()
+
+    async def main():
+        async with SourceLoader(src, None, transform=None, seed=0, readahead=40, batch=16) as ld:
+            await ld.lengths(0, 20)
+            await ld.wait_idle()
+            return ld.statistics(), ld.ready
+
+    st, ready = run(main())
+    want = {k: v for k, v in dataclasses.asdict(st).items() if isinstance(v, (int, float, str, dict, type(None)))}
+    got = st.figures()
+    assert got == want
+    assert "partition" not in got
+    assert got["memory"]["read_ahead"] > 0
+    assert got["memory"] is not st.memory
+    assert got["bad_samples"] is not st.bad_samples
+    assert ready == st.ready > 0
+
+
 def test_readahead_is_bounded():
     src = synthetic()
 

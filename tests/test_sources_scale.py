@@ -4,6 +4,7 @@ memory breakdown status reports. Real sources over real JSON Lines and Parquet f
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -214,6 +215,61 @@ def test_payloads_past_the_plans_are_read_again_unchanged(loop):
     stats, rows = after
     assert stats.ready == 64  # read again when asked, and held until released
     assert 64 + 60 <= rows <= 64 + 60 + 4  # 60 read again, in reads of up to 4 (each its own read)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_parquet_descriptors_close_with_their_handles(tmp_path, handle_limit):
+    """Local Parquet files are opened by the source (pa.OSFile), which ParquetFile would leave open: closing a
+    handle (trim, the node bound, close) must close its descriptor."""
+    handle_limit(2)
+    d = _parquet_dir(tmp_path / "c", 7, 30)
+    base = _fds()
+    src = open_source(SourceSpec(name="c", format="parquet", paths=(str(d),)), seed=4)
+    try:
+        assert _fds() - base == src.statistics().open_files <= 2  # the scan kept what the bound allows
+        got = src.read(np.arange(src.num_samples))
+        assert sorted(got) == sorted(f"p{i}-{k}" for i in range(7) for k in range(30))
+        assert _fds() - base == src.statistics().open_files <= 2  # the bound closed the others' descriptors
+        src.trim()
+        assert _fds() == base
+        src.read(np.arange(5))
+        assert _fds() > base
+    finally:
+        src.close()
+    assert _fds() == base
+
+
+@pytest.mark.parametrize("window", [7, 25, 64, 4096])
+def test_groups_per_window_counts_the_row_groups_a_window_spans(tmp_path, window):
+    """ParquetSource sizes its row-group cache by the most row groups one window spans, computed for all files
+    at once: the same as counting them file by file, with empty, small and large row groups and a file of no
+    rows."""
+    d = tmp_path / "g"
+    d.mkdir()
+    rng = np.random.default_rng(window)
+    schema = pa.schema([("text", pa.string())])
+    for i in range(6):
+        with pq.ParquetWriter(d / f"{i}.parquet", schema) as w:
+            for n in rng.integers(0, 40, 5).tolist() if i != 3 else []:
+                w.write_table(pa.table({"text": [f"{i}-{k}" for k in range(n)]}, schema=schema), row_group_size=n or 1)
+    src = open_source(SourceSpec(name="g", format="parquet", paths=(str(d),), shuffle={"window": window}), seed=1)
+    try:
+        order, most = src.order, 1
+        for f, cum in enumerate(src.unit_cum):  # each window: from the unit holding its first row to its last's
+            lo, hi = int(order.offsets[f]), int(order.offsets[f + 1])
+            ends = [*order.starts[lo + 1 : hi].tolist(), int(cum[-1])]
+            for w0, w1 in zip(order.starts[lo:hi].tolist(), ends):
+                first = int(np.searchsorted(cum, w0, side="right"))
+                last = int(np.searchsorted(cum, w1 - 1, side="right"))
+                most = max(most, last - first + 1)
+        assert src._groups_per_window() == most
+        assert src._groups.max_items == src.order.lanes * most + 8
+    finally:
+        src.close()
 
 
 def test_metadata_is_flat_arrays(tmp_path):

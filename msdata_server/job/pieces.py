@@ -103,11 +103,10 @@ def hold_figures(source: int, loaders: list, refs: PieceRefs, state: dict | None
     (at most each loader's ``readahead``) or pinned: by planned pieces not yet built (``refs``), by pieces the
     planner carries over (in ``state``), or looked ahead by the planner (lengths asked from its cursor on).
     """
-    stats = [ld.statistics() for ld in loaders]
     cursor = int(state["cursor"][source]) if state else 0
     carry = state["carry"] if state else {"source": [], "ordinal": []}
     carried = {o for s, o in zip(carry["source"], carry["ordinal"]) if s == source}
     mine = [o for o in carried if any(ld.owns(o) for ld in loaders)]
     pinned = refs.pinned(source) + len(mine) + sum(ld.asked_from(cursor) for ld in loaders)
-    readahead = sum(st.readahead for st in stats)
-    return {"held": sum(st.ready for st in stats), "held_bound": readahead + pinned, "held_pinned": pinned}
+    readahead = sum(ld.readahead for ld in loaders)
+    return {"held": sum(ld.ready for ld in loaders), "held_bound": readahead + pinned, "held_pinned": pinned}

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -74,8 +74,19 @@ class LoaderStats:
     open_files: int  # of the node's open-handle LRU, this loader's source's
 
     def figures(self) -> dict:
-        """These statistics as status JSON (scalars and tables only)."""
-        return {k: v for k, v in asdict(self).items() if isinstance(v, (int, float, str, dict, type(None)))}
+        """These statistics as status JSON (scalars and tables only; the tables copied). What ``asdict`` gave,
+        without its deep copy: status asks for every loader every second (1,024 sources: ~1 s of CPU a second)."""
+        out: dict = {}
+        for k in _STAT_FIELDS:
+            v = getattr(self, k)
+            if isinstance(v, dict):
+                out[k] = dict(v)
+            elif isinstance(v, (int, float, str, type(None))):
+                out[k] = v
+        return out
+
+
+_STAT_FIELDS = tuple(f.name for f in fields(LoaderStats))
 
 
 def _int_at_least(what: str, value: object, low: int) -> None:
@@ -85,7 +96,10 @@ def _int_at_least(what: str, value: object, low: int) -> None:
 
 class SourceLoader:
     """One per (source, partition): the source's file-access state, held once per node; a bounded read-ahead
-    of transformed samples addressed by ordinal. The caller owns (and closes) the source and the pool."""
+    of transformed samples addressed by ordinal. The caller owns (and closes) the source and the pool.
+
+    Size: the API the node asks of a source (lengths, vision, tokens, release, seek, stop_at, statistics) and the
+    scheduling they share state with; what is held, counted, read and owned is in the modules beside it."""
 
     def __init__(
         self,
@@ -426,6 +440,11 @@ class SourceLoader:
         self._cursor = j
         self._high = start_local - 1
         self._pump()
+
+    @property
+    def ready(self) -> int:
+        """Samples read and not yet released (``statistics().ready``, without the rest of the statistics)."""
+        return self._buf.ready
 
     def statistics(self) -> LoaderStats:
         counts, ready = self._counts, self._buf.ready

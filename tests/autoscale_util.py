@@ -71,14 +71,17 @@ def job(name: str, *, schedule: bool):
 
 
 def train(
-    spec, endpoint: str, steps: int, *, mixture_at: int | None = None, before_close=None
+    spec, endpoint: str, steps: int, *, mixture_at: int | None = None, before_mixture=None, before_close=None
 ) -> tuple[list[dict], int | None]:
     """One rank, one step per PACE_S of compute; the batch records (and the step a set_mixture took effect).
-    ``before_close()`` runs while the rank is still connected (the job, and its sources, still exist)."""
+    ``before_mixture()`` runs just before the set_mixture, ``before_close()`` while the rank is still connected
+    (the job, and its sources, still exist)."""
     recs, cut = [], None
     with msd.DataClient(spec, endpoint=endpoint, rank=0, world_size=1, connect_timeout=30) as dc:
         for step in range(steps):
             if step == mixture_at:
+                if before_mixture is not None:
+                    before_mixture()
                 cut = dc.set_mixture({"a": 0.1, "b": 0.9})
             for _ in range(spec.micro_batches):
                 b = next(dc)

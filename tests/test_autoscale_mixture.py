@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from .autoscale_util import ALLOW_TESTS, job, status, train
+from .polling import wait_for
 
 # the pool starts at its largest size and a long cooldown keeps it there, so that what a mixture change moves is
 # the sources' apportionment, whatever pace this machine gives the trainer: b (2 ms a sample) holds at most one
@@ -22,7 +23,17 @@ cooldown = 600
 def test_set_mixture_reallocates_at_once(server_factory):
     spec = job("mix", schedule=False)
     srv = server_factory(workers=2, extra=FIXED).start()
-    _, cut = train(spec, srv.socket, 70, mixture_at=40)
+
+    def both_measured() -> None:
+        # until a's cost is measured its need counts as 0 and b holds both workers (seen on a loaded machine):
+        # the change must find the apportionment of the old mixture, b at most one worker
+        wait_for(
+            lambda: status(srv)["autoscale"]["sources"].get("b", {}).get("workers", 2) <= 1,
+            30,
+            "the old mixture's apportionment (b at most one worker, once a's cost is measured)",
+        )
+
+    _, cut = train(spec, srv.socket, 70, mixture_at=40, before_mixture=both_measured)
     a = status(srv)["autoscale"]
     moved = [d for d in a["decisions"] if "mixture changed" in d["reason"]]
     assert cut is not None, a["decisions"]

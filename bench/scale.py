@@ -24,7 +24,7 @@ thread's CPU) and the CPU making up the synthetic lengths it reads (through the 
 partition owners read them), the leader's overhead being the rest (``leader_overhead_with_lengths_ms``: with
 them); etcd request bytes and writes per step (the leader's client); steps/s the leader sustains (nodes feed at
 once: planning and distribution are the limit). The plan-ready instant, the last slice's send and the
-planner's CPU are read by wrapping ``JobCoordinator.frames``, ``JobCoordinator._plan_one`` and
+planner's CPU are read by wrapping ``JobCoordinator.frame_batches``, ``JobCoordinator._plan_one`` and
 ``Planner.plan_step`` in this process (measurement only).
 
 The last line is one JSON object (keys of DESIGN 4.7). Loopback only.
@@ -354,7 +354,7 @@ class Probe:
 
         probe = self
         jc = coordinator.JobCoordinator
-        frames0, one0, plan0, raw0 = jc.frames, jc._plan_one, Planner.plan_step, Etcd._raw
+        frames0, one0, plan0, raw0 = jc.frame_batches, jc._plan_one, Planner.plan_step, Etcd._raw
 
         def frames(self, plan, extra, table, nodes, only=None):
             if only is None and plan.step not in probe.ready:
@@ -391,11 +391,11 @@ class Probe:
                 probe.etcd_writes += 1
             return status, body
 
-        jc.frames, jc._plan_one = frames, plan_one
+        jc.frame_batches, jc._plan_one = frames, plan_one
         Planner.plan_step = plan_step
         Etcd._raw = raw
         self._undo = [
-            (jc, "frames", frames0),
+            (jc, "frame_batches", frames0),
             (jc, "_plan_one", one0),
             (Planner, "plan_step", plan0),
             (Etcd, "_raw", raw0),

@@ -17,7 +17,7 @@ mean (what ``PlanStats`` reports), and every figure is the whole step's.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ from ..planner.planner import PlanStats
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["Cut", "decode_plan", "encode_plan", "encode_slices", "plan_state"]
+__all__ = ["Cut", "decode_plan", "encode_plan", "encode_slices", "iter_slices", "plan_state"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +102,31 @@ def _figures(plan: StepPlan) -> dict:
 def encode_slices(
     plan: StepPlan, cuts: Mapping[str, Cut], *, job: str, digest: str, token: int, state: dict | None = None
 ) -> dict[str, tuple[dict, memoryview]]:
-    """Per node, (header, buffer) of its slice of ``plan`` (``cuts[node]``: its pieces, those it builds, its
-    groups; ``leader.slices``). ``state``: the planner state at the step's start, sent compact (its JSON and
-    its long integer lists as raw arrays, ``_state_blocks``, made once) at the payload's end; ``plan_state``
-    reads it back.
+    """Per node, (header, buffer) of its slice of ``plan``: ``iter_slices`` in one batch."""
+    out: dict[str, tuple[dict, memoryview]] = {}
+    for got in iter_slices(plan, cuts, job=job, digest=digest, token=token, state=state):
+        out.update(got)
+    return out
 
-    One pass for all nodes (the leader's cost per step must not grow with them): each column is gathered once,
-    node after node; every node's sizes and offsets come from a few array operations; the payloads are
+
+def iter_slices(
+    plan: StepPlan,
+    cuts: Mapping[str, Cut],
+    *,
+    job: str,
+    digest: str,
+    token: int,
+    state: dict | None = None,
+    batch: int = 0,
+) -> Iterator[dict[str, tuple[dict, memoryview]]]:
+    """Per node, (header, buffer) of its slice of ``plan`` (``cuts[node]``: its pieces, those it builds, its
+    groups; ``leader.slices``), ``batch`` nodes at a time (0: all at once), each batch yielded as soon as it is
+    encoded (so the first nodes' slices can leave while the rest are encoded). ``state``: the planner state at
+    the step's start, sent compact (its JSON and its long integer lists as raw arrays, ``_state_blocks``, made
+    once) at the payload's end; ``plan_state`` reads it back.
+
+    One pass per batch (the leader's cost per step must not grow with the nodes): each column is gathered
+    once, node after node; every node's sizes and offsets come from a few array operations; the payloads are
     consecutive read-only views of one buffer (every array in it 8-byte aligned), filled by one copy per
     array and node. Per node, only its header is built in Python."""
     st = plan.stats
@@ -127,9 +145,23 @@ def encode_slices(
         "dp": dp,
         "micro_batches": mb,
     }
-    cuts_ = list(cuts.items())
-    if not cuts_:
-        return {}
+    items = list(cuts.items())
+    blocks = _state_blocks(state) if state is not None else None
+    size = batch or len(items) or 1
+    for lo in range(0, len(items), size):
+        yield _encode_batch(plan, items[lo : lo + size], base, cost, micro_cost, dp, blocks)
+
+
+def _encode_batch(
+    plan: StepPlan,
+    cuts_: list[tuple[str, Cut]],
+    base: dict,
+    cost: np.ndarray,
+    micro_cost: np.ndarray,
+    dp: int,
+    blocks: tuple[np.ndarray, int, list] | None,
+) -> dict[str, tuple[dict, memoryview]]:
+    """The slices of the nodes of ``cuts_`` (``iter_slices``)."""
     every = np.concatenate([c.idx for _, c in cuts_]).astype(np.int64, copy=False)
     built_mask = np.concatenate([c.built for _, c in cuts_]).astype(bool, copy=False)
     n = np.fromiter((len(c.idx) for _, c in cuts_), np.int64, len(cuts_))
@@ -138,9 +170,8 @@ def encode_slices(
     ng = np.fromiter((len(g) for g in groups), np.int64, len(groups))
     arrays = _slice_arrays(plan, every, every[built_mask], np.concatenate(groups), cost, micro_cost, dp)
     n_plan = len(arrays)
-    cols: list = []
-    if state is not None:  # one block for every node: the state's JSON, then its columns (``_state_blocks``)
-        block, rec, cols = _state_blocks(state)
+    block, rec, cols = blocks if blocks is not None else (None, 0, [])
+    if block is not None:  # one block for every node: the state's JSON, then its columns (``_state_blocks``)
         arrays.append(("state", block, "one", len(block), None))
     counts = {"n": n, "nb": nb, "g": ng, "one": np.ones_like(n)}
     per = np.stack([counts[k] * unit for _, _, k, unit, _ in arrays], axis=1)  # [nodes, arrays] bytes
@@ -169,7 +200,7 @@ def encode_slices(
     for (nid, _), ks, offs, nbs, g, lo, hi in rows:
         spec = [[name, t if f else [k, *t], o, b] for name, k, t, f, o, b in zip(names, ks, tail, fixed, offs, nbs)]
         head = {**base, "arrays": spec, "groups": g.tolist()}
-        if state is not None:
+        if block is not None:
             head["state_rec"] = [offs[n_plan], rec]
             if cols:
                 head["state_cols"] = [[key, dt, offs[n_plan] + rel, size] for key, dt, rel, size in cols]

@@ -16,7 +16,10 @@ context, 4 micro-batches, text4's 4 sources; and S = 64 and 1,024 sources at N =
 
 Measured per case, over the steps after the first two: leader bytes sent per step (its peer links' counter)
 and the ratio to one full plan's frame; the largest node's bytes per step; plan ready -> the last node has
-decoded its slice (p50/p99 ms; every process reads the one system-wide monotonic clock); beside it the model
+decoded its slice (p50/p99 ms; every process reads the one system-wide monotonic clock), over steps paced
+so that each is planned once the one before is everywhere (the nodes feed ``prefetch_steps`` behind their
+newest plan: here the planner thread would otherwise take the cores the nodes decode on; the free-running
+figure is ``plan_to_all_pipelined_ms_p99``); beside it the model
 of the same on machines of their own (``plan_to_all_model_ms_p99``: the CPU the leader's event loop spends
 from the plan ready to its last slice handed to the kernel, plus one node's decode CPU, p99), since here the
 leader, 512 nodes and etcd share two cores; leader CPU s per step (the process) beside the planner's own (its

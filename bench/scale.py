@@ -115,9 +115,11 @@ def job_dict(wl: Workload, dp: int, data: Path) -> dict:
 async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: str, ttl: float) -> None:
     """Simulated nodes ``first`` .. ``first + n - 1``: PeerServers registered under one lease; each decodes its
     slices (the real decoder) and acknowledges them as a node does (``ClusterContext.ack``'s frame, at its
-    pace: ``ack_due``). What each node measured stays here until the leader asks (stdin ``wait STEP``: once
-    every node here decoded STEP, one JSON line: step -> [[received at, decode ms, bytes, pieces], ...]), so
-    the measurement adds no frames to the leader's receive path; stdin's end stops the nodes."""
+    pace: ``ack_due``), or, once paced (stdin ``ack STEP``: every node acknowledges STEP now, then only when
+    told), when the harness says. What each node measured stays here until the leader asks (stdin ``wait
+    STEP``: once every node here decoded STEP, one JSON line: step -> [[received at, decode ms, bytes, pieces],
+    ...] of the steps not reported yet), so the measurement adds no frames to the leader's receive path; stdin's
+    end stops the nodes. One command at a time: each is answered before the next is sent."""
     from msdata_client.spec import JobSpec
     from msdata_server.cluster import Etcd
     from msdata_server.cluster.context import ack_due
@@ -131,10 +133,11 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
     acked: dict[str, int] = {}  # node -> the last step it acknowledged
     newest: dict[int, tuple[int, str, str, str]] = {}  # node -> its newest plan's step, digest, run and peer
     changed = asyncio.Event()
-    run = {"window": 1, "lag": 0}  # window: how far the leader plans past the lowest acknowledged step (from the
-    # run's start); lag: how many steps behind its newest plan a node feeds (0: at once; ``Sims.pace``)
+    run = {"window": 1, "paced": 0, "reported": -1}  # window: how far the leader plans past the lowest
+    # acknowledged step (from the run's start); paced: 1 once the harness says when to acknowledge
 
     def handler_of(i: int):
+        nid = f"sim{i:04d}"
 
         async def handle(peer: str, frame: dict, payload: memoryview | None) -> None:
             if frame.get("t") == "jstart":  # as a node's Run reads it: the job's prefetch_steps + 1
@@ -153,18 +156,19 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
             records.setdefault(plan.step, []).append([got, decode_ms, size, len(plan), decode_cpu_ms])
             changed.set()
             newest[i] = (plan.step, frame["digest"], frame["run"], peer)
-            await acknowledge(i)
+            if not run["paced"] and ack_due(plan.step, acked.get(nid), plan.step, run["window"]):
+                await acknowledge(i, plan.step)  # fed at once: the newest plan held is the one fed
 
         return handle
 
-    async def acknowledge(i: int) -> None:
-        """Node ``i`` tells the leader it fed up to its newest plan less the lag, when ``ack_due`` says."""
-        if i not in newest:
+    async def acknowledge(i: int, fed: int) -> None:
+        """Node ``i`` tells the leader it fed up to step ``fed`` (unless it told it that or more already)."""
+        nid = f"sim{i:04d}"
+        if i not in newest or fed <= acked.get(nid, -1):
             return
-        nid, (step, digest, run_id, peer) = f"sim{i:04d}", newest[i]
+        _, digest, run_id, peer = newest[i]
         link = servers[i - first].links.get(peer)
-        fed = step - run["lag"]
-        if link is None or fed <= acked.get(nid, -1) or not ack_due(fed, acked.get(nid), step, run["window"]):
+        if link is None:
             return
         acked[nid] = fed
         with contextlib.suppress(PeerLostError, ConnectionError):
@@ -174,7 +178,13 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
         while len(records.get(step, ())) < n:
             changed.clear()
             await changed.wait()
-        print(json.dumps({s: r for s, r in records.items() if s <= step}), flush=True)
+        print(json.dumps({s: r for s, r in records.items() if run["reported"] < s <= step}), flush=True)
+        run["reported"] = max(run["reported"], step)
+
+    async def ack_all(step: int) -> None:
+        run["paced"] = 1
+        await asyncio.gather(*(acknowledge(i, step) for i in range(first, first + n)))
+        print("acked", flush=True)
 
     async with Etcd([etcd_url]) as etcd:
         lease = await etcd.lease_grant(ttl)
@@ -200,15 +210,9 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
             line = sys.stdin.buffer.readline()
             if not line:
                 stop.set()
-            elif line.startswith(b"pace "):  # the plans held may be all the leader lets itself plan: tell it now
-                run["lag"] = int(line.split()[1])
-                for i in range(first, first + n):
-                    t = asyncio.ensure_future(acknowledge(i))
-                    asks.add(t)
-                    t.add_done_callback(asks.discard)
-                print("paced", flush=True)  # one command at a time: the next may not come before this answer
-            elif line.startswith(b"wait "):
-                t = asyncio.ensure_future(report(int(line.split()[1])))
+            elif line.startswith((b"wait ", b"ack ")):
+                word, step = line.split()
+                t = asyncio.ensure_future((report if word == b"wait" else ack_all)(int(step)))
                 asks.add(t)
                 t.add_done_callback(asks.discard)
 
@@ -262,18 +266,19 @@ class Sims:
             if line.strip() != b"ready":
                 raise RuntimeError(f"the simulated nodes did not start: {line!r}")
 
-    async def pace(self, lag: int) -> None:
-        """From now on every node feeds ``lag`` steps behind its newest plan (acknowledges that step)."""
+    async def ack(self, step: int) -> None:
+        """Every node acknowledges ``step`` now (once they have: the leader may plan up to step + window), and
+        from now on only when told."""
         for p in self.procs:
             assert p.stdin is not None
-            p.stdin.write(f"pace {lag}\n".encode())
+            p.stdin.write(f"ack {step}\n".encode())
             p.stdin.flush()
         for line in await asyncio.gather(*(self._line(p) for p in self.procs)):
-            if line.strip() != b"paced":
-                raise RuntimeError(f"the simulated nodes did not take the pace: {line!r}")
+            if line.strip() != b"acked":
+                raise RuntimeError(f"the simulated nodes did not acknowledge: {line!r}")
 
     async def wait(self, step: int, timeout: float) -> dict[int, list[list[float]]]:  # noqa: ASYNC109
-        """Once every node decoded ``step``: what they measured of the steps up to it."""
+        """Once every node decoded ``step``: what they measured of the steps up to it not returned before."""
         for p in self.procs:
             assert p.stdin is not None
             p.stdin.write(f"wait {step}\n".encode())
@@ -508,9 +513,10 @@ async def leader_case(
             await asyncio.sleep(0.005)  # polling a counter in a benchmark harness, not synchronisation
         figures = _figures(probe, got, first, end, spec, runs.digest, encode_plan)
         window = spec.prefetch_steps + 1
-        await sims.pace(window - 1)
         settle = end + window + 2  # the steps planned ahead before the pacing took hold, and one more
-        got.update(await sims.wait(settle + paced, 900))
+        for s in range(end + 1, settle + paced + 1):  # each step acknowledged once it is everywhere: the
+            got.update(await sims.wait(s, 900))  # leader plans the next (s + 1 - window + window) then, and no
+            await sims.ack(s + 1 - window)  # acknowledgement reaches it while a step is distributed
         return (
             figures
             | _latency(probe, got, range(settle + 1, settle + paced + 1))

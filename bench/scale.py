@@ -635,6 +635,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="N = 8, 64 and 512 with fewer timed steps")
     ap.add_argument("--smoke", action="store_true", help="seconds: N = 2 and 4, small dp")
     ap.add_argument("--case", action="append", help="N,S,STEPS[,PROCS]: run only these leader cases")
+    ap.add_argument("--paced", type=int, help=f"steps timed for plan -> all (default {PACED}; --quick 6)")
     ap.add_argument("--sim", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sim-first", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--etcd", help=argparse.SUPPRESS)
@@ -659,7 +660,7 @@ def main() -> None:
         cases = [(8, 4, 8), (64, 4, 6), (512, 4, 4), (64, 64, 4), (64, 1024, 4)]
     if args.case:
         cases = [tuple(int(x) for x in c.split(",")) for c in args.case]  # type: ignore[misc]
-    rows = run_leader(cases, 2 if args.smoke else 6 if args.quick else PACED)
+    rows = run_leader(cases, args.paced or (2 if args.smoke else 6 if args.quick else PACED))
     big = max(rows, key=lambda r: (r["nodes"], -r["sources"]))
     result = {
         "leader_fanout_ratio_n512": big["leader_fanout_ratio"],

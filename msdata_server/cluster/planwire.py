@@ -17,6 +17,7 @@ mean (what ``PlanStats`` reports), and every figure is the whole step's.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -242,11 +243,12 @@ _COL_TYPES = ("|i1", "<i2", "<i4", "<i8")
 
 def _state_blocks(state: dict) -> tuple[np.ndarray, int, list[tuple[list[str], str, int, int]]]:
     """The planner state of a slice as one block: (the block: the state's JSON without the long integer lists
-    of its dicts, then each of those lists in the narrowest little-endian integer type, each 8-byte aligned;
-    the JSON's length; per list ([key, column], its type, its offset in the block, its bytes)). A node reads
-    it with one JSON parse and one ``frombuffer(...).tolist()`` per list (``plan_state``): the carry's columns
-    (a thousand entries at dp 4,096) as JSON or a compressed record cost a node more to read than the rest of
-    its slice."""
+    of its dicts, zlib-compressed, then each of those lists in the narrowest little-endian integer type, each
+    8-byte aligned; the compressed JSON's length; per list ([key, column], its type, its offset in the block,
+    its bytes)). A node reads it with one small inflate and JSON parse and one ``frombuffer(...).tolist()`` per
+    list (``plan_state``): the carry's columns (a thousand entries at dp 4,096) as JSON or a compressed record
+    cost a node more to read than the rest of its slice; the rest (per-source lists, the mixture) compresses
+    well and is large at many sources."""
     rest: dict = {}
     arrays: list[tuple[list[str], np.ndarray]] = []
     for key, value in state.items():
@@ -259,7 +261,7 @@ def _state_blocks(state: dict) -> tuple[np.ndarray, int, list[tuple[list[str], s
             kept[col] = v if a is None else None  # None: the list's place (the dict's order kept)
             if a is not None:
                 arrays.append(([key, col], a))
-    parts = [orjson.dumps(rest)]
+    parts = [zlib.compress(orjson.dumps(rest), 6)]  # per-source lists and the mixture: large at many sources
     cols, at = [], len(parts[0])
     for name, a in arrays:
         parts.append(bytes(-at % 8))
@@ -324,7 +326,7 @@ def plan_state(header: dict, payload: Buffer | None) -> dict | None:
         return header.get("state")
     buf = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
     try:
-        state = orjson.loads(_block(buf, at[0], at[1], "state record"))
+        state = orjson.loads(zlib.decompress(_block(buf, at[0], at[1], "state record")))
         if not isinstance(state, dict):
             raise TypeError("the state record is not an object")
         for (key, col), dt, off, n in header.get("state_cols", ()):
@@ -334,7 +336,7 @@ def plan_state(header: dict, payload: Buffer | None) -> dict | None:
                 raise ValueError(f"state column {key}.{col} has no place in the state record")
             state[key][col] = np.frombuffer(_block(buf, off, n, f"state column {key}.{col}"), dt).tolist()
         return state
-    except (TypeError, ValueError, IndexError) as e:  # orjson's errors are ValueErrors
+    except (TypeError, ValueError, IndexError, zlib.error) as e:  # orjson's errors are ValueErrors
         raise ProtocolError(f"malformed plan frame for step {header.get('step')!r}: {e}") from None
 
 

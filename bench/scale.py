@@ -16,7 +16,10 @@ context, 4 micro-batches, text4's 4 sources; and S = 64 and 1,024 sources at N =
 
 Measured per case, over the steps after the first two: leader bytes sent per step (its peer links' counter)
 and the ratio to one full plan's frame; the largest node's bytes per step; plan ready -> the last node has
-decoded its slice (p50/p99 ms; every process reads the one system-wide monotonic clock); beside it the model
+decoded its slice (p50/p99 ms; every process reads the one system-wide monotonic clock), over steps paced
+so that each is planned once the one before is everywhere (the nodes feed ``prefetch_steps`` behind their
+newest plan: here the planner thread would otherwise take the cores the nodes decode on; the free-running
+figure is ``plan_to_all_pipelined_ms_p99``); beside it the model
 of the same on machines of their own (``plan_to_all_model_ms_p99``: the CPU the leader's event loop spends
 from the plan ready to its last slice handed to the kernel, plus one node's decode CPU, p99), since here the
 leader, 512 nodes and etcd share two cores; leader CPU s per step (the process) beside the planner's own (its
@@ -24,7 +27,7 @@ thread's CPU) and the CPU making up the synthetic lengths it reads (through the 
 partition owners read them), the leader's overhead being the rest (``leader_overhead_with_lengths_ms``: with
 them); etcd request bytes and writes per step (the leader's client); steps/s the leader sustains (nodes feed at
 once: planning and distribution are the limit). The plan-ready instant, the last slice's send and the
-planner's CPU are read by wrapping ``JobCoordinator.frames``, ``JobCoordinator._plan_one`` and
+planner's CPU are read by wrapping ``JobCoordinator.frame_batches``, ``JobCoordinator._plan_one`` and
 ``Planner.plan_step`` in this process (measurement only).
 
 The last line is one JSON object (keys of DESIGN 4.7). Loopback only.
@@ -36,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import faulthandler
+import gc
 import itertools
 import json
 import os
@@ -62,6 +66,7 @@ from workloads import COST, TEXT4, LengthDist, SyntheticLengths, Workload  # noq
 SEQ = 16384
 MICRO = 4
 RANKS_PER_NODE = 8
+PACED = 8  # steps timed for plan -> all (paced: ``_latency``); --quick: 6
 
 
 def say(msg: str) -> None:
@@ -111,9 +116,11 @@ def job_dict(wl: Workload, dp: int, data: Path) -> dict:
 async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: str, ttl: float) -> None:
     """Simulated nodes ``first`` .. ``first + n - 1``: PeerServers registered under one lease; each decodes its
     slices (the real decoder) and acknowledges them as a node does (``ClusterContext.ack``'s frame, at its
-    pace: ``ack_due``). What each node measured stays here until the leader asks (stdin ``wait STEP``: once
-    every node here decoded STEP, one JSON line: step -> [[received at, decode ms, bytes, pieces], ...]), so
-    the measurement adds no frames to the leader's receive path; stdin's end stops the nodes."""
+    pace: ``ack_due``), or, once paced (stdin ``ack STEP``: every node acknowledges STEP now, then only when
+    told), when the harness says. What each node measured stays here until the leader asks (stdin ``wait
+    STEP``: once every node here decoded STEP, one JSON line: step -> [[received at, decode ms, bytes, pieces],
+    ...] of the steps not reported yet), so the measurement adds no frames to the leader's receive path; stdin's
+    end stops the nodes. One command at a time: each is answered before the next is sent."""
     from msdata_client.spec import JobSpec
     from msdata_server.cluster import Etcd
     from msdata_server.cluster.context import ack_due
@@ -123,10 +130,12 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
 
     token = Path(token_file).read_text().strip()  # noqa: ASYNC240  (once, before the loop serves anything)
     servers: list[PeerServer] = []
-    records: dict[int, list[list[float]]] = {}  # step -> what each node here measured of it
+    records: dict[int, list[tuple]] = {}  # step -> what each node here measured of it (until reported)
     acked: dict[str, int] = {}  # node -> the last step it acknowledged
+    newest: dict[int, tuple[int, str, str, str]] = {}  # node -> its newest plan's step, digest, run and peer
     changed = asyncio.Event()
-    run = {"window": 1}  # how far the leader plans past the lowest acknowledged step (from the run's start)
+    run = {"window": 1, "paced": 0, "reported": -1}  # window: how far the leader plans past the lowest
+    # acknowledged step (from the run's start); paced: 1 once the harness says when to acknowledge
 
     def handler_of(i: int):
         nid = f"sim{i:04d}"
@@ -145,23 +154,38 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
             got = time.monotonic()
             decode_ms, decode_cpu_ms = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
             size = len(orjson.dumps(frame)) + (0 if payload is None else len(payload))
-            records.setdefault(plan.step, []).append([got, decode_ms, size, len(plan), decode_cpu_ms])
+            records.setdefault(plan.step, []).append((got, decode_ms, size, len(plan), decode_cpu_ms))
             changed.set()
-            link = servers[i - first].links.get(peer)  # fed at once: the newest plan held is the one fed
-            if link is None or not ack_due(plan.step, acked.get(nid), plan.step, run["window"]):
-                return
-            acked[nid] = plan.step
-            ack = {"t": "ack", "digest": frame["digest"], "run": frame["run"], "node": nid, "step": plan.step}
-            with contextlib.suppress(PeerLostError, ConnectionError):
-                await link.send(ack)
+            newest[i] = (plan.step, frame["digest"], frame["run"], peer)
+            if not run["paced"] and ack_due(plan.step, acked.get(nid), plan.step, run["window"]):
+                await acknowledge(i, plan.step)  # fed at once: the newest plan held is the one fed
 
         return handle
+
+    async def acknowledge(i: int, fed: int) -> None:
+        """Node ``i`` tells the leader it fed up to step ``fed`` (unless it told it that or more already)."""
+        nid = f"sim{i:04d}"
+        if i not in newest or fed <= acked.get(nid, -1):
+            return
+        _, digest, run_id, peer = newest[i]
+        link = servers[i - first].links.get(peer)
+        if link is None:
+            return
+        acked[nid] = fed
+        with contextlib.suppress(PeerLostError, ConnectionError):
+            await link.send({"t": "ack", "digest": digest, "run": run_id, "node": nid, "step": fed})
 
     async def report(step: int) -> None:
         while len(records.get(step, ())) < n:
             changed.clear()
             await changed.wait()
-        print(json.dumps({s: r for s, r in records.items() if s <= step}), flush=True)
+        print(json.dumps({s: records.pop(s) for s in sorted(records) if run["reported"] < s <= step}), flush=True)
+        run["reported"] = max(run["reported"], step)
+
+    async def ack_all(step: int) -> None:
+        run["paced"] = 1
+        await asyncio.gather(*(acknowledge(i, step) for i in range(first, first + n)))
+        print("acked", flush=True)
 
     async with Etcd([etcd_url]) as etcd:
         lease = await etcd.lease_grant(ttl)
@@ -180,6 +204,10 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
             servers.append(srv)
             rec = {"id": f"sim{i:04d}", "listen": f"127.0.0.1:{port}", "pid": os.getpid()}
             await etcd.put(f"{prefix}/nodes/sim{i:04d}", orjson.dumps(rec), lease=lease)
+        # what is here now lives as long as the nodes: out of the cyclic collector's way, whose passes over it
+        # (the 128 nodes' links and servers) would otherwise land on the decodes the benchmark times
+        gc.collect()
+        gc.freeze()
         print("ready", flush=True)
         asks: set[asyncio.Task] = set()
 
@@ -187,8 +215,9 @@ async def sim_nodes(n: int, first: int, etcd_url: str, prefix: str, token_file: 
             line = sys.stdin.buffer.readline()
             if not line:
                 stop.set()
-            elif line.startswith(b"wait "):
-                t = asyncio.ensure_future(report(int(line.split()[1])))
+            elif line.startswith((b"wait ", b"ack ")):
+                word, step = line.split()
+                t = asyncio.ensure_future((report if word == b"wait" else ack_all)(int(step)))
                 asks.add(t)
                 t.add_done_callback(asks.discard)
 
@@ -242,8 +271,19 @@ class Sims:
             if line.strip() != b"ready":
                 raise RuntimeError(f"the simulated nodes did not start: {line!r}")
 
+    async def ack(self, step: int) -> None:
+        """Every node acknowledges ``step`` now (once they have: the leader may plan up to step + window), and
+        from now on only when told."""
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(f"ack {step}\n".encode())
+            p.stdin.flush()
+        for line in await asyncio.gather(*(self._line(p) for p in self.procs)):
+            if line.strip() != b"acked":
+                raise RuntimeError(f"the simulated nodes did not acknowledge: {line!r}")
+
     async def wait(self, step: int, timeout: float) -> dict[int, list[list[float]]]:  # noqa: ASYNC109
-        """Once every node decoded ``step``: what they measured of the steps up to it."""
+        """Once every node decoded ``step``: what they measured of the steps up to it not returned before."""
         for p in self.procs:
             assert p.stdin is not None
             p.stdin.write(f"wait {step}\n".encode())
@@ -327,7 +367,7 @@ class Probe:
 
         probe = self
         jc = coordinator.JobCoordinator
-        frames0, one0, plan0, raw0 = jc.frames, jc._plan_one, Planner.plan_step, Etcd._raw
+        frames0, one0, plan0, raw0 = jc.frame_batches, jc._plan_one, Planner.plan_step, Etcd._raw
 
         def frames(self, plan, extra, table, nodes, only=None):
             if only is None and plan.step not in probe.ready:
@@ -364,11 +404,11 @@ class Probe:
                 probe.etcd_writes += 1
             return status, body
 
-        jc.frames, jc._plan_one = frames, plan_one
+        jc.frame_batches, jc._plan_one = frames, plan_one
         Planner.plan_step = plan_step
         Etcd._raw = raw
         self._undo = [
-            (jc, "frames", frames0),
+            (jc, "frame_batches", frames0),
             (jc, "_plan_one", one0),
             (Planner, "plan_step", plan0),
             (Etcd, "_raw", raw0),
@@ -379,9 +419,13 @@ class Probe:
             setattr(cls, name, fn)
 
 
-async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: str, procs: int = 0) -> dict:
+async def leader_case(
+    n: int, n_sources: int, steps: int, base: Path, etcd_url: str, procs: int = 0, paced: int = PACED
+) -> dict:
     """One case: the real leader here, ``n`` simulated nodes in ``procs`` processes (0: one per 128 nodes, at
-    most 4); the figures of ``steps`` steps after the first two."""
+    most 4); the figures of ``steps`` steps after the first two (nodes feeding at once), then plan -> all over
+    ``paced`` steps with the nodes feeding ``window - 1`` steps behind their newest plan, so that the leader
+    plans a step only once the last one is everywhere (``_latency``)."""
     from msdata_client.spec import JobSpec
     from msdata_server.cluster.context import ClusterContext
     from msdata_server.cluster.leader.coordinator import Coordinator
@@ -472,12 +516,17 @@ async def leader_case(n: int, n_sources: int, steps: int, base: Path, etcd_url: 
             if time.monotonic() - t_start > 300 or not coord.leading:
                 raise RuntimeError("the leader planned no step past the timed ones (it lost its lead?)")
             await asyncio.sleep(0.005)  # polling a counter in a benchmark harness, not synchronisation
-        return _figures(probe, got, first, end, spec, runs.digest, encode_plan) | {
-            "nodes": n,
-            "dp": dp,
-            "sources": n_sources,
-            "sim_procs": len(sims.procs),
-        }
+        figures = _figures(probe, got, first, end, spec, runs.digest, encode_plan)
+        window = spec.prefetch_steps + 1
+        settle = end + window + 2  # the steps planned ahead before the pacing took hold, and one more
+        for s in range(end + 1, settle + paced + 1):  # each step acknowledged once it is everywhere: the
+            got.update(await sims.wait(s, 900))  # leader plans the next (s + 1 - window + window) then, and no
+            await sims.ack(s + 1 - window)  # acknowledgement reaches it while a step is distributed
+        return (
+            figures
+            | _latency(probe, got, range(settle + 1, settle + paced + 1))
+            | {"nodes": n, "dp": dp, "sources": n_sources, "sim_procs": len(sims.procs)}
+        )
     finally:
         probe.remove()
         if coord is not None:
@@ -495,14 +544,6 @@ def _figures(probe: Probe, got: dict, first: int, end: int, spec, digest: str, e
     etcd_b, etcd_w, plan_cpu, made = b[3] - a[3], b[4] - a[4], b[5] - a[5], b[6] - a[6]
     timed = range(first + 1, end + 1)
     arrive = [(max(r[0] for r in got[s]) - probe.ready[s]) * 1e3 for s in timed]
-    out_ms = [(probe.sent[s][0] - probe.ready[s]) * 1e3 for s in timed]
-    out_cpu_ms = [(probe.sent[s][1] - probe.ready_cpu[s]) * 1e3 for s in timed]
-    dec = float(np.percentile([r[1] for s in got for r in got[s]], 99))
-    dec_cpu = float(np.percentile([r[4] for s in got for r in got[s]], 99))
-    # the model: the leader's event loop's CPU from the plan ready to its last slice handed to the kernel (its
-    # wall time when it has a core to itself), then one node's decode CPU (its own core): what plan -> all is
-    # on machines that do not share two cores among the leader, 512 nodes and the rest, less the wire time
-    model = [x + dec_cpu for x in out_cpu_ms]
     node_bytes = max(r[2] for s in timed for r in got[s])
     n = len(got[end])
     plan = probe.last_plan
@@ -515,13 +556,10 @@ def _figures(probe: Probe, got: dict, first: int, end: int, spec, digest: str, e
         "leader_fanout_ratio": out / k / full,
         "node_bytes_max": node_bytes,
         "node_bytes_ratio": node_bytes * n / full,
-        "plan_to_all_ms_p50": float(np.percentile(arrive, 50)),
-        "plan_to_all_ms_p99": float(np.percentile(arrive, 99)),
-        "plan_to_all_model_ms_p99": float(np.percentile(model, 99)),
-        "send_all_ms_p99": float(np.percentile(out_ms, 99)),
-        "send_all_cpu_ms_p99": float(np.percentile(out_cpu_ms, 99)),
-        "node_decode_ms_p99": dec,
-        "node_decode_cpu_ms_p99": dec_cpu,
+        # plan -> all while the leader plans the next steps meanwhile (on two shared cores, the planner thread
+        # takes the CPU the nodes decode on; on a cluster it is the leader's own): beside ``_latency``'s
+        "plan_to_all_pipelined_ms_p50": float(np.percentile(arrive, 50)),
+        "plan_to_all_pipelined_ms_p99": float(np.percentile(arrive, 99)),
         "leader_cpu_s_per_step": cpu / k,
         "planner_cpu_s_per_step": plan_cpu / k,
         "lengths_cpu_s_per_step": made / k,
@@ -536,8 +574,35 @@ def _figures(probe: Probe, got: dict, first: int, end: int, spec, digest: str, e
     }
 
 
-def run_leader(cases: Sequence[tuple[int, ...]]) -> list[dict]:
-    """Each case (N, S, steps[, simulated nodes' processes]) against one etcd; a line of figures per case."""
+def _latency(probe: Probe, got: dict, steps: range) -> dict:
+    """Plan ready -> the last node has decoded its slice over ``steps``, paced (each planned once the one before
+    was everywhere: the nodes' decoding shares the cores with the leader's distribution only, not with its
+    planner), and its model: the leader's event loop's CPU from the plan ready to its last slice handed to the
+    kernel (its wall time when it has a core to itself), then one node's decode CPU (its own core): what plan
+    -> all is on machines that do not share two cores among the leader, 512 nodes and the rest, less the wire
+    time. ``paced_overlaps``: steps planned before the one before was everywhere (0 when the pacing held)."""
+    arrive = [(max(r[0] for r in got[s]) - probe.ready[s]) * 1e3 for s in steps]
+    overlaps = sum(1 for s in steps if probe.ready[s] < max(r[0] for r in got[s - 1]))
+    out_ms = [(probe.sent[s][0] - probe.ready[s]) * 1e3 for s in steps]
+    out_cpu_ms = [(probe.sent[s][1] - probe.ready_cpu[s]) * 1e3 for s in steps]
+    dec = float(np.percentile([r[1] for s in got for r in got[s]], 99))
+    dec_cpu = float(np.percentile([r[4] for s in got for r in got[s]], 99))
+    return {
+        "plan_to_all_ms_p50": float(np.percentile(arrive, 50)),
+        "plan_to_all_ms_p99": float(np.percentile(arrive, 99)),
+        "plan_to_all_model_ms_p99": float(np.percentile([x + dec_cpu for x in out_cpu_ms], 99)),
+        "send_all_ms_p99": float(np.percentile(out_ms, 99)),
+        "send_all_cpu_ms_p99": float(np.percentile(out_cpu_ms, 99)),
+        "node_decode_ms_p99": dec,
+        "node_decode_cpu_ms_p99": dec_cpu,
+        "paced_steps": len(steps),
+        "paced_overlaps": overlaps,
+    }
+
+
+def run_leader(cases: Sequence[tuple[int, ...]], paced: int = PACED) -> list[dict]:
+    """Each case (N, S, steps[, simulated nodes' processes]) against one etcd, then ``paced`` paced steps; a
+    line of figures per case."""
     sys.path.insert(0, str(ROOT / "tests"))
     from etcd_fixture import EtcdServer
 
@@ -546,14 +611,16 @@ def run_leader(cases: Sequence[tuple[int, ...]]) -> list[dict]:
     try:
         rows = []
         for n, s, steps, *procs in cases:
-            r = asyncio.run(leader_case(n, s, steps, base, srv.url, *procs))
+            r = asyncio.run(leader_case(n, s, steps, base, srv.url, *(procs or [0]), paced=paced))
             rows.append(r)
             say(
                 f"N={n:>4} dp={r['dp']:>5} S={s:>5}: plan {r['plan_bytes'] / 1e6:.2f} MB ({r['pieces']} pieces); "
                 f"leader {r['leader_bytes_per_step'] / 1e6:.2f} MB/step (x{r['leader_fanout_ratio']:.2f}), "
                 f"largest node {r['node_bytes_max'] / 1e3:.1f} kB (x{r['node_bytes_ratio']:.2f} of plan/N); "
-                f"plan->all p50 {r['plan_to_all_ms_p50']:.1f} p99 {r['plan_to_all_ms_p99']:.1f} ms "
-                f"(sent {r['send_all_ms_p99']:.1f}, nodes in {r['sim_procs']} processes; model: sending CPU "
+                f"plan->all p50 {r['plan_to_all_ms_p50']:.1f} p99 {r['plan_to_all_ms_p99']:.1f} ms paced "
+                f"({r['paced_steps']} steps, {r['paced_overlaps']} overlapped; pipelined: p99 "
+                f"{r['plan_to_all_pipelined_ms_p99']:.1f}; "
+                f"sent {r['send_all_ms_p99']:.1f}, nodes in {r['sim_procs']} processes; model: sending CPU "
                 f"{r['send_all_cpu_ms_p99']:.1f} + decode CPU {r['node_decode_cpu_ms_p99']:.2f} = "
                 f"{r['plan_to_all_model_ms_p99']:.1f}); "
                 f"leader CPU {r['leader_cpu_s_per_step'] * 1e3:.0f} ms/step "
@@ -573,6 +640,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="N = 8, 64 and 512 with fewer timed steps")
     ap.add_argument("--smoke", action="store_true", help="seconds: N = 2 and 4, small dp")
     ap.add_argument("--case", action="append", help="N,S,STEPS[,PROCS]: run only these leader cases")
+    ap.add_argument("--paced", type=int, help=f"steps timed for plan -> all (default {PACED}; --quick 6)")
     ap.add_argument("--sim", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sim-first", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--etcd", help=argparse.SUPPRESS)
@@ -597,13 +665,14 @@ def main() -> None:
         cases = [(8, 4, 8), (64, 4, 6), (512, 4, 4), (64, 64, 4), (64, 1024, 4)]
     if args.case:
         cases = [tuple(int(x) for x in c.split(",")) for c in args.case]  # type: ignore[misc]
-    rows = run_leader(cases)
+    rows = run_leader(cases, args.paced or (2 if args.smoke else 6 if args.quick else PACED))
     big = max(rows, key=lambda r: (r["nodes"], -r["sources"]))
     result = {
         "leader_fanout_ratio_n512": big["leader_fanout_ratio"],
         "node_bytes_ratio_n512": big["node_bytes_ratio"],
         "plan_to_all_ms_p99_n512": big["plan_to_all_ms_p99"],
         "plan_to_all_model_ms_p99_n512": big["plan_to_all_model_ms_p99"],
+        "plan_to_all_pipelined_ms_p99_n512": big["plan_to_all_pipelined_ms_p99"],
         "leader_overhead_ms_n512": big["leader_overhead_ms"],
         "leader_overhead_with_lengths_ms_n512": big["leader_overhead_with_lengths_ms"],
         "largest_nodes": big["nodes"],

@@ -167,3 +167,55 @@ def test_a_node_without_groups_or_pieces_gets_a_slice_that_decodes():
     for g in range(dp):
         for m in range(2):
             assert np.array_equal(whole.micro_batch(g, m).ordinal, plan.micro_batch(g, m).ordinal)
+
+
+def test_the_planner_state_travels_whole_its_long_integer_lists_as_arrays():
+    """A real planner state (its carry's columns: a thousand entries at scale) and the edge cases of the
+    compact form: short lists, negatives, values past int32, the int64 limits, bools, nested dicts and lists of
+    other things stay as they were; a column whose place or bounds do not fit is a ProtocolError."""
+    from msdata_server.errors import ProtocolError
+
+    dp, nodes = 8, ["n0", "n1"]
+    planner = Planner(
+        PlannerConfig(
+            sources=SOURCES, seq_len=512, dp=256, micro_batches=2, mixture=Mixture.constant(dict.fromkeys(SOURCES, 1.0))
+        )
+    )
+    for _ in range(3):
+        planner.plan_step(_View())
+    real = planner.state_dict()
+    odd = {
+        "carry": {"a": list(range(-40, 40)), "big": [2**40 + i for i in range(20)], "short": [1, 2, 3]},
+        "wide": {"x": [2**63 - 1] * 20, "y": [-(2**63)] * 20, "b": [True] * 20},
+        "mixed": {"f": [0.5] * 20, "s": ["x"] * 20, "n": {"deep": list(range(30))}, "none": None},
+        "list": list(range(100)),
+        "step": 3,
+    }
+    plan = _plan(dp)
+    table = PartsTable.base(len(SOURCES), len(nodes))
+    cuts = PlanSlicer(lambda r: r, lambda g: (g,)).cuts(
+        plan.source, plan.ordinal, plan.group, dp=dp, nodes=nodes, rank_nodes={r: nodes[r % 2] for r in range(dp)},
+        layout=_layout(nodes, 0, table), table=table,
+    )  # fmt: skip
+    for state in (real, odd):
+        frames = encode_slices(plan, cuts, job="j", digest="d" * 64, token=3, state=state)
+        for h, b in frames.values():
+            h = orjson.loads(orjson.dumps(h))
+            got = plan_state(h, memoryview(b))
+            assert got == state
+            assert list(got) == list(state)
+            assert all(list(got[k]) == list(v) for k, v in state.items() if isinstance(v, dict))
+    assert len(real["carry"]["ordinal"]) >= 16  # the real carry's columns went as arrays
+    h, b = encode_slices(plan, cuts, job="j", digest="d" * 64, token=3, state=real)["n1"]
+    assert ["carry", "ordinal"] in [c[0] for c in h["state_cols"]]
+    h, b = frames["n0"]
+    assert {tuple(c[0]) for c in h["state_cols"]} == {("carry", "a"), ("carry", "big"), ("wide", "x"), ("wide", "y")}
+    assert plan_state(h, b) == odd
+    for bad in (
+        {**h, "state_cols": [[["carry", "nowhere"], "<i8", 0, 8]]},
+        {**h, "state_cols": [[["carry", "a"], "<i8", len(b) - 4, 8]]},
+        {**h, "state_cols": [[["carry", "a"], "<f8", 0, 8]]},
+        {**h, "state_rec": [0, len(b) + 1]},
+    ):
+        with pytest.raises(ProtocolError):
+            plan_state(bad, b)

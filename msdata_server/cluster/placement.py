@@ -18,6 +18,7 @@ leader (``place_split``: by reading cost over each node's worker budget, the nod
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -54,8 +55,10 @@ def place_sources(
     partitions: Sequence[int], nodes: Sequence[str], cost: Sequence[float] | None = None
 ) -> list[list[str]]:
     """Node of every (source, partition): ``out[s][k]``. Without costs, one round robin across all sources;
-    with a per-source cost per partition, each partition (most costly first, ties by (s, k)) goes to the node
-    with the least load so far (ties by id): deterministic, and within one partition's cost of even."""
+    with a per-source cost per partition, each partition (most costly first, ties by source, then source s's
+    from its partition s mod its count on) goes to the node with the least load so far (ties by id):
+    deterministic, within one partition's cost of even, and partition k of equally costly sources on
+    different nodes."""
     ids = _nodes(nodes)
     if any(p < 1 for p in partitions):
         raise ConfigError(f"partitions={list(partitions)} must all be >= 1")
@@ -67,13 +70,17 @@ def place_sources(
         return out
     if len(cost) != len(partitions) or any(c < 0 for c in cost):
         raise ConfigError(f"cost={list(cost)} must give one value >= 0 per source ({len(partitions)} sources)")
-    items = sorted(((-float(cost[s]), s, k) for s, p in enumerate(partitions) for k in range(p)))
-    load = {n: 0.0 for n in ids}
+    # each source's partitions dealt from partition s (mod its count) on: with every source's partitions dealt
+    # from 0, equal costs put partition k of every source on one node, and sources read in step (their
+    # cursors in the same block) would send that node nearly every piece of a step to count
+    items = sorted((-float(cost[s]), s, (k - s) % p, k) for s, p in enumerate(partitions) for k in range(p))
+    heap = [(0.0, n) for n in ids]  # (load, id): the least loaded node, ties by id, in O(log N) (a min over
+    # the nodes per partition took ~0.4 s of the leader's CPU at 512 nodes x 4 sources)
     out = [[""] * p for p in partitions]
-    for negc, s, k in items:
-        n = min(ids, key=lambda x: (load[x], x))
+    for negc, s, _, k in items:
+        load, n = heap[0]
         out[s][k] = n
-        load[n] += -negc
+        heapq.heapreplace(heap, (load + -negc, n))
     return out
 
 

@@ -5,7 +5,8 @@ The header carries the job, digest, step and the leader's fencing token (receive
 
 A node receives a *slice* of each step (``encode_slices``): the pieces it needs (those of the groups it builds
 and those of the partitions it reads or stands by for; ``leader.slices``), in plan order, with the per-rank
-costs of its own groups, the step's figures and the planner state (compact, a ``planner.delta`` record).
+costs of its own groups, the step's figures and the planner state (compact: its JSON, with the long integer
+lists of its carry as raw arrays).
 ``bounds`` is not sent (the receiver derives it from the group and micro columns), and the pieces of groups
 built elsewhere (sent only for their payload references) travel without their offset, length, micro and row
 (zeros on arrival). A slice decodes to a StepPlan of the full plan's shape whose ``micro_batch`` answers for
@@ -15,21 +16,23 @@ mean (what ``PlanStats`` reports), and every figure is the whole step's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import zlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import orjson
 
-from ..errors import CheckpointError, ProtocolError
+from ..errors import ProtocolError
 from ..planner import StepPlan
-from ..planner.delta import decode, encode_base
 from ..planner.planner import PlanStats
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["Cut", "decode_plan", "encode_plan", "encode_slices", "plan_state"]
+__all__ = ["Cut", "decode_plan", "encode_plan", "encode_slices", "iter_slices", "plan_state"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +103,31 @@ def _figures(plan: StepPlan) -> dict:
 def encode_slices(
     plan: StepPlan, cuts: Mapping[str, Cut], *, job: str, digest: str, token: int, state: dict | None = None
 ) -> dict[str, tuple[dict, memoryview]]:
-    """Per node, (header, buffer) of its slice of ``plan`` (``cuts[node]``: its pieces, those it builds, its
-    groups; ``leader.slices``). ``state``: the planner state at the step's start, sent compact (a
-    ``planner.delta`` base record, encoded once) at the payload's end; ``plan_state`` reads it back.
+    """Per node, (header, buffer) of its slice of ``plan``: ``iter_slices`` in one batch."""
+    out: dict[str, tuple[dict, memoryview]] = {}
+    for got in iter_slices(plan, cuts, job=job, digest=digest, token=token, state=state):
+        out.update(got)
+    return out
 
-    One pass for all nodes (the leader's cost per step must not grow with them): each column is gathered once,
-    node after node; every node's sizes and offsets come from a few array operations; the payloads are
+
+def iter_slices(
+    plan: StepPlan,
+    cuts: Mapping[str, Cut],
+    *,
+    job: str,
+    digest: str,
+    token: int,
+    state: dict | None = None,
+    batch: int = 0,
+) -> Iterator[dict[str, tuple[dict, memoryview]]]:
+    """Per node, (header, buffer) of its slice of ``plan`` (``cuts[node]``: its pieces, those it builds, its
+    groups; ``leader.slices``), ``batch`` nodes at a time (0: all at once), each batch yielded as soon as it is
+    encoded (so the first nodes' slices can leave while the rest are encoded). ``state``: the planner state at
+    the step's start, sent compact (its JSON and its long integer lists as raw arrays, ``_state_blocks``, made
+    once) at the payload's end; ``plan_state`` reads it back.
+
+    One pass per batch (the leader's cost per step must not grow with the nodes): each column is gathered
+    once, node after node; every node's sizes and offsets come from a few array operations; the payloads are
     consecutive read-only views of one buffer (every array in it 8-byte aligned), filled by one copy per
     array and node. Per node, only its header is built in Python."""
     st = plan.stats
@@ -124,17 +146,34 @@ def encode_slices(
         "dp": dp,
         "micro_batches": mb,
     }
-    cuts_ = list(cuts.items())
-    if not cuts_:
-        return {}
+    items = list(cuts.items())
+    blocks = _state_blocks(state) if state is not None else None
+    size = batch or len(items) or 1
+    for lo in range(0, len(items), size):
+        yield _encode_batch(plan, items[lo : lo + size], base, cost, micro_cost, dp, blocks)
+
+
+def _encode_batch(
+    plan: StepPlan,
+    cuts_: list[tuple[str, Cut]],
+    base: dict,
+    cost: np.ndarray,
+    micro_cost: np.ndarray,
+    dp: int,
+    blocks: tuple[np.ndarray, int, list] | None,
+) -> dict[str, tuple[dict, memoryview]]:
+    """The slices of the nodes of ``cuts_`` (``iter_slices``)."""
     every = np.concatenate([c.idx for _, c in cuts_]).astype(np.int64, copy=False)
     built_mask = np.concatenate([c.built for _, c in cuts_]).astype(bool, copy=False)
     n = np.fromiter((len(c.idx) for _, c in cuts_), np.int64, len(cuts_))
     nb = np.diff(np.concatenate([[0], np.cumsum(built_mask, dtype=np.int64)])[np.concatenate([[0], np.cumsum(n)])])
     groups = [np.asarray(c.groups, dtype=np.int64) for _, c in cuts_]
     ng = np.fromiter((len(g) for g in groups), np.int64, len(groups))
-    record = encode_base(plan.step, state) if state is not None else b""
-    arrays = _slice_arrays(plan, every, every[built_mask], np.concatenate(groups), cost, micro_cost, dp, record)
+    arrays = _slice_arrays(plan, every, every[built_mask], np.concatenate(groups), cost, micro_cost, dp)
+    n_plan = len(arrays)
+    block, rec, cols = blocks if blocks is not None else (None, 0, [])
+    if block is not None:  # one block for every node: the state's JSON, then its columns (``_state_blocks``)
+        arrays.append(("state", block, "one", len(block), None))
     counts = {"n": n, "nb": nb, "g": ng, "one": np.ones_like(n)}
     per = np.stack([counts[k] * unit for _, _, k, unit, _ in arrays], axis=1)  # [nodes, arrays] bytes
     size = (per + 7) & ~7
@@ -154,16 +193,18 @@ def encode_slices(
             dst[to : to + k] = mv[lo : lo + k]
     view = dst.toreadonly()
     out: dict[str, tuple[dict, memoryview]] = {}
-    names = [name for name, _, _, _, _ in arrays[:-1]]
-    lead = np.stack([counts[k] for _, _, k, _, _ in arrays[:-1]], axis=1).tolist()  # each array's first dimension
-    tail = [shape for _, _, _, _, shape in arrays[:-1]]  # its other dimensions (all of them: the same for all)
-    fixed = [k == "one" for _, _, k, _, _ in arrays[:-1]]
+    names = [name for name, _, _, _, _ in arrays[:n_plan]]
+    lead = np.stack([counts[k] for _, _, k, _, _ in arrays[:n_plan]], axis=1).tolist()  # each array's first dimension
+    tail = [shape for _, _, _, _, shape in arrays[:n_plan]]  # its other dimensions (all of them: the same for all)
+    fixed = [k == "one" for _, _, k, _, _ in arrays[:n_plan]]
     rows = zip(cuts_, lead, off.tolist(), per.tolist(), groups, at[:-1].tolist(), at[1:].tolist())
     for (nid, _), ks, offs, nbs, g, lo, hi in rows:
         spec = [[name, t if f else [k, *t], o, b] for name, k, t, f, o, b in zip(names, ks, tail, fixed, offs, nbs)]
         head = {**base, "arrays": spec, "groups": g.tolist()}
-        if state is not None:
-            head["state_rec"] = [offs[-1], nbs[-1]]
+        if block is not None:
+            head["state_rec"] = [offs[n_plan], rec]
+            if cols:
+                head["state_cols"] = [[key, dt, offs[n_plan] + rel, size] for key, dt, rel, size in cols]
         out[nid] = (head, view[lo:hi])
     return out
 
@@ -176,7 +217,6 @@ def _slice_arrays(
     cost: np.ndarray,
     micro_cost: np.ndarray,
     dp: int,
-    record: bytes = b"",
 ) -> list:
     """The arrays of the slices, each gathered once for every node (their entries node after node): (name,
     values, which count sizes it per node ("n" pieces, "nb" built pieces, "g" groups, "one": the same block
@@ -194,8 +234,55 @@ def _slice_arrays(
         out.append(("cost", np.ascontiguousarray(cost[:0]), "one", 0, [0]))
         mc = np.ascontiguousarray(micro_cost)
         out.append(("micro_cost", mc, "one", mc.nbytes, list(mc.shape)))
-    out.append(("state", np.frombuffer(record, np.uint8), "one", len(record), None))
     return out
+
+
+_COL_MIN = 16  # an integer list of a state's dict this long or longer travels as a raw array (``_state_blocks``)
+_COL_TYPES = ("|i1", "<i2", "<i4", "<i8")
+
+
+def _state_blocks(state: dict) -> tuple[np.ndarray, int, list[tuple[list[str], str, int, int]]]:
+    """The planner state of a slice as one block: (the block: the state's JSON without the long integer lists
+    of its dicts, zlib-compressed, then each of those lists in the narrowest little-endian integer type, each
+    8-byte aligned; the compressed JSON's length; per list ([key, column], its type, its offset in the block,
+    its bytes)). A node reads it with one small inflate and JSON parse and one ``frombuffer(...).tolist()`` per
+    list (``plan_state``): the carry's columns (a thousand entries at dp 4,096) as JSON or a compressed record
+    cost a node more to read than the rest of its slice; the rest (per-source lists, the mixture) compresses
+    well and is large at many sources."""
+    rest: dict = {}
+    arrays: list[tuple[list[str], np.ndarray]] = []
+    for key, value in state.items():
+        if not isinstance(value, dict):
+            rest[key] = value
+            continue
+        rest[key] = kept = {}
+        for col, v in value.items():
+            a = _int_column(v)
+            kept[col] = v if a is None else None  # None: the list's place (the dict's order kept)
+            if a is not None:
+                arrays.append(([key, col], a))
+    parts = [zlib.compress(orjson.dumps(rest), 6)]  # per-source lists and the mixture: large at many sources
+    cols, at = [], len(parts[0])
+    for name, a in arrays:
+        parts.append(bytes(-at % 8))
+        at += -at % 8
+        cols.append((name, a.dtype.str, at, a.nbytes))
+        parts.append(a.tobytes())
+        at += a.nbytes
+    return np.frombuffer(b"".join(parts), np.uint8), len(parts[0]), cols
+
+
+def _int_column(v: object) -> np.ndarray | None:
+    """``v`` as the narrowest integer array that holds it, if it is a list of ``_COL_MIN`` or more ints."""
+    if not isinstance(v, list) or len(v) < _COL_MIN or not all(type(x) is int for x in v):
+        return None
+    try:
+        a = np.asarray(v, dtype=np.int64)
+    except OverflowError:
+        return None
+    lo, hi = int(a.min()), int(a.max())
+    dt = next(t for t in _COL_TYPES if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max)
+    return a.astype(dt)
 
 
 def _from_slice(header: dict, got: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -232,19 +319,32 @@ def _from_slice(header: dict, got: dict[str, np.ndarray]) -> tuple[np.ndarray, n
 
 
 def plan_state(header: dict, payload: Buffer | None) -> dict | None:
-    """The planner state a plan frame carries (at its step's start; None: none), from a slice's compact record
-    or a whole plan's header. ProtocolError if the record is malformed."""
+    """The planner state a plan frame carries (at its step's start; None: none), from a slice's compact blocks
+    (``_state_blocks``) or a whole plan's header. ProtocolError if they are malformed."""
     at = header.get("state_rec")
     if at is None:
         return header.get("state")
     buf = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
     try:
-        off, n = int(at[0]), int(at[1])
-        if off < 0 or n < 0 or off + n > len(buf):
-            raise ValueError(f"state record at {off}+{n} does not fit a {len(buf)}-byte payload")
-        return decode(bytes(buf[off : off + n]), f"the plan frame of step {header.get('step')!r}").state
-    except (CheckpointError, TypeError, ValueError, IndexError) as e:
+        state = orjson.loads(zlib.decompress(_block(buf, at[0], at[1], "state record")))
+        if not isinstance(state, dict):
+            raise TypeError("the state record is not an object")
+        for (key, col), dt, off, n in header.get("state_cols", ()):
+            if dt not in _COL_TYPES:
+                raise ValueError(f"state column {key}.{col} has type {dt!r}")
+            if not isinstance(state.get(key), dict) or col not in state[key]:
+                raise ValueError(f"state column {key}.{col} has no place in the state record")
+            state[key][col] = np.frombuffer(_block(buf, off, n, f"state column {key}.{col}"), dt).tolist()
+        return state
+    except (TypeError, ValueError, IndexError, zlib.error) as e:  # orjson's errors are ValueErrors
         raise ProtocolError(f"malformed plan frame for step {header.get('step')!r}: {e}") from None
+
+
+def _block(buf: memoryview, off: Any, n: Any, what: str) -> memoryview:
+    at, size = int(off), int(n)
+    if at < 0 or size < 0 or at + size > len(buf):
+        raise ValueError(f"{what} at {at}+{size} does not fit a {len(buf)}-byte payload")
+    return buf[at : at + size]
 
 
 def _stages(header: dict) -> dict[str, Any]:
@@ -264,7 +364,7 @@ def decode_plan(header: dict, payload: Buffer | None) -> StepPlan:
                 continue
             shape, off, n = specs[name]
             dtype = np.dtype(dt)
-            if off < 0 or n < 0 or off + n > len(buf) or n != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            if off < 0 or n < 0 or off + n > len(buf) or n != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"array {name} {shape} at {off}+{n} does not fit a {len(buf)}-byte payload")
             got[name] = np.frombuffer(buf[off : off + n], dtype=dtype).reshape(shape)
         if sliced:

@@ -31,7 +31,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
 
 import numpy as np
@@ -53,13 +53,14 @@ from ..context import ClusterContext
 from ..net.rpc import error_reply
 from ..parts import PartsTable, RunParts, longest
 from ..placement import PartitionLayout, partition_costs, place_split
-from ..planwire import encode_plan, encode_slices
+from ..planwire import encode_plan, iter_slices
 from .slices import PlanSlicer
 from .statestore import EtcdStateStore
 
 __all__ = ["Coordinator", "HeldRun", "JobCoordinator", "LocalRuns"]
 
 log = logging.getLogger(__name__)
+SEND_BATCH = 64  # nodes whose slices are encoded together (``frame_batches``)
 
 
 def _resuming(entry: dict) -> bool:
@@ -566,8 +567,9 @@ class JobCoordinator:
         for old in [s for s in self.sent if s <= low]:
             del self.sent[old]
         self.planned = step + 1
-        for nid, (header, buf) in self.frames(plan, extra, self.parts.table, self.ctx.live_nodes()).items():
-            await self.ctx.rpc.quiet_send(nid, header, buf)
+        for batch in self.frame_batches(plan, extra, self.parts.table, self.ctx.live_nodes()):
+            for nid, (header, buf) in batch.items():
+                await self.ctx.rpc.quiet_send(nid, header, buf)
         return True
 
     async def _skip_pending(self, planner: Planner, view: ThreadView) -> bool:
@@ -587,8 +589,9 @@ class JobCoordinator:
             self.sent[plan.step] = (plan, extra, self.parts.table)
             self.states.record(plan.step, state)
             self.planned = plan.step + 1
-            for nid, (header, buf) in self.frames(plan, extra, self.parts.table, self.ctx.live_nodes()).items():
-                await self.ctx.rpc.quiet_send(nid, header, buf)
+            for batch in self.frame_batches(plan, extra, self.parts.table, self.ctx.live_nodes()):
+                for nid, (header, buf) in batch.items():
+                    await self.ctx.rpc.quiet_send(nid, header, buf)
         if skipped:
             log.info("job %s: skipped steps %d..%d (loader.skip)", self.spec.name, skipped[0].step, skipped[-1].step)
         return True
@@ -598,11 +601,22 @@ class JobCoordinator:
     ) -> Mapping[str, tuple[dict, bytes | memoryview]]:
         """The plan frame of every node in ``nodes`` (``only``: of that one): its slice, with ``extra`` in the
         header. Without this node's run of the job (no layout to slice by) every node gets the whole plan."""
+        out: dict[str, tuple[dict, bytes | memoryview]] = {}
+        for batch in self.frame_batches(plan, extra, table, nodes, only):
+            out.update(batch)
+        return out
+
+    def frame_batches(
+        self, plan: StepPlan, extra: dict, table: PartsTable, nodes: list[str], only: str | None = None
+    ) -> Iterator[Mapping[str, tuple[dict, bytes | memoryview]]]:
+        """``frames``, ``SEND_BATCH`` nodes at a time, each batch encoded when the one before is taken: a
+        step's first slices leave while the rest are encoded (its nodes decode meanwhile)."""
         run = self.runs.held(self.digest, self.run_id)
         if run is None:
             whole = encode_plan(plan, job=self.spec.name, digest=self.digest, token=self.token)
             whole[0].update(extra)
-            return {nid: whole for nid in nodes if only in (None, nid)}
+            yield {nid: whole for nid in nodes if only in (None, nid)}
+            return
         cuts = self.slicer.cuts(
             plan.source,
             plan.ordinal,
@@ -616,20 +630,25 @@ class JobCoordinator:
         if only is not None:
             cuts = {only: cuts[only]}
         rest = {k: v for k, v in extra.items() if k != "state"}
-        out: dict[str, tuple[dict, bytes | memoryview]] = dict(
-            encode_slices(
-                plan, cuts, job=self.spec.name, digest=self.digest, token=self.token, state=extra.get("state")
-            )
-        )
-        for header, _ in out.values():
-            header.update(rest)
-        # this node's own slice is handed over in memory, not sent: a copy of it, or the plans this node holds
-        # (up to KEEP_STATES steps) would each keep the one buffer of every node's slices alive
         me = self.ctx.node_id
-        if me in out:
-            header, buf = out[me]
-            out[me] = (header, bytes(buf))
-        return out
+        for got in iter_slices(
+            plan,
+            cuts,
+            job=self.spec.name,
+            digest=self.digest,
+            token=self.token,
+            state=extra.get("state"),
+            batch=SEND_BATCH,
+        ):
+            out: dict[str, tuple[dict, bytes | memoryview]] = dict(got)
+            for header, _ in out.values():
+                header.update(rest)
+            # this node's own slice is handed over in memory, not sent: a copy of it, or the plans this node
+            # holds (up to KEEP_STATES steps) would each keep the one buffer of its batch's slices alive
+            if me in out:
+                header, buf = out[me]
+                out[me] = (header, bytes(buf))
+            yield out
 
     async def set_mixture(self, weights: dict) -> int:
         """Change the mixture from the first step no constructor on any node has taken up (returned): hold every

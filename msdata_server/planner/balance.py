@@ -21,7 +21,7 @@ from msdata_client.choices import Method
 from .cost import priced
 from .layout import Layout
 from .pack import next_fit
-from .refine import CONSOLIDATE_PASSES, consolidate, refine, trim
+from .refine import CARRY_KEEP, CONSOLIDATE_PASSES, consolidate, refine, refine_lowers, trim
 from .rows import Rows, order_by
 from .stages import place_stages
 
@@ -32,6 +32,7 @@ __all__ = ["Layout", "Method", "Placement", "method_of", "place"]
 KK_BUDGET = 1 << 17
 REFINE_ITERS = 32  # bounded refinement: move/swap passes that lower the costliest rank
 TRIM_AIM = 0.8  # refine.trim holds the ranks to this share of the tolerance
+CONSOLIDATE_CONVERGED = 3  # _settle: a consolidate pass taking under 1/3 of the excess carry-over off it is the last
 STAGE_ITERS = 64  # with two stages: stages.refine_stages passes per step, plus one per DP rank
 
 
@@ -164,7 +165,8 @@ def _fill(
             kept = keep[rest]
             rest, rest_len, rest_cost = rest[kept], rest_len[kept], rest_cost[kept]
     st.greedy(rest, rest_len, rest_cost)
-    refine(st, REFINE_ITERS)
+    if tolerance is None or layout.dp == 1 or refine_lowers(st, REFINE_ITERS, tolerance * TRIM_AIM, base):
+        refine(st, REFINE_ITERS)
     _settle(st, priority)
     if tolerance is not None and layout.dp > 1:  # the padding lowered the mean: hold the tolerance to the real one
         # (aiming TRIM_AIM under it: the trades that bound the carry-over afterwards lower the mean a little)
@@ -181,10 +183,19 @@ def _over_budget(st: Rows, rest: np.ndarray) -> bool:
 
 
 def _settle(st: Rows, priority: int) -> None:
-    """Bound the carry-over (refine.consolidate), then place what fits of it: never carry what fits."""
+    """Bound the carry-over (refine.consolidate), then place what fits of it: never carry what fits.
+
+    The passes stop early once one takes less than 1/CONSOLIDATE_CONVERGED of the excess over refine.CARRY_KEEP
+    off the carry-over: the next would take less still (its trades are of the pieces the last one could not place).
+    """
+    n_left = int(np.count_nonzero(st.rank < 0))
     for _ in range(CONSOLIDATE_PASSES):
         if not consolidate(st, priority):
             break
+        now = int(np.count_nonzero(st.rank < 0))
+        if (n_left - now) * CONSOLIDATE_CONVERGED < n_left - CARRY_KEEP:
+            break
+        n_left = now
     # the moves and trades above can open room that a piece left over fits in
     left = (st.rank < 0).nonzero()[0]
     if left.size:

@@ -140,9 +140,8 @@ def _fill(
     st = Rows(lengths, costs, layout)
     n = lengths.size
     desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
-    desc_len = lengths[desc]
-    st.set_cap(desc, tolerance, base, desc_len)
-    desc_cost = costs[desc]
+    desc_len, desc_cost = lengths[desc], costs[desc]
+    st.set_cap(desc, tolerance, base, desc_len, desc_cost)
     st.monotone = bool((desc_cost[1:] - desc_cost[:-1] <= 0).all())  # (np.diff)
     st.desc, st.neg_len = desc, -desc_len  # (for refine.consolidate)
     # carry-over first, so that no piece is left over twice; best fit, which keeps whole rows free

@@ -71,8 +71,8 @@ def place(
     balance as well, this is skipped, as KK's O(n dp log dp) would pass the time budget. The greedy
     rounds place the rest ("greedy": everything) longest first; a few refinement moves and swaps
     lower the costliest rank (unless trim would cut it lower anyway: refine.refine_lowers); and when
-    more than refine.CARRY_KEEP pieces are left over, short ones are traded for fewer long ones (a small state). "none" packs in the given order, rank by rank: the
-    baseline. `tolerance`: no rank takes a piece that lifts its cost above (1 + tolerance) x the mean
+    more than refine.CARRY_KEEP pieces are left over, short ones are traded for fewer long ones (a small
+    state). "none" packs in the given order, rank by rank: the baseline. `tolerance`: no rank takes a piece that lifts its cost above (1 + tolerance) x the mean
     expected when the longest pieces fill the step (never below the costliest piece), leaving padding
     on a rank that a long document would otherwise make the straggler; since that padding lowers the mean,
     refine.trim then holds the ranks to TRIM_AIM of the tolerance over the mean the step ends with. None: never

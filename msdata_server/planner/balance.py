@@ -68,15 +68,14 @@ def place(
     With "karmarkar_karp" the pieces costlier per token than average are then partitioned over the
     ranks by largest differencing of their projected cost (the ranks' loads so far join as one more
     tuple); beyond KK_BUDGET pieces x ranks, where every rank holds many pieces and the greedy rounds
-    balance as well, this is skipped, as KK's O(n dp log dp) would pass the time budget. The greedy
-    rounds place the rest ("greedy": everything) longest first; a few refinement moves and swaps
-    lower the costliest rank (unless trim would cut it lower anyway: refine.refine_lowers); and when
-    more than refine.CARRY_KEEP pieces are left over, short ones are traded for fewer long ones (a small
-    state). "none" packs in the given order, rank by rank: the baseline. `tolerance`: no rank takes a piece that lifts its cost above (1 + tolerance) x the mean
-    expected when the longest pieces fill the step (never below the costliest piece), leaving padding
-    on a rank that a long document would otherwise make the straggler; since that padding lowers the mean,
-    refine.trim then holds the ranks to TRIM_AIM of the tolerance over the mean the step ends with. None: never
-    pad on purpose.
+    balance as well, this is skipped, as KK's O(n dp log dp) would pass the time budget. The greedy rounds place the
+    rest ("greedy": everything) longest first; a few refinement moves and swaps lower the costliest rank (unless trim
+    would cut it lower anyway: refine.refine_lowers); and when more than refine.CARRY_KEEP pieces are left over, short
+    ones are traded for fewer long ones (a small state). "none" packs in the given order, rank by rank: the baseline.
+    `tolerance`: no rank takes a piece that lifts its cost above (1 + tolerance) x the mean expected when the longest
+    pieces fill the step (never below the costliest piece), leaving padding on a rank that a long document would
+    otherwise make the straggler; since that padding lowers the mean, refine.trim then holds the ranks to TRIM_AIM of
+    the tolerance over the mean the step ends with. None: never pad on purpose.
 
     `vision` (the "vlm" cost): each piece's vision-encoder cost, while `costs` are the backbone's; both
     stages are balanced at once by stages.place_stages. Placement.rank_cost and micro_cost stay the backbone's.

@@ -186,16 +186,16 @@ def _settle(st: Rows, priority: int) -> None:
     The passes stop early once one takes less than 1/CONSOLIDATE_CONVERGED of the excess over refine.CARRY_KEEP
     off the carry-over: the next would take less still (its trades are of the pieces the last one could not place).
     """
-    n_left = int(np.count_nonzero(st.rank < 0))
-    for _ in range(CONSOLIDATE_PASSES):
-        if not consolidate(st, priority):
-            break
-        now = int(np.count_nonzero(st.rank < 0))
-        if (n_left - now) * CONSOLIDATE_CONVERGED < n_left - CARRY_KEEP:
-            break
-        n_left = now
-    # the moves and trades above can open room that a piece left over fits in
     left = (st.rank < 0).nonzero()[0]
+    for _ in range(CONSOLIDATE_PASSES):
+        if not consolidate(st, priority, left=left):
+            break  # (nothing traded: `left` holds)
+        now = (st.rank < 0).nonzero()[0]
+        converged = (left.size - now.size) * CONSOLIDATE_CONVERGED < left.size - CARRY_KEEP
+        left = now
+        if converged:
+            break
+    # the moves and trades above can open room that a piece left over fits in
     if left.size:
         st.greedy(left[order_by(st.lay.seq_len - st.L[left], st.lay.seq_len + 1)])
 

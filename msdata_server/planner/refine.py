@@ -112,7 +112,7 @@ def _partners(rcost: np.ndarray) -> Iterator[int]:
     yield from least(rcost, REFINE_PARTNERS)[1:].tolist()
 
 
-def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> bool:
+def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None, left: np.ndarray | None = None) -> bool:
     """Bound the carry-over: trade short left-over pieces for fewer long placed ones; False: none traded.
 
     With the cost cap, the pieces left over are the shortest of the step, and there can be many
@@ -123,8 +123,9 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     X (no rank gets costlier), and X is carried instead. A chunk may fall short of X by less than
     one short piece, which adds that much padding. Vectorised; no loop over pieces.
     `movable` (bool per piece, None: all): only these are traded, either way (two stages: the text pieces).
+    `left`: the pieces left over now ((st.rank < 0).nonzero()[0]), when the caller has them.
     """
-    left = (st.rank < 0).nonzero()[0]
+    left = (st.rank < 0).nonzero()[0] if left is None else left
     excess = left.size - CARRY_KEEP
     if excess <= 0:
         return False

@@ -21,7 +21,7 @@ from msdata_client.choices import Method
 from .cost import priced
 from .layout import Layout
 from .pack import next_fit
-from .refine import CONSOLIDATE_PASSES, consolidate, refine, trim
+from .refine import CARRY_KEEP, CONSOLIDATE_PASSES, consolidate, refine, refine_lowers, trim
 from .rows import Rows, order_by
 from .stages import place_stages
 
@@ -32,6 +32,7 @@ __all__ = ["Layout", "Method", "Placement", "method_of", "place"]
 KK_BUDGET = 1 << 17
 REFINE_ITERS = 32  # bounded refinement: move/swap passes that lower the costliest rank
 TRIM_AIM = 0.8  # refine.trim holds the ranks to this share of the tolerance
+CONSOLIDATE_CONVERGED = 3  # _settle: a consolidate pass taking under 1/3 of the excess carry-over off it is the last
 STAGE_ITERS = 64  # with two stages: stages.refine_stages passes per step, plus one per DP rank
 
 
@@ -67,15 +68,14 @@ def place(
     With "karmarkar_karp" the pieces costlier per token than average are then partitioned over the
     ranks by largest differencing of their projected cost (the ranks' loads so far join as one more
     tuple); beyond KK_BUDGET pieces x ranks, where every rank holds many pieces and the greedy rounds
-    balance as well, this is skipped, as KK's O(n dp log dp) would pass the time budget. The greedy
-    rounds place the rest ("greedy": everything) longest first; a few refinement moves and swaps
-    lower the costliest rank; and when more than refine.CARRY_KEEP pieces are left over, short ones are
-    traded for fewer long ones (a small state). "none" packs in the given order, rank by rank: the
-    baseline. `tolerance`: no rank takes a piece that lifts its cost above (1 + tolerance) x the mean
-    expected when the longest pieces fill the step (never below the costliest piece), leaving padding
-    on a rank that a long document would otherwise make the straggler; since that padding lowers the mean,
-    refine.trim then holds the ranks to TRIM_AIM of the tolerance over the mean the step ends with. None: never
-    pad on purpose.
+    balance as well, this is skipped, as KK's O(n dp log dp) would pass the time budget. The greedy rounds place the
+    rest ("greedy": everything) longest first; a few refinement moves and swaps lower the costliest rank (unless trim
+    would cut it lower anyway: refine.refine_lowers); and when more than refine.CARRY_KEEP pieces are left over, short
+    ones are traded for fewer long ones (a small state). "none" packs in the given order, rank by rank: the baseline.
+    `tolerance`: no rank takes a piece that lifts its cost above (1 + tolerance) x the mean expected when the longest
+    pieces fill the step (never below the costliest piece), leaving padding on a rank that a long document would
+    otherwise make the straggler; since that padding lowers the mean, refine.trim then holds the ranks to TRIM_AIM of
+    the tolerance over the mean the step ends with. None: never pad on purpose.
 
     `vision` (the "vlm" cost): each piece's vision-encoder cost, while `costs` are the backbone's; both
     stages are balanced at once by stages.place_stages. Placement.rank_cost and micro_cost stay the backbone's.
@@ -139,9 +139,8 @@ def _fill(
     st = Rows(lengths, costs, layout)
     n = lengths.size
     desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
-    desc_len = lengths[desc]
-    st.set_cap(desc, tolerance, base, desc_len)
-    desc_cost = costs[desc]
+    desc_len, desc_cost = lengths[desc], costs[desc]
+    st.set_cap(desc, tolerance, base, desc_len, desc_cost)
     st.monotone = bool((desc_cost[1:] - desc_cost[:-1] <= 0).all())  # (np.diff)
     st.desc, st.neg_len = desc, -desc_len  # (for refine.consolidate)
     # carry-over first, so that no piece is left over twice; best fit, which keeps whole rows free
@@ -164,7 +163,8 @@ def _fill(
             kept = keep[rest]
             rest, rest_len, rest_cost = rest[kept], rest_len[kept], rest_cost[kept]
     st.greedy(rest, rest_len, rest_cost)
-    refine(st, REFINE_ITERS)
+    if tolerance is None or layout.dp == 1 or refine_lowers(st, REFINE_ITERS, tolerance * TRIM_AIM, base):
+        refine(st, REFINE_ITERS)
     _settle(st, priority)
     if tolerance is not None and layout.dp > 1:  # the padding lowered the mean: hold the tolerance to the real one
         # (aiming TRIM_AIM under it: the trades that bound the carry-over afterwards lower the mean a little)
@@ -181,12 +181,21 @@ def _over_budget(st: Rows, rest: np.ndarray) -> bool:
 
 
 def _settle(st: Rows, priority: int) -> None:
-    """Bound the carry-over (refine.consolidate), then place what fits of it: never carry what fits."""
+    """Bound the carry-over (refine.consolidate), then place what fits of it: never carry what fits.
+
+    The passes stop early once one takes less than 1/CONSOLIDATE_CONVERGED of the excess over refine.CARRY_KEEP
+    off the carry-over: the next would take less still (its trades are of the pieces the last one could not place).
+    """
+    left = (st.rank < 0).nonzero()[0]
     for _ in range(CONSOLIDATE_PASSES):
-        if not consolidate(st, priority):
+        if not consolidate(st, priority, left=left):
+            break  # (nothing traded: `left` holds)
+        now = (st.rank < 0).nonzero()[0]
+        converged = (left.size - now.size) * CONSOLIDATE_CONVERGED < left.size - CARRY_KEEP
+        left = now
+        if converged:
             break
     # the moves and trades above can open room that a piece left over fits in
-    left = (st.rank < 0).nonzero()[0]
     if left.size:
         st.greedy(left[order_by(st.lay.seq_len - st.L[left], st.lay.seq_len + 1)])
 

@@ -11,12 +11,11 @@ import numpy as np
 from .fit import least, run_lengths, run_starts
 from .rows import Rows, order_by
 
-__all__ = ["CARRY_KEEP", "CONSOLIDATE_PASSES", "consolidate", "refine", "trim"]
+__all__ = ["CARRY_KEEP", "CONSOLIDATE_PASSES", "consolidate", "refine", "refine_lowers", "trim"]
 
 REFINE_PARTNERS = 4  # cheapest ranks tried as partners in each refinement pass
 CARRY_KEEP = 1024  # left-over pieces kept as they are; beyond, `consolidate` trades them (state size)
 CONSOLIDATE_RATIO = 8  # a traded placed piece is at least this many times the mean left-over
-CANDIDATES_BY_LENGTH = 8  # consolidate: its candidates from the pieces by length when under 1/8 of them
 CONSOLIDATE_PASSES = 4  # rounds of trading left-over pieces a placement runs (balance.place, stages.place_stages)
 
 
@@ -93,6 +92,19 @@ def refine(st: Rows, iters: int) -> None:
             return
 
 
+def refine_lowers(st: Rows, iters: int, tolerance: float, base: float) -> bool:
+    """Whether `refine` (`iters` passes) can lower the step's costliest rank below the cap `trim` (at `tolerance`,
+    `base`: see there) cuts the ranks down to afterwards. A pass lowers only the costliest rank, to no less than
+    its partner then costs, so after `iters` passes the costliest costs at least the (iters + 1)-th costliest now;
+    when that one is above trim's cap (many ranks at the cost cap, as at dp 512 and 16k tokens), trim sets the
+    step's length either way, and refine is skipped."""
+    dp = st.rcost.size
+    if dp <= iters:
+        return True
+    j = dp - 1 - iters
+    return float(np.partition(st.rcost, j)[j]) <= _trim_cap(st.rcost, tolerance, base)
+
+
 def _partners(rcost: np.ndarray) -> Iterator[int]:
     """The REFINE_PARTNERS cheapest ranks, cheapest first (ties by rank): the first by one argmin, the others
     only when it is passed over (most passes take the cheapest)."""
@@ -100,7 +112,7 @@ def _partners(rcost: np.ndarray) -> Iterator[int]:
     yield from least(rcost, REFINE_PARTNERS)[1:].tolist()
 
 
-def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> bool:
+def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None, left: np.ndarray | None = None) -> bool:
     """Bound the carry-over: trade short left-over pieces for fewer long placed ones; False: none traded.
 
     With the cost cap, the pieces left over are the shortest of the step, and there can be many
@@ -111,8 +123,9 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
     X (no rank gets costlier), and X is carried instead. A chunk may fall short of X by less than
     one short piece, which adds that much padding. Vectorised; no loop over pieces.
     `movable` (bool per piece, None: all): only these are traded, either way (two stages: the text pieces).
+    `left`: the pieces left over now ((st.rank < 0).nonzero()[0]), when the caller has them.
     """
-    left = (st.rank < 0).nonzero()[0]
+    left = (st.rank < 0).nonzero()[0] if left is None else left
     excess = left.size - CARRY_KEEP
     if excess <= 0:
         return False
@@ -128,14 +141,12 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
         return False
     # one per row, its first (least index): the least candidate of each row, by one scatter over the rows (no sort)
     first = np.full(st.lay.dp * k, L.size, np.int64)
-    np.minimum.at(first, st.rank[cand] * k + st.slot[cand], cand)
-    rows = (first < L.size).nonzero()[0]
-    cand = first[rows]
-    heavy_first = np.empty(st.lay.dp, np.int64)
-    heavy_first[(-st.rcost).argsort(kind="stable")] = np.arange(st.lay.dp)
-    # costliest ranks first, then by index: the rows' firsts only, not every candidate (a few per row); the keys are
-    # distinct, so any sort orders them alike
-    cand = cand[(heavy_first[rows // k] * L.size + cand).argsort()]
+    np.minimum.at(first, st.rank[cand] * k + st.slot[cand], cand)  # (in any order of cand)
+    # costliest ranks first (ties by rank), each rank's in index order: the rows' firsts only, not every candidate
+    # (a few per rank), sorted within their rank, and the ranks in that order (no sort of the rows' firsts)
+    by_rank = np.sort(first.reshape(st.lay.dp, k), axis=1) if k > 1 else first.reshape(st.lay.dp, 1)
+    cand = by_rank.take((-st.rcost).argsort(kind="stable"), axis=0).reshape(-1)
+    cand = cand[cand < L.size]
     ends = L[left].cumsum()
     cost_ends = np.concatenate([[0.0], c[left].cumsum()])
     stop = ends.searchsorted(L[cand].cumsum(), side="left") + 1  # chunk j: left[start_j:stop_j]
@@ -159,7 +170,8 @@ def consolidate(st: Rows, priority: int, movable: np.ndarray | None = None) -> b
 
 def _candidates(st: Rows, lo: float, priority: int, movable: np.ndarray | None) -> np.ndarray:
     """The pieces `consolidate` may carry instead: placed, from `priority` on, lo <= length <= seq_len / 2 (and
-    movable), ascending. From the pieces by length (Rows.desc) when few are that long, else one pass over all."""
+    movable), in no particular order (consolidate takes each row's least). From the pieces by length (Rows.desc),
+    a slice of them, when known; else one pass over all."""
     L, half = st.L, st.lay.seq_len // 2
     if st.desc is not None and movable is None:
         if st.neg_len is None:
@@ -167,9 +179,8 @@ def _candidates(st: Rows, lo: float, priority: int, movable: np.ndarray | None) 
         a = int(st.neg_len.searchsorted(-half, side="left"))
         b = int(st.neg_len.searchsorted(-math.ceil(lo), side="right"))  # (L >= lo iff L >= ceil(lo): an int key,
         # as a float key would convert all of neg_len to floats first)
-        if (b - a) * CANDIDATES_BY_LENGTH < L.size:  # (a sort of those beats three passes over every piece)
-            cand = np.sort(st.desc[a:b])
-            return cand[(cand >= priority) & (st.rank[cand] >= 0)]
+        cand = st.desc[a:b]
+        return cand[(cand >= priority) & (st.rank[cand] >= 0)]
     ok = (st.rank >= 0) & (lo <= L) & (half >= L)  # (one pass over the pieces, no gathers)
     if movable is not None:
         ok &= movable

@@ -93,19 +93,25 @@ class Rows:
         self.neg_len: np.ndarray | None = None  # -L[desc], ascending (set with desc, or refine.consolidate makes it)
 
     def set_cap(
-        self, desc: np.ndarray, tolerance: float | None, base: float = 0.0, desc_len: np.ndarray | None = None
+        self,
+        desc: np.ndarray,
+        tolerance: float | None,
+        base: float = 0.0,
+        desc_len: np.ndarray | None = None,
+        desc_cost: np.ndarray | None = None,
     ) -> None:
         """Cap rank costs at (1 + tolerance) x the mean expected if the longest pieces fill the step.
 
         (Pieces left over are the shortest, so the placed ones are the longest that fit.) `base`: what every
         rank costs besides its pieces (priced padding: pad_cost x its tokens; see cost.priced), which the
-        tolerance applies to as well. `desc_len`: L[desc], when the caller has it.
+        tolerance applies to as well. `desc_len`, `desc_cost`: L[desc] and c[desc], when the caller has them.
         """
         if tolerance is None or desc.size == 0:
             return
         ends = (self.L[desc] if desc_len is None else desc_len).cumsum()
         n = int(ends.searchsorted(self.lay.capacity, side="right"))
-        mean = float(self.c[desc[: max(n, 1)]].sum()) / self.lay.dp
+        head = self.c[desc[: max(n, 1)]] if desc_cost is None else desc_cost[: max(n, 1)]  # (the same sum)
+        mean = float(head.sum()) / self.lay.dp
         self.cap = max((mean + base) * (1.0 + tolerance) - base, float(self.c.max()))
         self.capped = True
 

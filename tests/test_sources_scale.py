@@ -330,3 +330,47 @@ def test_first_reads_are_started_a_few_at_a_time_in_the_order_asked():
     for _ in range(40):
         budget.warm_done()
     assert started == [i for i in range(40) if i != 3]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_first_reads_of_a_batch_come_in_two_parts(loop):
+    """A loader that follows the plans with less than a batch of read-ahead reads a batch nobody read yet in two
+    parts: its first HEAD samples (or as many as asked) when first asked, the rest when a sample beyond them is
+    asked for; the lengths and tokens are those of one whole read, and each sample is read once."""
+    from msdata_server.loader.loader import HEAD
+
+    src, ref = synthetic("p"), synthetic("p")
+
+    async def main():
+        async with (
+            SourceLoader(src, None, transform=None, seed=3, readahead=4, batch=64) as ld,
+            SourceLoader(ref, None, transform=None, seed=3, readahead=4, batch=64) as whole,
+        ):
+            ld.follow_plans()  # the first batch's first part is read now (the budget's warm)
+            await ld.wait_idle()
+            warm = src.statistics().rows_read
+            head = await ld.lengths(0, HEAD)
+            after_head = src.statistics().rows_read, ld.statistics()
+            ld.planned_to(HEAD + 8)
+            lens = await ld.lengths(0, 64)  # the rest of batch 0
+            after_rest = src.statistics().rows_read
+            second = await ld.lengths(64, HEAD + 4)  # batch 1, first asked for 20: its first part is 20
+            after_second = src.statistics().rows_read
+            toks = [await ld.tokens(o) for o in range(64 + HEAD + 8)]  # 84.. of batch 1: its rest too
+            rows = src.statistics().rows_read
+            want = [await whole.tokens(o) for o in range(64 + HEAD + 8)]
+            return warm, head, after_head, lens, after_rest, second, after_second, toks, rows, want, whole
+
+    warm, head, (rows_head, st), lens, rows_rest, second, rows_second, toks, rows, want, _whole = run(main(), loop)
+    ref_lens = ref.lengths(np.arange(128))
+    assert warm == HEAD  # the warm read took the first part only
+    assert np.array_equal(head, ref_lens[:HEAD])
+    assert rows_head == HEAD
+    assert st.ready == 4
+    assert st.errors == 0
+    assert np.array_equal(lens, ref_lens[:64])
+    assert rows_rest == 64  # the rest read once: no sample read twice
+    assert np.array_equal(second, ref_lens[64 : 64 + HEAD + 4])
+    assert rows_second == 64 + HEAD + 4
+    assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(toks, want))
+    assert rows >= 128  # batch 1's rest, and payloads kept as lengths only read again

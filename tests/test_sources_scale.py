@@ -354,9 +354,9 @@ def test_first_reads_of_a_batch_come_in_two_parts(loop):
             ld.planned_to(HEAD + 8)
             lens = await ld.lengths(0, 64)  # the rest of batch 0
             after_rest = src.statistics().rows_read
-            second = await ld.lengths(64, HEAD + 4)  # batch 1, first asked for 20: its first part is 20
+            second = await ld.lengths(64, HEAD + 4)  # batch 1, first asked for HEAD + 4: its first part
             after_second = src.statistics().rows_read
-            toks = [await ld.tokens(o) for o in range(64 + HEAD + 8)]  # 84.. of batch 1: its rest too
+            toks = [await ld.tokens(o) for o in range(64 + HEAD + 8)]  # past batch 1's first part: its rest too
             rows = src.statistics().rows_read
             want = [await whole.tokens(o) for o in range(64 + HEAD + 8)]
             return warm, head, after_head, lens, after_rest, second, after_second, toks, rows, want, whole

@@ -20,8 +20,8 @@ is held, as without plans followed (reading twice would cost the throughput of a
 First reads in parts: such a loader (plans followed, read-ahead under a batch) reads a batch nobody read yet in
 two parts when it is first asked for: its first ``HEAD`` samples (or as many as asked for, if more), then, when
 a sample beyond them is asked for or the read-ahead reaches the batch, the rest. The planner's first request to
-a source is ``HEAD`` lengths (planner/lengths.py FIRST_CHUNK), and at 1,024 sources a batch of 64 samples spread
-over 16 files decodes some 58 row groups where 16 samples decode 16: the job's first step reads a quarter.
+a source is ``HEAD`` lengths (planner/lengths.py FIRST_CHUNK; 1,024 sources' first step takes one sample of each),
+and a batch of 64 samples spread over 16 files decodes some 58 row groups where 4 samples decode 4 at most.
 
 This module schedules; ``_readbuffer`` accounts for what is held, ``_readcounts`` for what was read,
 ``_sampleread`` reads and transforms, ``_ordinals`` maps ordinals to this partition's batches.
@@ -53,7 +53,7 @@ __all__ = ["LoaderStats", "SourceLoader"]
 log = logging.getLogger(__name__)
 
 READAHEAD_BYTES = 256 << 20  # payloads held past the highest ordinal asked for (decoded pictures are large)
-HEAD = 16  # samples a batch's first part reads, where batches are read in parts (module doc)
+HEAD = 4  # samples a batch's first part reads, where batches are read in parts (module doc)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -143,6 +143,27 @@ def test_read_ahead_budget_shares():
     assert budget.figures()["loaders"] == 1
 
 
+def test_read_ahead_budget_changes_once_for_many_leaves():
+    """Leaves within ``changes()`` (a job's loaders closing) wake each loader left once, at the end."""
+    budget = ReadAheadBudget(samples=4096, nbytes=1 << 30)
+    members = [_Member() for _ in range(1024)]
+    for m in members:
+        budget.join(m)
+    with budget.changes():
+        for m in members[101:]:
+            budget.leave(m)
+        assert budget.share().samples == 8  # unchanged until the end
+        with budget.changes():
+            budget.leave(members[100])
+        assert sum(m.woken for m in members) == 0
+    assert budget.share().samples == 4096 // 100
+    assert [m.woken for m in members[:100]] == [1] * 100
+    assert budget.figures()["loaders"] == 100
+    budget.leave(members[99])  # outside: at once, as before
+    assert budget.share().samples == 4096 // 99
+    assert [m.woken for m in members[:99]] == [2] * 99
+
+
 class _Member:
     def __init__(self):
         self.woken = 0

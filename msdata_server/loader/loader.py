@@ -17,11 +17,11 @@ lengths of every source it draws from, far ahead of what it plans); such a sampl
 again with the next ``readahead`` samples (``_refill``). With a batch or more of read-ahead, every payload read
 is held, as without plans followed (reading twice would cost the throughput of a few busy sources).
 
-First reads in parts: such a loader (plans followed, read-ahead under a batch) reads a batch nobody read yet in
-two parts when it is first asked for: its first ``HEAD`` samples (or as many as asked for, if more), then, when
-a sample beyond them is asked for or the read-ahead reaches the batch, the rest. The planner's first request to
-a source is ``HEAD`` lengths (planner/lengths.py FIRST_CHUNK; 1,024 sources' first step takes one sample of each),
-and a batch of 64 samples spread over 16 files decodes some 58 row groups where 4 samples decode 4 at most.
+First read in parts: such a loader (plans followed, read-ahead under a batch) reads the first batch it reads in
+two parts: its first ``HEAD`` samples (or as many as asked for, if more), then, when a sample beyond them is
+asked for or the read-ahead reaches the batch, the rest; later batches are read whole. The planner's first request
+to a source is ``HEAD`` lengths (planner/lengths.py FIRST_CHUNK; 1,024 sources' first step takes one sample of
+each), and a batch of 64 samples spread over 16 files decodes some 58 row groups where 4 samples decode 4 at most.
 
 This module schedules; ``_readbuffer`` accounts for what is held, ``_readcounts`` for what was read,
 ``_sampleread`` reads and transforms, ``_ordinals`` maps ordinals to this partition's batches.
@@ -148,6 +148,7 @@ class SourceLoader:
         self._high = -1  # highest local sample index asked for
         self._planned: int | None = None  # highest local sample index planned (None: plans not followed)
         self._warming: int | None = None  # the first batch read for the budget's ``warm``, until it is read
+        self._parted = False  # a batch was read in parts (the first one only: module doc)
         self._inflight = 0
         self._tasks: set[asyncio.Task] = set()
         self._started = self._closed = False
@@ -294,10 +295,12 @@ class SourceLoader:
         task.add_done_callback(self._tasks.discard)
 
     def _first_part(self, upto: int) -> int:
-        """How much of a batch nobody read yet to read first when samples [0, upto) of it are needed: at least
-        HEAD where batches are read in parts (module doc), else the whole batch."""
-        if self._keep_below() is None:
+        """How much of a batch nobody read yet to read now when samples [0, upto) of it are needed (it is read
+        then): the first such batch of a loader whose first read is in parts (module doc), at least HEAD; any
+        other, all of it."""
+        if self._parted or self._keep_below() is None:
             return self.batch
+        self._parted = True
         return min(self.batch, max(HEAD, upto))
 
     def _ensure(self, b: int, upto: int | None = None) -> ReadBatch:

@@ -191,3 +191,27 @@ def test_a_worker_killed_during_scale_down_loses_and_repeats_nothing(prefix, tmp
     assert st.samples_done == 42
     assert st.restarts == 0
     assert st.size == 1
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_sources_served_leave_no_queue_behind(prefix, loop):
+    """Tasks of many sources (a job of 1,024 sources queues one per source): each answered in full, counted per
+    source, and the dispatcher keeps no empty queue (a free worker's pass over the queues costs those queued)."""
+
+    async def main():
+        async with WorkerPool(2, shm_prefix=prefix, max_task=2) as pool:
+            got = await asyncio.gather(
+                *(
+                    pool.transform(
+                        f"{HERE}:stamp", ["r"] * 3, seed=0, sample_ids=[3 * i, 3 * i + 1, 3 * i + 2], source=f"s{i}"
+                    )
+                    for i in range(50)
+                )
+            )
+            return got, dict(pool._jobs.queues), pool.usage()
+
+    got, queues, usage = run(main(), loop)
+    assert [len(g) for g in got] == [3] * 50
+    assert queues == {}
+    assert sorted(usage) == sorted(f"s{i}" for i in range(50))
+    assert all(u.samples == 3 and u.queued == 0 for u in usage.values())

@@ -143,6 +143,27 @@ def test_read_ahead_budget_shares():
     assert budget.figures()["loaders"] == 1
 
 
+def test_read_ahead_budget_changes_once_for_many_leaves():
+    """Leaves within ``changes()`` (a job's loaders closing) wake each loader left once, at the end."""
+    budget = ReadAheadBudget(samples=4096, nbytes=1 << 30)
+    members = [_Member() for _ in range(1024)]
+    for m in members:
+        budget.join(m)
+    with budget.changes():
+        for m in members[101:]:
+            budget.leave(m)
+        assert budget.share().samples == 8  # unchanged until the end
+        with budget.changes():
+            budget.leave(members[100])
+        assert sum(m.woken for m in members) == 0
+    assert budget.share().samples == 4096 // 100
+    assert [m.woken for m in members[:100]] == [1] * 100
+    assert budget.figures()["loaders"] == 100
+    budget.leave(members[99])  # outside: at once, as before
+    assert budget.share().samples == 4096 // 99
+    assert [m.woken for m in members[:99]] == [2] * 99
+
+
 class _Member:
     def __init__(self):
         self.woken = 0
@@ -330,3 +351,47 @@ def test_first_reads_are_started_a_few_at_a_time_in_the_order_asked():
     for _ in range(40):
         budget.warm_done()
     assert started == [i for i in range(40) if i != 3]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_first_reads_of_a_batch_come_in_two_parts(loop):
+    """A loader that follows the plans with less than a batch of read-ahead reads its first batch in two parts:
+    its first HEAD samples when first asked, the rest when a sample beyond them is asked for; later batches whole.
+    The lengths and tokens are those of one whole read, and each sample is read once."""
+    from msdata_server.loader.loader import HEAD
+
+    src, ref = synthetic("p"), synthetic("p")
+
+    async def main():
+        async with (
+            SourceLoader(src, None, transform=None, seed=3, readahead=4, batch=64) as ld,
+            SourceLoader(ref, None, transform=None, seed=3, readahead=4, batch=64) as whole,
+        ):
+            ld.follow_plans()  # the first batch's first part is read now (the budget's warm)
+            await ld.wait_idle()
+            warm = src.statistics().rows_read
+            head = await ld.lengths(0, HEAD)
+            after_head = src.statistics().rows_read, ld.statistics()
+            ld.planned_to(HEAD + 8)
+            lens = await ld.lengths(0, 64)  # the rest of batch 0
+            after_rest = src.statistics().rows_read
+            second = await ld.lengths(64, HEAD + 4)  # batch 1: read whole
+            after_second = src.statistics().rows_read
+            toks = [await ld.tokens(o) for o in range(64 + HEAD + 8)]
+            rows = src.statistics().rows_read
+            want = [await whole.tokens(o) for o in range(64 + HEAD + 8)]
+            return warm, head, after_head, lens, after_rest, second, after_second, toks, rows, want, whole
+
+    warm, head, (rows_head, st), lens, rows_rest, second, rows_second, toks, rows, want, _whole = run(main(), loop)
+    ref_lens = ref.lengths(np.arange(128))
+    assert warm == HEAD  # the warm read took the first part only
+    assert np.array_equal(head, ref_lens[:HEAD])
+    assert rows_head == HEAD
+    assert st.ready == 4
+    assert st.errors == 0
+    assert np.array_equal(lens, ref_lens[:64])
+    assert rows_rest == 64  # the rest read once: no sample read twice
+    assert np.array_equal(second, ref_lens[64 : 64 + HEAD + 4])
+    assert rows_second == 128
+    assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(toks, want))
+    assert rows > 128  # payloads kept as lengths only, read again

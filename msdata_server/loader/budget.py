@@ -6,12 +6,16 @@ A loader built without its own ``readahead`` (the node's jobs) reads ahead ``sam
 holds nothing), so the node's total stays about ``samples`` whatever the number of sources.
 Every loader (each partition of a source) counts once. When a loader leaves, the others' shares grow and they
 are woken to read on; when one joins, the others' shares shrink (what they hold stays until released).
+Within ``changes()`` the shares change once, at its end: a job's 1,024 loaders closing one after another woke
+every loader left at each leave (~500,000 wakes, a second of CPU).
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_BYTES", "DEFAULT_SAMPLES", "MIN_BYTES", "MIN_SAMPLES", "ReadAheadBudget", "node_budget"]
@@ -38,6 +42,7 @@ class ReadAheadBudget:
         self.bytes = nbytes
         self._members: weakref.WeakSet = weakref.WeakSet()
         self._share = self._compute()
+        self._held = 0  # ``changes()`` entered and not left
         self._warm_queue: deque = deque()  # loaders waiting to read their first batch (``warm``)
         self._warming = 0
 
@@ -64,6 +69,18 @@ class ReadAheadBudget:
             self._members.discard(member)
             self._changed()
 
+    @contextmanager
+    def changes(self) -> Iterator[None]:
+        """Joins and leaves within change the shares once, when the outermost exits (one wake of the loaders
+        left for a job's loaders closing together, not one per loader); ``share()`` is the one before until then."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            if not self._held:
+                self._changed()
+
     def warm(self, member: object) -> None:
         """Queue a loader's first read (its ``warm_read()`` starts it and says whether it did): at most
         WARM_READS at once, in the order asked (the planner's), so what is read ahead of the planner's first
@@ -87,6 +104,8 @@ class ReadAheadBudget:
         return Share(samples, min(MAX_BYTES, max(MIN_BYTES, self.bytes // n)))
 
     def _changed(self) -> None:
+        if self._held:
+            return
         old, self._share = self._share, self._compute()
         if self._share.samples > old.samples or self._share.bytes > old.bytes:
             for member in list(self._members):

@@ -17,6 +17,12 @@ lengths of every source it draws from, far ahead of what it plans); such a sampl
 again with the next ``readahead`` samples (``_refill``). With a batch or more of read-ahead, every payload read
 is held, as without plans followed (reading twice would cost the throughput of a few busy sources).
 
+First read in parts: such a loader (plans followed, read-ahead under a batch) reads the first batch it reads in
+two parts: its first ``HEAD`` samples (or as many as asked for, if more), then, when a sample beyond them is
+asked for or the read-ahead reaches the batch, the rest; later batches are read whole. The planner's first request
+to a source is ``HEAD`` lengths (planner/lengths.py FIRST_CHUNK; 1,024 sources' first step takes one sample of
+each), and a batch of 64 samples spread over 16 files decodes some 58 row groups where 4 samples decode 4 at most.
+
 This module schedules; ``_readbuffer`` accounts for what is held, ``_readcounts`` for what was read,
 ``_sampleread`` reads and transforms, ``_ordinals`` maps ordinals to this partition's batches.
 """
@@ -47,6 +53,7 @@ __all__ = ["LoaderStats", "SourceLoader"]
 log = logging.getLogger(__name__)
 
 READAHEAD_BYTES = 256 << 20  # payloads held past the highest ordinal asked for (decoded pictures are large)
+HEAD = 4  # samples a batch's first part reads, where batches are read in parts (module doc)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,6 +148,7 @@ class SourceLoader:
         self._high = -1  # highest local sample index asked for
         self._planned: int | None = None  # highest local sample index planned (None: plans not followed)
         self._warming: int | None = None  # the first batch read for the budget's ``warm``, until it is read
+        self._parted = False  # a batch was read in parts (the first one only: module doc)
         self._inflight = 0
         self._tasks: set[asyncio.Task] = set()
         self._started = self._closed = False
@@ -193,7 +201,7 @@ class SourceLoader:
             return False
         self._cursor += 1
         self._warming = b
-        self._schedule(b)
+        self._schedule(b, self._first_part(HEAD))
         return True
 
     def planned_to(self, ordinal: int) -> None:
@@ -262,53 +270,82 @@ class SourceLoader:
                 return  # the bytes bound: resumed by release()
             self._cursor += 1
             b = self._part.global_batch(j)
-            if b not in self._buf:
+            bs = self._buf.get(b)
+            if bs is None:
                 self._schedule(b)
+            elif not bs.reading and bs.filled < self.batch:  # its first part was read: read the rest
+                self._read_part(bs, self.batch)
 
-    def _schedule(self, b: int) -> ReadBatch:
+    def _schedule(self, b: int, upto: int | None = None) -> ReadBatch:
+        """A new batch of global index b, its samples [0, upto) read now (all by default)."""
         bs = self._buf.add(b)
-        self._inflight += 1
-        self._idle.clear()
-        task = asyncio.get_running_loop().create_task(self._run(bs), name=f"msdata-load-{self.name}-{b}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._read_part(bs, self.batch if upto is None else upto)
         return bs
 
-    def _ensure(self, b: int) -> ReadBatch:
-        """The batch of global index b, scheduled if absent. A batch the read-ahead already passed was
-        released (or seeked over): read again for its lengths only, holding none of its payloads."""
+    def _read_part(self, bs: ReadBatch, upto: int) -> None:
+        """Read samples [bs.filled, upto) of a batch (none of it is in flight)."""
+        self._inflight += 1
+        bs.reading = True
+        bs.event.clear()
+        self._idle.clear()
+        task = asyncio.get_running_loop().create_task(
+            self._run(bs, bs.filled, upto), name=f"msdata-load-{self.name}-{bs.index}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _first_part(self, upto: int) -> int:
+        """How much of a batch nobody read yet to read now when samples [0, upto) of it are needed (it is read
+        then): the first such batch of a loader whose first read is in parts (module doc), at least HEAD; any
+        other, all of it."""
+        if self._parted or self._keep_below() is None:
+            return self.batch
+        self._parted = True
+        return min(self.batch, max(HEAD, upto))
+
+    def _ensure(self, b: int, upto: int | None = None) -> ReadBatch:
+        """The batch of global index b, scheduled if absent (its first ``upto`` samples at least; all when None).
+        A batch the read-ahead already passed was released (or seeked over): read again (whole) for its lengths
+        only, holding none of its payloads."""
         bs = self._buf.get(b)
         if bs is not None:
             return bs
-        bs = self._schedule(b)
         if self._behind(b):
+            bs = self._schedule(b)
             bs.released[:] = True
-        return bs
+            return bs
+        return self._schedule(b, self._first_part(self.batch if upto is None else upto))
 
     def _behind(self, b: int) -> bool:
         """Whether the read-ahead has passed global batch b (scheduled it once, or seeked past it)."""
         return self._part.local_batch(b) < self._cursor
 
-    async def _wait(self, bs: ReadBatch) -> ReadBatch:
-        if not bs.event.is_set():
-            await bs.event.wait()
-        if self._closed:
-            raise ClosedError(f"loader of source {self.name!r} was closed while waiting for batch {bs.index}")
-        if bs.error is not None:
-            raise MsdataError(f"source {self.name!r}: reading batch {bs.index} failed: {bs.error!r}") from bs.error
+    async def _wait(self, bs: ReadBatch, upto: int | None = None) -> ReadBatch:
+        """The batch once its samples [0, upto) are read (all when None), reading the rest if need be."""
+        need = self.batch if upto is None else upto
+        while True:
+            if not bs.event.is_set():
+                await bs.event.wait()
+            if self._closed:
+                raise ClosedError(f"loader of source {self.name!r} was closed while waiting for batch {bs.index}")
+            if bs.error is not None:
+                raise MsdataError(f"source {self.name!r}: reading batch {bs.index} failed: {bs.error!r}") from bs.error
+            if bs.filled >= need:
+                break
+            if not bs.reading:
+                self._read_part(bs, self.batch)
         assert bs.lengths is not None, "a batch without error was filled"
         assert bs.payloads is not None, "a batch without error was filled"
         return bs
 
     # ---- the work of one batch ----
-    async def _run(self, bs: ReadBatch) -> None:
-        ords = np.arange(bs.start, bs.start + self.batch, dtype=np.int64)
+    async def _run(self, bs: ReadBatch, lo: int, hi: int) -> None:
+        ords = np.arange(bs.start + lo, bs.start + hi, dtype=np.int64)
         try:
             records, results, nbytes = await self._reader.read(ords)
-            self._buf.fill(bs, results, self._keep_below())
-            self._counts.batch_read(
-                ords, records, results, nbytes, int(bs.lengths.sum()) if bs.lengths is not None else 0
-            )
+            self._buf.fill(bs, results, self._keep_below(), lo)
+            assert bs.lengths is not None
+            self._counts.batch_read(ords, records, results, nbytes, int(bs.lengths[lo:hi].sum()))
         except asyncio.CancelledError:
             bs.error = ClosedError(f"loader of source {self.name!r} closed")
             raise
@@ -319,6 +356,7 @@ class SourceLoader:
             self._buf.discard(bs)  # asked again later -> read again
         finally:
             self._inflight -= 1
+            bs.reading = False
             bs.event.set()
             if self._warming == bs.index:
                 self._warming = None
@@ -339,7 +377,10 @@ class SourceLoader:
         end = start + count
         out = []
         for b in range(int(blist[0]), int(blist[-1]) + 1):  # ordinals are consecutive: so are batches
-            bs = await self._wait(self._ensure(b))
+            upto = min(end - b * self.batch, self.batch)
+            bs = self._ensure(b, upto)
+            if bs.filled < upto or bs.error is not None or self._closed:
+                bs = await self._wait(bs, upto)
             out.append((bs, max(start, bs.start), min(end, bs.start + self.batch)))
         return out
 
@@ -380,10 +421,10 @@ class SourceLoader:
         bs = self._buf.get(b)
         if bs is None and self._behind(b):  # released or seeked over: read it once more, uncached
             return self._good(ordinal, await self._read_once(ordinal))
-        bs = bs or self._ensure(b)
-        if not bs.event.is_set() or bs.error is not None or self._closed:
-            bs = await self._wait(bs)
-        i = ordinal - bs.start
+        i = ordinal - b * self.batch
+        bs = bs or self._ensure(b, i + 1)
+        if bs.filled <= i or bs.error is not None or self._closed:
+            bs = await self._wait(bs, i + 1)
         assert bs.payloads is not None, "a finished batch without error was filled"
         p = bs.payloads[i]
         if p is None and not bs.released[i]:  # kept as a length only (beyond the plans): read it and the next
@@ -403,7 +444,7 @@ class SourceLoader:
         meanwhile)."""
         assert bs.payloads is not None
         idx = [i]
-        for j in range(i + 1, min(self.batch, i + max(1, self.readahead))):
+        for j in range(i + 1, min(bs.filled, i + max(1, self.readahead))):
             if bs.payloads[j] is not None or bs.released[j]:
                 break
             idx.append(j)

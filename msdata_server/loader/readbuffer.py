@@ -3,6 +3,8 @@
 Kept apart from the loader, which decides what to read and when; this module only accounts for what is held.
 Invariants: ``ready`` is the number of payloads present and not released over the batches in the buffer and
 ``memory`` their bytes; a batch is dropped once it is filled, holds nothing and all its samples are released.
+A batch may be filled in two parts, its first ``filled`` samples then the rest (the loader's first reads at
+many sources: ``SourceLoader`` module doc); what is filled is final.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ def compact(a):
 
 
 class ReadBatch:
-    """One batch of ``batch`` consecutive ordinals: filled once by its task, then released sample by sample."""
+    """One batch of ``batch`` consecutive ordinals: filled by its tasks (all at once, or its first ``filled``
+    samples then the rest), then released sample by sample. ``event`` is set while no read of it is in flight."""
 
     __slots__ = (
         "error",
         "event",
+        "filled",
         "held",
         "images",
         "index",
@@ -48,6 +52,7 @@ class ReadBatch:
         "nbytes",
         "patches",
         "payloads",
+        "reading",
         "released",
         "start",
     )
@@ -66,6 +71,12 @@ class ReadBatch:
         self.held = 0  # payloads present and not released
         self.nbytes = 0
         self.error: BaseException | None = None
+        self.filled = 0  # samples [0, filled) are read (their lengths and payloads final)
+        self.reading = False  # a read of samples from ``filled`` on is in flight
+
+    @property
+    def size(self) -> int:
+        return self.released.size
 
 
 class ReadBuffer:
@@ -90,21 +101,29 @@ class ReadBuffer:
         return bs
 
     def discard(self, bs: ReadBatch) -> None:
-        """Forget a batch (its read failed) unless another has taken its place."""
+        """Forget a batch (a read of it failed) unless another has taken its place, and what its first part held."""
         if self.batches.get(bs.index) is bs:
             del self.batches[bs.index]
+            self.ready -= bs.held
+            self.memory -= bs.nbytes
 
-    def fill(self, bs: ReadBatch, results: list, keep_below: int | None = None) -> None:
-        """Store a batch's transformed samples: lengths of all, payloads of those not released yet whose local
-        sample index is below ``keep_below`` (None: all); the others' slots stay None, not released (``refill``)."""
+    def fill(self, bs: ReadBatch, results: list, keep_below: int | None = None, at: int = 0) -> None:
+        """Store the transformed samples [at, at+len(results)) of a batch (``at`` is what it has filled): lengths
+        of all, payloads of those not released yet whose local sample index is below ``keep_below`` (None: all);
+        the others' slots stay None, not released (``refill``)."""
+        size = bs.size
         first = self._part.local_batch(bs.index) * self._part.batch
-        keep = len(results) if keep_below is None else max(0, keep_below - first)
-        lengths = np.zeros(len(results), dtype=np.int64)
-        images = np.zeros(len(results), dtype=np.int64)
-        patches: list[np.ndarray] = []
-        payloads: list = [None] * len(results)
+        keep = size if keep_below is None else max(0, keep_below - first)
+        if bs.lengths is None:
+            bs.lengths = np.zeros(size, dtype=np.int64)
+            bs.images = np.zeros(size, dtype=np.int64)
+            bs.payloads = [None] * size
+        lengths, images, payloads = bs.lengths, bs.images, bs.payloads
+        assert images is not None
+        assert payloads is not None
+        patches: list[np.ndarray] = [] if bs.patches is None else [bs.patches]
         held = mem = 0
-        for i, r in enumerate(results):
+        for i, r in enumerate(results, at):
             if isinstance(r, BadSample):
                 payloads[i] = r  # kept so tokens() can say why; needs no release
                 bs.released[i] = True
@@ -118,13 +137,16 @@ class ReadBuffer:
                 payloads[i] = r = compact(r)
                 held += 1
                 mem += r.nbytes
-        bs.lengths, bs.payloads, bs.held, bs.nbytes = lengths, payloads, held, mem
-        bs.images = images
-        bs.patches = np.concatenate(patches) if patches else np.zeros(0, dtype=np.int64)
+        bs.held += held
+        bs.nbytes += mem
+        bs.filled = at + len(results)
+        bs.patches = (
+            (np.concatenate(patches) if len(patches) > 1 else patches[0]) if patches else np.zeros(0, dtype=np.int64)
+        )
         if self.batches.get(bs.index) is bs:
             self.ready += held
             self.memory += mem
-            if held == 0 and bs.released.all():
+            if bs.filled == size and bs.held == 0 and bs.released.all():
                 del self.batches[bs.index]
 
     def refill(self, bs: ReadBatch, idx: list[int], results: list) -> None:
@@ -167,7 +189,7 @@ class ReadBuffer:
                         self.ready -= 1
                         self.memory -= p.nbytes
                     bs.payloads[i] = None
-                if bs.held == 0 and bs.released.all():
+                if bs.held == 0 and bs.filled == bs.size and bs.released.all():
                     del self.batches[b]
 
     def drop_before(self, j: int) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 from ..document import cut_piece
 from ..job.pieces import PieceRefs, hold_figures
 from ..loader import SourceLoader
+from ..loader.budget import node_budget
 from ..planner import StepPlan
 from .sourceparts import SourceParts
 
@@ -115,8 +116,9 @@ class LocalPayloads:
         return await self.parts[source].vision(start, count)
 
     async def aclose(self) -> None:
-        for p in self.parts:
-            try:
-                await p.aclose()
-            except Exception:
-                log.exception("closing the loaders of source %s failed", p.name)
+        with node_budget().changes():  # the loaders left (other jobs') read on once, not once per loader closed
+            for p in self.parts:
+                try:
+                    await p.aclose()
+                except Exception:
+                    log.exception("closing the loaders of source %s failed", p.name)

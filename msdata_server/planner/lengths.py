@@ -28,6 +28,8 @@ from .pack import LongDocs
 __all__ = ["BAD_WINDOW", "LengthReader", "MetadataView", "VisionView", "moments"]
 
 MIN_CHUNK, MAX_CHUNK = 64, 1 << 16  # ordinals per MetadataView.lengths call (the loaders hold what was asked)
+FIRST_CHUNK = 4  # ...at least in a source's first call (1,024 sources' first step takes 1 of each; its loader reads
+# that part of a batch, loader/loader.py HEAD, where a batch of 64 over 16 files would decode ~58 row groups)
 # A source is broken when no good sample is among its last BAD_WINDOW reads: that many consecutive empty (bad)
 # samples in its order, counted across epochs (ordinals run on through them), so a source of
 # 20 samples that are all bad fails after some 200 epochs, within a second or so, and a large one after reading
@@ -88,7 +90,9 @@ class LengthReader:
         have = 0
         run = 0  # empty samples in a row up to cur (a draw ends on a good one: runs never span draws)
         while True:
-            count = int(min(MAX_CHUNK, max(MIN_CHUNK, 1.1 * (deficit - have) / self._mean_len[s] + 16)))
+            first = self._ahead[s][0] == 0 and not got  # a source's first call: FIRST_CHUNK, not MIN_CHUNK, and slack
+            floor, slack = (FIRST_CHUNK, FIRST_CHUNK) if first else (MIN_CHUNK, 16)
+            count = int(min(MAX_CHUNK, max(floor, 1.1 * (deficit - have) / self._mean_len[s] + slack)))
             if run:  # reading through bad samples: check the window before reading far on
                 count = min(count, max(MIN_CHUNK, BAD_WINDOW - run))
             cols = self._read(view, s, cur, count, ingest)

@@ -224,7 +224,8 @@ def _slice_arrays(
     out: list = []
     for name, dt in _PIECES:
         sel, k = (built, "nb") if name in _BUILT else (every, "n")
-        vals = np.ascontiguousarray(np.asarray(getattr(plan, name))[sel], dtype=dt)
+        col = np.asarray(getattr(plan, name))
+        vals = np.take(col if col.dtype == dt else col.astype(dt), sel)  # take: ~2x a fancy index's speed
         out.append((name, vals, k, vals.itemsize, []))
     if dp:
         mb = int(micro_cost.shape[1])

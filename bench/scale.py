@@ -614,9 +614,13 @@ def _latency(probe: Probe, got: dict, steps: range) -> dict:
     }
 
 
-def run_leader(cases: Sequence[tuple[int, ...]], paced: int = PACED) -> list[dict]:
+def run_leader(cases: Sequence[tuple[int, ...]], paced: int = PACED, loop: str = "uvloop") -> list[dict]:
     """Each case (N, S, steps[, simulated nodes' processes]) against one etcd, then ``paced`` paced steps; a
-    line of figures per case."""
+    line of figures per case. The leader runs on ``loop`` ("uvloop": as ``msdata-server`` runs, cli.py; or
+    "asyncio")."""
+    import uvloop
+
+    factory = uvloop.new_event_loop if loop == "uvloop" else None
     sys.path.insert(0, str(ROOT / "tests"))
     from etcd_fixture import EtcdServer
 
@@ -625,7 +629,8 @@ def run_leader(cases: Sequence[tuple[int, ...]], paced: int = PACED) -> list[dic
     try:
         rows = []
         for n, s, steps, *procs in cases:
-            r = asyncio.run(leader_case(n, s, steps, base, srv.url, *(procs or [0]), paced=paced))
+            with asyncio.Runner(loop_factory=factory) as runner:
+                r = runner.run(leader_case(n, s, steps, base, srv.url, *(procs or [0]), paced=paced))
             rows.append(r)
             say(
                 f"N={n:>4} dp={r['dp']:>5} S={s:>5}: plan {r['plan_bytes'] / 1e6:.2f} MB ({r['pieces']} pieces); "
@@ -656,6 +661,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="seconds: N = 2 and 4, small dp")
     ap.add_argument("--case", action="append", help="N,S,STEPS[,PROCS]: run only these leader cases")
     ap.add_argument("--paced", type=int, help=f"steps timed for plan -> all (default {PACED}; --quick 6)")
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the leader's event loop")
     ap.add_argument("--sim", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sim-first", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--etcd", help=argparse.SUPPRESS)
@@ -684,7 +690,7 @@ def main() -> None:
         cases = [(8, 4, 8), (64, 4, 6), (512, 4, 4), (64, 64, 4), (64, 1024, 4)]
     if args.case:
         cases = [tuple(int(x) for x in c.split(",")) for c in args.case]  # type: ignore[misc]
-    rows = run_leader(cases, args.paced or (2 if args.smoke else 6 if args.quick else PACED))
+    rows = run_leader(cases, args.paced or (2 if args.smoke else 6 if args.quick else PACED), args.loop)
     big = max(rows, key=lambda r: (r["nodes"], -r["sources"]))
     result = {
         "leader_fanout_ratio_n512": big["leader_fanout_ratio"],
@@ -696,6 +702,7 @@ def main() -> None:
         "leader_overhead_with_lengths_ms_n512": big["leader_overhead_with_lengths_ms"],
         "sim_cpu_ms_per_step_n512": big["sim_cpu_ms_per_step"],
         "largest_nodes": big["nodes"],
+        "leader_loop": args.loop,
         "cases": rows,
         "load": list(os.getloadavg()),
     }

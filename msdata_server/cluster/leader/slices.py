@@ -156,10 +156,13 @@ class PlanSlicer:
         for j in range(1, r):  # a node named twice for a piece (its builder and owner, say) keeps the first
             for k in range(j):
                 who[who[:, j] == who[:, k], j] = -1
+        shift = (r - 1).bit_length()  # rows padded to a power of two: an entry's piece and slot by shift and mask
+        if r < 1 << shift:  # (an int64 division and remainder cost more than the sort)
+            flat_who = np.concatenate([who, np.full((len(who), (1 << shift) - r), -1, who.dtype)], axis=1).reshape(-1)
         at = np.flatnonzero(flat_who >= 0)  # the (piece, slot) entries that name one node, in piece order
         node = flat_who[at].astype(np.int16 if n_nodes < 32767 else np.int32)
         order = at[np.argsort(node, kind="stable")]  # radix (O(n)): piece order kept within each node
-        piece, built = order // r, order % r < b
+        piece, built = order >> shift, (order & ((1 << shift) - 1)) < b
         bounds = np.zeros(n_nodes + 1, np.int64)
         np.cumsum(np.bincount(node, minlength=n_nodes), out=bounds[1:])
         out = {}

@@ -262,6 +262,15 @@ class Sims:
             if b > a
         ]
 
+    def cpu(self) -> float:
+        """The CPU seconds the simulated nodes' processes used so far (Linux: /proc)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for p in self.procs:
+            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / tick
+
     async def _line(self, p: subprocess.Popen) -> bytes:
         assert p.stdout is not None
         return await asyncio.to_thread(p.stdout.readline)
@@ -519,13 +528,18 @@ async def leader_case(
         figures = _figures(probe, got, first, end, spec, runs.digest, encode_plan)
         window = spec.prefetch_steps + 1
         settle = end + window + 2  # the steps planned ahead before the pacing took hold, and one more
+        sim_cpu = 0.0
         for s in range(end + 1, settle + paced + 1):  # each step acknowledged once it is everywhere: the
             got.update(await sims.wait(s, 900))  # leader plans the next (s + 1 - window + window) then, and no
             await sims.ack(s + 1 - window)  # acknowledgement reaches it while a step is distributed
+            if s == settle:
+                sim_cpu = sims.cpu()
+        sim_cpu = sims.cpu() - sim_cpu  # the paced steps' receiving, decoding, reporting and acknowledging
         return (
             figures
             | _latency(probe, got, range(settle + 1, settle + paced + 1))
             | {"nodes": n, "dp": dp, "sources": n_sources, "sim_procs": len(sims.procs)}
+            | {"sim_cpu_ms_per_step": sim_cpu / paced * 1e3}
         )
     finally:
         probe.remove()
@@ -600,9 +614,13 @@ def _latency(probe: Probe, got: dict, steps: range) -> dict:
     }
 
 
-def run_leader(cases: Sequence[tuple[int, ...]], paced: int = PACED) -> list[dict]:
+def run_leader(cases: Sequence[tuple[int, ...]], paced: int = PACED, loop: str = "uvloop") -> list[dict]:
     """Each case (N, S, steps[, simulated nodes' processes]) against one etcd, then ``paced`` paced steps; a
-    line of figures per case."""
+    line of figures per case. The leader runs on ``loop`` ("uvloop": as ``msdata-server`` runs, cli.py; or
+    "asyncio")."""
+    import uvloop
+
+    factory = uvloop.new_event_loop if loop == "uvloop" else None
     sys.path.insert(0, str(ROOT / "tests"))
     from etcd_fixture import EtcdServer
 
@@ -611,7 +629,8 @@ def run_leader(cases: Sequence[tuple[int, ...]], paced: int = PACED) -> list[dic
     try:
         rows = []
         for n, s, steps, *procs in cases:
-            r = asyncio.run(leader_case(n, s, steps, base, srv.url, *(procs or [0]), paced=paced))
+            with asyncio.Runner(loop_factory=factory) as runner:
+                r = runner.run(leader_case(n, s, steps, base, srv.url, *(procs or [0]), paced=paced))
             rows.append(r)
             say(
                 f"N={n:>4} dp={r['dp']:>5} S={s:>5}: plan {r['plan_bytes'] / 1e6:.2f} MB ({r['pieces']} pieces); "
@@ -626,6 +645,7 @@ def run_leader(cases: Sequence[tuple[int, ...]], paced: int = PACED) -> list[dic
                 f"leader CPU {r['leader_cpu_s_per_step'] * 1e3:.0f} ms/step "
                 f"(planner {r['planner_cpu_s_per_step'] * 1e3:.0f}, its synthetic lengths "
                 f"{r['lengths_cpu_s_per_step'] * 1e3:.0f}; beyond: {r['leader_overhead_ms']:.0f}); "
+                f"simulated nodes' CPU {r['sim_cpu_ms_per_step']:.0f} ms/paced step; "
                 f"etcd {r['etcd_bytes_per_step'] / 1e3:.1f} kB, {r['etcd_writes_per_step']:.1f} writes/step; "
                 f"{r['steps_per_s']:.2f} steps/s"
             )
@@ -641,6 +661,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="seconds: N = 2 and 4, small dp")
     ap.add_argument("--case", action="append", help="N,S,STEPS[,PROCS]: run only these leader cases")
     ap.add_argument("--paced", type=int, help=f"steps timed for plan -> all (default {PACED}; --quick 6)")
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="the leader's event loop")
     ap.add_argument("--sim", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--sim-first", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--etcd", help=argparse.SUPPRESS)
@@ -653,8 +674,12 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     faulthandler.register(signal.SIGUSR1)  # kill -USR1 PID: where a stuck run waits
     _raise_fd_limit()
-    if args.sim:
-        asyncio.run(sim_nodes(args.sim, args.sim_first, args.etcd, args.prefix, args.token_file, 30.0))
+    if args.sim:  # on uvloop: a frame's socket reads, callbacks and task wake-ups cost a simulated node less
+        # there (its bench overhead beside the real decode, on the cores the leader sends from)
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(sim_nodes(args.sim, args.sim_first, args.etcd, args.prefix, args.token_file, 30.0))
         return
     say(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f} (1/5/15 min)")
     if args.smoke:
@@ -665,7 +690,7 @@ def main() -> None:
         cases = [(8, 4, 8), (64, 4, 6), (512, 4, 4), (64, 64, 4), (64, 1024, 4)]
     if args.case:
         cases = [tuple(int(x) for x in c.split(",")) for c in args.case]  # type: ignore[misc]
-    rows = run_leader(cases, args.paced or (2 if args.smoke else 6 if args.quick else PACED))
+    rows = run_leader(cases, args.paced or (2 if args.smoke else 6 if args.quick else PACED), args.loop)
     big = max(rows, key=lambda r: (r["nodes"], -r["sources"]))
     result = {
         "leader_fanout_ratio_n512": big["leader_fanout_ratio"],
@@ -675,7 +700,9 @@ def main() -> None:
         "plan_to_all_pipelined_ms_p99_n512": big["plan_to_all_pipelined_ms_p99"],
         "leader_overhead_ms_n512": big["leader_overhead_ms"],
         "leader_overhead_with_lengths_ms_n512": big["leader_overhead_with_lengths_ms"],
+        "sim_cpu_ms_per_step_n512": big["sim_cpu_ms_per_step"],
         "largest_nodes": big["nodes"],
+        "leader_loop": args.loop,
         "cases": rows,
         "load": list(os.getloadavg()),
     }

@@ -219,3 +219,30 @@ def test_the_planner_state_travels_whole_its_long_integer_lists_as_arrays():
     ):
         with pytest.raises(ProtocolError):
             plan_state(bad, b)
+
+
+def test_cuts_name_each_piece_once_per_node_and_follow_the_rank_placement_as_it_changes():
+    dp, nodes = 8, ["n0", "n1", "n2", "n3"]
+    plan = _plan(dp)
+    table = PartsTable.base(len(SOURCES), len(nodes))
+    layout = _layout(nodes, 1, table)
+    part = partitions_of(table, plan.source, plan.ordinal)
+    pl, sh = layout.layout()
+    slicer = PlanSlicer(lambda r: r, lambda g: (g,))
+    rank_nodes = {r: nodes[r // 2] for r in range(dp)}
+    for _ in range(2):  # the second time: the placement changed in place (the cached map must not be reused)
+        cuts = slicer.cuts(
+            plan.source, plan.ordinal, plan.group, dp=dp, nodes=nodes, rank_nodes=rank_nodes, layout=layout,
+            table=table,
+        )  # fmt: skip
+        for nid, cut in cuts.items():
+            builds = {g for g in range(dp) if rank_nodes[g] == nid}
+            want = [
+                i
+                for i, (s, k, g) in enumerate(zip(plan.source, part, plan.group))
+                if int(g) in builds or pl[s][k] == nid or nid in sh[s][k]
+            ]
+            assert cut.idx.tolist() == want  # ascending, each once (a node both builder and owner included)
+            assert cut.built.tolist() == [int(plan.group[i]) in builds for i in want]
+            assert cut.groups == sorted(builds)
+        rank_nodes[0], rank_nodes[7] = rank_nodes[7], rank_nodes[0]

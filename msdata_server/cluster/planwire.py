@@ -87,6 +87,7 @@ def encode_plan(plan: StepPlan, *, job: str, digest: str, token: int) -> tuple[d
     return header, b"".join(parts)
 
 
+_DTYPES = tuple((name, np.dtype(dt)) for name, dt in _ARRAYS)
 _PIECES = _ARRAYS[:8]  # the per-piece columns (a slice sends a subset of them)
 _BUILT = ("offset", "length", "micro", "row")  # only for the pieces of the groups a slice's node builds
 
@@ -224,7 +225,8 @@ def _slice_arrays(
     out: list = []
     for name, dt in _PIECES:
         sel, k = (built, "nb") if name in _BUILT else (every, "n")
-        vals = np.ascontiguousarray(np.asarray(getattr(plan, name))[sel], dtype=dt)
+        col = np.asarray(getattr(plan, name))
+        vals = np.take(col if col.dtype == dt else col.astype(dt), sel)  # take: ~2x a fancy index's speed
         out.append((name, vals, k, vals.itemsize, []))
     if dp:
         mb = int(micro_cost.shape[1])
@@ -293,18 +295,21 @@ def _from_slice(header: dict, got: dict[str, np.ndarray]) -> tuple[np.ndarray, n
         raise ValueError(f"slice groups {groups.size} do not fit {dp} groups x {mb} micro-batches")
     micro_cost = np.zeros((dp, mb))
     micro_cost[groups] = got["micro_cost"]
-    cost = np.zeros(dp)
-    cost[groups] = got["cost"]
     top, mean = float(header["max_cost"]), float(header["mean_cost"])
     own = np.zeros(dp, dtype=bool)
     own[groups] = True
-    rest = np.flatnonzero(~own)
-    if rest.size:  # groups built elsewhere: the step's maximum and mean kept (PlanStats reports those)
-        left = mean * dp - float(got["cost"].sum())
-        if top > float(got["cost"].max(initial=0.0)):
-            cost[rest[0]], left, rest = top, left - top, rest[1:]
-        if rest.size:
-            cost[rest] = left / rest.size
+    cost = np.zeros(dp)
+    rest = dp - int(np.count_nonzero(own))
+    if rest:  # groups built elsewhere: the step's maximum and mean kept (PlanStats reports those): the first
+        left = mean * dp - float(got["cost"].sum())  # of them the maximum (unless one here has it), the others
+        topped = top > float(got["cost"].max(initial=0.0))  # an equal share of the rest
+        if topped:
+            left, rest = left - top, rest - 1
+        if rest:
+            cost.fill(left / rest)
+        if topped:
+            cost[int(own.argmin())] = top
+    cost[groups] = got["cost"]
     built = np.flatnonzero(own[got["group"]]) if dp else np.zeros(0, np.int64)
     for name in _BUILT:  # the pieces of groups built elsewhere (only counted there): zeros
         if got[name].shape != built.shape:
@@ -356,15 +361,15 @@ def decode_plan(header: dict, payload: Buffer | None) -> StepPlan:
     """The StepPlan of a plan frame (arrays are read-only views of the payload); ProtocolError if malformed."""
     buf = memoryview(payload).cast("B") if payload is not None else memoryview(b"")
     try:
-        specs = {name: (tuple(int(x) for x in shape), int(off), int(n)) for name, shape, off, n in header["arrays"]}
+        specs = {name: (tuple(map(int, shape)), int(off), int(n)) for name, shape, off, n in header["arrays"]}
         got = {}
         sliced = "groups" in header
-        for name, dt in _ARRAYS:
+        size = len(buf)
+        for name, dtype in _DTYPES:
             if sliced and name == "bounds":
                 continue
             shape, off, n = specs[name]
-            dtype = np.dtype(dt)
-            if off < 0 or n < 0 or off + n > len(buf) or n != math.prod(shape) * dtype.itemsize:
+            if off < 0 or n < 0 or off + n > size or n != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"array {name} {shape} at {off}+{n} does not fit a {len(buf)}-byte payload")
             got[name] = np.frombuffer(buf[off : off + n], dtype=dtype).reshape(shape)
         if sliced:

@@ -61,6 +61,7 @@ class PlanSlicer:
         self.group_of = group_of
         self.readers = readers  # the ranks that read a group (all must be placed for it to go to its nodes only)
         self._builders: tuple[object, np.ndarray, dict[int, list[int]]] | None = None
+        self._placed: dict[int, str] = {}  # the rank placement ``_builders`` was made for
         self._owners: tuple[object, np.ndarray, np.ndarray] | None = None
         self._everywhere = False  # some partition's owner is gone (its pieces go to every node)
 
@@ -71,9 +72,9 @@ class PlanSlicer:
         such a rank may come back on any node (its server restarted; a new leader has not heard of it yet), and
         the node it comes to builds its group from the plans it already holds (``job.late``). Transient: once
         every reader is placed, only its nodes get it."""
-        key = (tuple(nodes), tuple(rank_nodes.items()), dp)
-        if self._builders is not None and self._builders[0] == key:
-            return self._builders[1], self._builders[2]
+        key = (tuple(nodes), dp)
+        if self._builders is not None and self._builders[0] == key and self._placed == rank_nodes:
+            return self._builders[1], self._builders[2]  # (a dict compare: a tuple of 4,096 items cost ~3 ms)
         at = {n: i for i, n in enumerate(nodes)}
         per: dict[int, set[int]] = {}
         for r, nid in rank_nodes.items():
@@ -93,6 +94,7 @@ class PlanSlicer:
         table[loose, 0] = -2
         groups = {i: sorted(set(groups.get(i, [])) | set(loose)) for i in range(len(nodes))}
         self._builders = (key, table, groups)
+        self._placed = dict(rank_nodes)
         return table, groups
 
     def _owner_map(self, nodes: Sequence[str], layout: Placed, table: PartsTable) -> tuple[np.ndarray, np.ndarray]:
@@ -150,15 +152,19 @@ class PlanSlicer:
         everywhere = (
             np.unique(np.flatnonzero(who[:, b:] == -2) // (r - b)) if self._everywhere else np.zeros(0, np.int64)
         )
-        extra_all = np.union1d(anywhere, everywhere)
-        node = np.where(flat_who < 0, n_nodes, flat_who).astype(np.int16 if n_nodes < 32767 else np.int32)
-        order = np.argsort(node, kind="stable")  # radix: piece order kept within each node, builders first
-        sorted_nodes = node[order]
-        piece = order // r
-        keep = np.ones(len(order), dtype=bool)
-        keep[1:] = (piece[1:] != piece[:-1]) | (sorted_nodes[1:] != sorted_nodes[:-1])
-        piece, sorted_nodes, built = piece[keep], sorted_nodes[keep], (order % r < b)[keep]
-        bounds = np.searchsorted(sorted_nodes, np.arange(n_nodes + 1))
+        extra_all = np.union1d(anywhere, everywhere) if anywhere.size or everywhere.size else anywhere
+        for j in range(1, r):  # a node named twice for a piece (its builder and owner, say) keeps the first
+            for k in range(j):
+                who[who[:, j] == who[:, k], j] = -1
+        shift = (r - 1).bit_length()  # rows padded to a power of two: an entry's piece and slot by shift and mask
+        if r < 1 << shift:  # (an int64 division and remainder cost more than the sort)
+            flat_who = np.concatenate([who, np.full((len(who), (1 << shift) - r), -1, who.dtype)], axis=1).reshape(-1)
+        at = np.flatnonzero(flat_who >= 0)  # the (piece, slot) entries that name one node, in piece order
+        node = flat_who[at].astype(np.int16 if n_nodes < 32767 else np.int32)
+        order = at[np.argsort(node, kind="stable")]  # radix (O(n)): piece order kept within each node
+        piece, built = order >> shift, (order & ((1 << shift) - 1)) < b
+        bounds = np.zeros(n_nodes + 1, np.int64)
+        np.cumsum(np.bincount(node, minlength=n_nodes), out=bounds[1:])
         out = {}
         for i, nid in enumerate(nodes):
             lo, hi = int(bounds[i]), int(bounds[i + 1])

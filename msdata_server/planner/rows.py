@@ -151,7 +151,7 @@ class Rows:
         lay, k = self.lay, self.lay.slots
         if k == 1:
             w = flat = ranks
-            np.subtract.at(self.maxrem, ranks, toks)
+            self.maxrem[ranks] -= toks
         else:
             rr = self.rem.take(ranks, axis=0)  # (np.take of whole rows: several times faster than rem[ranks])
             fit = rr >= toks[:, None]
@@ -165,15 +165,16 @@ class Rows:
                 fit = score == row_min(score)[:, None]
             w = np.where(fit, rr, _BIG).argmin(axis=1)
             flat = ranks * k + w
-        # (the ranks are distinct: each ufunc.at below adds once per entry, as a gather, add and scatter would)
-        np.subtract.at(self._rem_flat, flat, toks)
+        # (the ranks are distinct, hence so are the rows and micro-batches: a fancy-index gather, add and scatter adds
+        # once per entry, as ufunc.at would, and costs less)
+        self._rem_flat[flat] -= toks
         if k > 1:
             self.maxrem[ranks] = row_max(self.rem.take(ranks, axis=0))
-        np.subtract.at(self.rtok, ranks, toks)
-        np.add.at(self.rcost, ranks, c)
+        self.rtok[ranks] -= toks
+        self.rcost[ranks] += c
         mi = flat if lay.rows == 1 else ranks * lay.micro + self.micro_of[w]  # (a row per micro-batch: the row)
-        np.add.at(self._mcost_flat, mi, c)
-        np.subtract.at(self._mtok_flat, mi, toks)
+        self._mcost_flat[mi] += c
+        self._mtok_flat[mi] -= toks
         if k == 1:
             w = np.zeros(idx.size, np.int64)
         self.rank[idx] = ranks
@@ -204,8 +205,10 @@ class Rows:
                 i, n, own = 0, queue.size, True
                 continue
             if qlen[i] < tiny and self.spread:  # (not for carry-over: it would touch every row)
-                if not own:  # _tiny_round reorders the queue in place: ours, not the caller's
-                    queue, qlen, qcost, own = queue.copy(), qlen.copy(), qcost.copy(), True
+                if not own:  # _tiny_round reorders the queue in place: ours, not the caller's (what is left of it:
+                    # the rounds read the queue from i on only)
+                    queue, qlen, qcost, own = queue[i:].copy(), qlen[i:].copy(), qcost[i:].copy(), True
+                    i, n = 0, queue.size
                 at = self._tiny_round(queue, qlen, qcost, i)
                 if at is not None:
                     i = at

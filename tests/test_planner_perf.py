@@ -26,8 +26,9 @@ from msdata_server.planner.spec import planner_config
 from .planner_util import MEDIANS, View, config
 
 # plans of three configs without the cap (balance_tolerance None, where `trim` has nothing to do) as the planner made
-# them before issue 30: the speed-ups plan bit for bit what the old code did. A deliberate change updates this.
-BEFORE = "4fb5807b74c57b95"
+# them before issue 30: the speed-ups plan bit for bit what the old code did. A deliberate change updates this: one
+# did, greedy rounds of at least dp / 3 pieces instead of dp / 4 (balance.ONE_STAGE_ROUND_DIV; was 4fb5807b74c57b95).
+BEFORE = "75a3fde7d76f929f"
 
 
 def _digest(**kw) -> str:

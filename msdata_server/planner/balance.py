@@ -33,6 +33,8 @@ KK_BUDGET = 1 << 17
 REFINE_ITERS = 32  # bounded refinement: move/swap passes that lower the costliest rank
 TRIM_AIM = 0.8  # refine.trim holds the ranks to this share of the tolerance
 CONSOLIDATE_CONVERGED = 3  # _settle: a consolidate pass taking under 1/3 of the excess carry-over off it is the last
+FIRST_SETTLE = 2  # _settle's consolidate passes before trim (the one after it runs refine.CONSOLIDATE_PASSES)
+ONE_STAGE_ROUND_DIV = 3  # greedy rounds of at least dp / 3 pieces (two stages: rows.ROUND_DIV = 4, better there)
 STAGE_ITERS = 64  # with two stages: stages.refine_stages passes per step, plus one per DP rank
 
 
@@ -137,6 +139,7 @@ def _fill(
 ) -> Rows:
     """One placement of `place` (one-stage costs) under the cap of `tolerance`: the filled Rows."""
     st = Rows(lengths, costs, layout)
+    st.round_div = ONE_STAGE_ROUND_DIV
     n = lengths.size
     desc = order_by(layout.seq_len - lengths, layout.seq_len + 1)  # longest first, ties in order
     desc_len, desc_cost = lengths[desc], costs[desc]
@@ -165,7 +168,7 @@ def _fill(
     st.greedy(rest, rest_len, rest_cost)
     if tolerance is None or layout.dp == 1 or refine_lowers(st, REFINE_ITERS, tolerance * TRIM_AIM, base):
         refine(st, REFINE_ITERS)
-    _settle(st, priority)
+    _settle(st, priority, FIRST_SETTLE)
     if tolerance is not None and layout.dp > 1:  # the padding lowered the mean: hold the tolerance to the real one
         # (aiming TRIM_AIM under it: the trades that bound the carry-over afterwards lower the mean a little)
         st.cap = min(st.cap, trim(st, tolerance * TRIM_AIM, base, priority))
@@ -180,14 +183,14 @@ def _over_budget(st: Rows, rest: np.ndarray) -> bool:
     return bool((st.c[head] - st.L[head] * st.rate() > 0).all()) and head.size * st.lay.dp > KK_BUDGET
 
 
-def _settle(st: Rows, priority: int) -> None:
+def _settle(st: Rows, priority: int, passes: int = CONSOLIDATE_PASSES) -> None:
     """Bound the carry-over (refine.consolidate), then place what fits of it: never carry what fits.
 
     The passes stop early once one takes less than 1/CONSOLIDATE_CONVERGED of the excess over refine.CARRY_KEEP
     off the carry-over: the next would take less still (its trades are of the pieces the last one could not place).
     """
     left = (st.rank < 0).nonzero()[0]
-    for _ in range(CONSOLIDATE_PASSES):
+    for _ in range(passes):
         if not consolidate(st, priority, left=left):
             break  # (nothing traded: `left` holds)
         now = (st.rank < 0).nonzero()[0]

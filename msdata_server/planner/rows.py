@@ -17,7 +17,7 @@ from .partition import kk_partition
 
 __all__ = ["Rows", "order_by"]
 
-ROUND_DIV = 4  # a greedy round places at least dp / ROUND_DIV pieces...
+ROUND_DIV = 4  # a greedy round places at least dp / ROUND_DIV pieces (Rows.round_div)...
 TINY = 32  # ...and pieces shorter than seq_len / TINY go several per row (`_tiny_round`)
 TAIL_GIVE_UP = 16  # a tiny round that places under 1/16 of the pieces left ends the step's filling
 FEW = 4  # a round with at most this many eligible ranks runs in Python floats (`pair_few`, `Rows._put_few`)
@@ -89,6 +89,7 @@ class Rows:
         self.capped = False
         self.spread = True
         self.monotone = True  # cost never decreases with length (set by `place`)
+        self.round_div = ROUND_DIV  # a greedy round's least size: dp / round_div (balance._fill sets its own)
         self.desc: np.ndarray | None = None  # the pieces longest first, ties in order (set by `place`), if known
         self.neg_len: np.ndarray | None = None  # -L[desc], ascending (set with desc, or refine.consolidate makes it)
 
@@ -187,14 +188,14 @@ class Rows:
         """Place queue (longest first) in rounds; each round pairs pieces with ranks by projection.
 
         A round (`fit.pair_round`) gives the next pieces to distinct ranks that can take the head
-        piece, at least dp / ROUND_DIV of them. Tiny pieces go by `_tiny_round`; pieces that fit
+        piece, at least dp / round_div of them. Tiny pieces go by `_tiny_round`; pieces that fit
         nowhere any more are given up (the caller carries them). `lengths`, `costs`: L[queue] and c[queue] when the
         caller has them; the rounds read the queue's lengths and costs from these, in queue order (slices, not
         gathers of pieces all over L and c), and keep them in step with the queue.
         """
         qlen = self.L[queue] if lengths is None else lengths
         qcost = self.c[queue] if costs is None else costs
-        floor = max(1, self.lay.dp // ROUND_DIV)
+        floor = max(1, self.lay.dp // self.round_div)
         tiny = self.lay.seq_len / TINY
         retry: list[np.ndarray] = []
         i, n, own = 0, queue.size, False

@@ -66,7 +66,7 @@ def _lean_memory() -> None:
     os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "jemalloc")
     from .reclaim import tune_allocator
 
-    tune_allocator()  # glibc: big transient buffers mapped on their own, not fragmenting the heap
+    tune_allocator()  # glibc: buffers of megabytes mapped on their own, not fragmenting the heap
 
 
 def _cmd_serve(args) -> int:

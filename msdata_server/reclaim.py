@@ -12,12 +12,17 @@ callers have dropped their references (a few tens of milliseconds, once per clos
 allocator's free pages back to the system (glibc's ``malloc_trim``: without it the freed megabytes stay in
 the heap's arenas, counted in the server's memory until some later allocation reuses them).
 
-``tune_allocator()`` (the server calls it once at start) fixes glibc's mmap threshold at 16 KiB. By default
-the threshold is dynamic: each freed mapped block raises it (up to 32 MiB), after which the server's transient
-buffers (batches being built, shuffle windows, read-ahead payloads) are carved from the heap between
-long-lived objects, and the holes they leave are too small to give back. Blocks of 16 KiB and more are then
-mapped and unmapped on their own. In the soak, side by side, the heap's free fragments halved (1.8 against
-3.6-3.9 MiB resident) and the server's anonymous memory was 2 MiB lower.
+``tune_allocator()`` (the server calls it once at start) fixes glibc's mmap threshold at 4 MiB. By default the
+threshold is dynamic: each freed mapped block raises it (up to 32 MiB), after which the server's transient buffers
+of megabytes (batches being built, read-ahead payloads) were carved from the heap between long-lived objects, and
+the holes they left were too small to give back: the soak's anonymous memory crept for its first 15-20 minutes.
+Blocks of 4 MiB and more are now mapped and unmapped on their own. The threshold was 16 KiB until the planner's
+cost showed: a planner step allocates tens of megabytes of temporaries of 16 KiB to a few MiB (arrays over the
+step's pieces and ranks), and with every one mapped, zero-filled page by page and unmapped, a step at dp 512 took
+28 ms instead of 17 (7,100 page faults), at dp 4,096 228 ms instead of 89 (text4, 16k; planning in a thread, as
+the server does). Side by side with the 16 KiB setting (``bench/memgrowth.py --baseline``, 12 minutes,
+155k steps each) the server's private memory grew alike (46.5 against 38.2 KiB per 10k steps) at a 0.7 MiB higher
+level, serving 2 % faster.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ __all__ = ["collect", "collect_soon", "tune_allocator"]
 
 _DELAY = 1.0  # seconds: once the closing tasks (and those that heard of the close) have finished
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-MMAP_THRESHOLD = 16 * 1024  # bytes: blocks this large are mapped on their own, never carved from the heap
+MMAP_THRESHOLD = 4 << 20  # bytes: blocks this large are mapped on their own, smaller ones come from the heap
 
 
 def _libc(name: str) -> Callable[..., int] | None:

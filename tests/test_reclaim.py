@@ -82,11 +82,12 @@ print(before - rss())
     assert given_back > 32 * 2**20, f"collect() gave back only {given_back / 2**20:.1f} MiB of 48 MiB freed"
 
 
-def test_tune_allocator_keeps_big_transient_blocks_off_the_heap():
+def test_tune_allocator_maps_big_buffers_and_keeps_planner_temporaries_on_the_heap():
     """glibc raises its mmap threshold each time a mapped block is freed, so later buffers of that size are
-    carved from the heap (where the holes they leave fragment it). After ``tune_allocator()`` a freed 1 MiB
-    block leaves the threshold at 16 KiB: 64 KiB blocks are still mapped on their own. The same code without
-    the call is the control, in a fresh interpreter each."""
+    carved from the heap (where the holes they leave fragment it). After ``tune_allocator()`` a freed 16 MiB
+    block leaves the threshold at 4 MiB: 8 MiB blocks are still mapped on their own, while 1 MiB blocks (a
+    planner step's temporaries) come from the heap, not from a fresh mapping faulted in page by page. The same
+    code without the call is the control, in a fresh interpreter each."""
     import subprocess
     import sys
 
@@ -100,16 +101,21 @@ libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = MallInfo2
 if sys.argv[1] == "tuned":
     assert reclaim.tune_allocator(), "mallopt refused the threshold"
-big = bytearray(1 << 20)  # mapped, then freed: glibc would raise its threshold past 1 MiB
+big = bytearray(16 << 20)  # mapped, then freed: glibc would raise its threshold past 16 MiB
 del big
 before = libc.mallinfo2().hblkhd
-blocks = [bytearray(64 * 1024) for _ in range(64)]  # 4 MiB
-print(libc.mallinfo2().hblkhd - before)
+blocks = [bytearray(8 << 20) for _ in range(4)]  # 32 MiB
+after_big = libc.mallinfo2().hblkhd
+small = [bytearray(1 << 20) for _ in range(8)]  # 8 MiB
+print(after_big - before, libc.mallinfo2().hblkhd - after_big)
 """
 
-    def mapped(mode: str) -> int:
+    def mapped(mode: str) -> tuple[int, int]:
         run = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True)
-        return int(run.stdout)
+        big, small = run.stdout.split()
+        return int(big), int(small)
 
-    assert mapped("tuned") >= 4 * 2**20, "after tune_allocator() 64 KiB blocks should be mapped on their own"
-    assert mapped("default") < 2**20, "control: glibc's dynamic threshold should have put them on the heap"
+    big, small = mapped("tuned")
+    assert big >= 32 * 2**20, "after tune_allocator() 8 MiB blocks should be mapped on their own"
+    assert small < 2**20, "after tune_allocator() 1 MiB blocks should come from the heap (16 KiB mapped them)"
+    assert mapped("default")[0] < 2**20, "control: glibc's dynamic threshold should have put 8 MiB blocks on the heap"
